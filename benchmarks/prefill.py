@@ -1,0 +1,137 @@
+"""`kvgate bench prefill`: prefill and decode speed of the runtime's own layer loop, side by side
+with transformers' `model.forward` (SDPA) on the same prompts in the same run."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from benchmarks.report import table, write_section
+from runtime.config import EngineConfig
+from runtime.kv import KVCache
+from runtime.loader import LoadedModel, load
+from runtime.model import Run, forward
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique_rag_dev.jsonl"
+
+
+def prompt_ids(loaded: LoadedModel, length: int) -> list[int]:
+    """Real text (MuSiQue passages) when the shared data is there; the token ids only need to be plausible."""
+    text = ""
+    if DATA.is_file():
+        with DATA.open() as f:
+            for line in f:
+                item = json.loads(line)
+                text += "\n\n".join(
+                    p if isinstance(p, str) else p.get("paragraph_text", p.get("text", "")) for p in item["passages"]
+                )
+                if len(text) > length * 8:
+                    break
+    else:
+        text = "The quick brown fox jumps over the lazy dog. " * (length // 5)
+    ids = loaded.tokenizer.encode(text)
+    while len(ids) < length:
+        ids += ids
+    return ids[:length]
+
+
+def own(loaded: LoadedModel, ids: list[int], decode: int) -> tuple[float, float]:
+    mc = loaded.model.config
+    kv = KVCache(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, loaded.model.dtype, "cpu")
+    start = time.perf_counter()
+    logits = forward(loaded.model, [Run(kv, ids, 0)])
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(decode):
+        token = int(logits[0].argmax())
+        logits = forward(loaded.model, [Run(kv, [token], len(kv))])
+    return prefill, time.perf_counter() - start
+
+
+@torch.inference_mode()
+def reference(loaded: LoadedModel, ids: list[int], decode: int) -> tuple[float, float]:
+    model = loaded.model
+    cache = DynamicCache()
+    start = time.perf_counter()
+    out = model(torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(decode):
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        out = model(token, past_key_values=out.past_key_values, use_cache=True)
+    return prefill, time.perf_counter() - start
+
+
+def batched_decode(loaded: LoadedModel, ids: list[int], batch: int, steps: int) -> float:
+    """Aggregate decode tokens/s with `batch` sequences stepping together (continuous batching)."""
+    mc = loaded.model.config
+    kvs = [
+        KVCache(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, loaded.model.dtype, "cpu")
+        for _ in range(batch)
+    ]
+    logits = torch.cat([forward(loaded.model, [Run(kv, ids, 0)]) for kv in kvs])
+    start = time.perf_counter()
+    for _ in range(steps):
+        tokens = logits.argmax(-1).tolist()
+        logits = forward(loaded.model, [Run(kv, [t], len(kv)) for kv, t in zip(kvs, tokens)])
+    return batch * steps / (time.perf_counter() - start)
+
+
+def bench_prefill(
+    config: EngineConfig, lengths: list[int], decode: int, repeats: int, output: Path, command: str
+) -> None:
+    loaded = load(config)
+    own(loaded, prompt_ids(loaded, 64), 2)  # warm-up
+    rows = []
+    for length in lengths:
+        ids = prompt_ids(loaded, length)
+        ours = [own(loaded, ids, decode) for _ in range(repeats)]
+        theirs = [reference(loaded, ids, decode) for _ in range(repeats)]
+        p_own, d_own = min(o[0] for o in ours), min(o[1] for o in ours)
+        p_ref, d_ref = min(t[0] for t in theirs), min(t[1] for t in theirs)
+        rows.append(
+            [
+                str(length),
+                f"{length / p_own:.0f}",
+                f"{length / p_ref:.0f}",
+                f"{p_ref / p_own:.2f}",
+                f"{decode / d_own:.1f}",
+                f"{decode / d_ref:.1f}",
+                f"{d_ref / d_own:.2f}",
+            ]
+        )
+        print(" | ".join(rows[-1]), flush=True)
+    ctx = prompt_ids(loaded, 512)
+    batch_rows = []
+    single = statistics.median(batched_decode(loaded, ctx, 1, decode) for _ in range(repeats))
+    for b in (1, 4, 8):
+        rate = single if b == 1 else statistics.median(batched_decode(loaded, ctx, b, decode) for _ in range(repeats))
+        batch_rows.append([str(b), f"{rate:.1f}", f"{rate / single:.2f}"])
+        print(" | ".join(batch_rows[-1]), flush=True)
+    body = (
+        "Prefill of one prompt and greedy decode of "
+        f"{decode} tokens after it, best of {repeats}; `own` is the runtime's layer loop "
+        "(`runtime/model.py`), `hf` is transformers' `model.forward` with SDPA and `DynamicCache` "
+        "on the same model and prompt in the same run. Ratio = own speed / hf speed.\n\n"
+        + table(
+            [
+                "prompt tokens",
+                "prefill tok/s own",
+                "prefill tok/s hf",
+                "ratio",
+                "decode tok/s own",
+                "decode tok/s hf",
+                "ratio",
+            ],
+            rows,
+        )
+        + "\n\nContinuous batching: aggregate decode tokens/s with B sequences of 512-token "
+        f"context stepping together ({decode} steps, median of {repeats}).\n\n"
+        + table(["B", "decode tok/s (all sequences)", "vs B=1"], batch_rows)
+    )
+    write_section(output, "prefill", "Prefill and decode speed", command, body)

@@ -1,0 +1,132 @@
+"""The FastAPI application: routes, the request-id and body-size middlewares, error shapes."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway import chat, completions, errors
+from gateway.errors import APIError
+from gateway.serving import Served
+from gateway.settings import Settings
+from runtime.engine import Engine
+
+_CLIENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class RequestId:
+    """Every response carries x-request-id: the client's own when it sent a sane one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        request_id = given if _CLIENT_ID.match(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class BodyLimit:
+    """413 for a body over the limit, whether it declares its length or streams it in chunks."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared and declared.isdigit() and int(declared) > self.limit:
+            return await self.reject(send)
+        seen = 0
+        started = False
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge
+            return message
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, tracked)
+        except _TooLarge:
+            if not started:
+                await self.reject(send)
+
+    async def reject(self, send: Send) -> None:
+        body = json.dumps(
+            APIError(413, f"the request body is larger than {self.limit} bytes", code="request_too_large").body()
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def create_app(settings: Settings, engine: Engine) -> FastAPI:
+    app = FastAPI(title="kvgate", version="0.1.0")
+    app.state.settings = settings
+    app.state.served = served = Served(settings, engine)
+    errors.install(app)
+    app.include_router(chat.router)
+    app.include_router(completions.router)
+
+    def card() -> dict[str, Any]:
+        return {
+            "id": served.name,
+            "object": "model",
+            "created": served.created,
+            "owned_by": "kvgate",
+            "root": str(engine.loaded.path),
+            "max_model_len": engine.max_model_len,
+        }
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        served.check_model(model)
+        return card()
+
+    @app.get("/health")
+    async def health(request: Request) -> dict[str, Any]:
+        alive = engine.thread.is_alive()
+        if not alive:
+            raise APIError(503, "the engine thread has stopped", code="engine_down")
+        return {"status": "ok", "model": served.name, **engine.load_stats}
+
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(RequestId)  # outermost: even a 413 carries the id
+    return app

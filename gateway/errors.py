@@ -1,0 +1,91 @@
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}} with the right status."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+log = logging.getLogger("kvgate")
+
+TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": TYPES.get(self.status, "invalid_request_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+def from_validation(exc: RequestValidationError) -> APIError:
+    first = exc.errors()[0]
+    if first.get("type") == "json_invalid":
+        return bad_request(
+            f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "),
+            code="invalid_json",
+        )
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # Tagged-union and type names in the location say nothing to a client; keep field names and indices.
+    loc = [p for p in loc if not (p[0].isupper() or p.startswith(("function-", "list[", "str", "int")))]
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid request").removeprefix("Value error, ")
+    if first.get("type") == "missing":
+        message = f"missing required field '{param}'"
+    elif param:
+        message = f"invalid value for '{param}': {message}"
+    if first.get("type") == "model_attributes_type" and not loc:
+        message = "the request body must be a JSON object"
+    return bad_request(message, param, code="invalid_value" if first.get("type") != "missing" else "missing_field")
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation(exc).response()
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 404:
+            message = "not found: no such route"
+        return APIError(exc.status_code, message).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error").response()

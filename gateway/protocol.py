@@ -1,0 +1,179 @@
+"""The OpenAI request bodies kvgate accepts. Unknown fields are accepted and ignored."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from gateway.errors import bad_request
+from runtime.sampling import SamplingParams
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: str
+
+
+class OtherPart(Body):
+    type: str
+
+
+class Message(Body):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[TextPart | OtherPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> Message:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a '{self.role}' message needs content")
+        return self
+
+    def for_template(self, index: int) -> dict[str, Any]:
+        out = self.model_dump(exclude_none=True, exclude={"content"})
+        if isinstance(self.content, list):
+            parts = []
+            for j, part in enumerate(self.content):
+                if not isinstance(part, TextPart):
+                    raise bad_request(
+                        f"content parts of type '{part.type}' are not supported by this model; only 'text'",
+                        f"messages.{index}.content.{j}.type",
+                        "unsupported_content",
+                    )
+                parts.append(part.text)
+            out["content"] = "\n".join(parts)
+        else:
+            out["content"] = self.content or ""
+        if out["role"] == "developer":  # OpenAI's newer name for the system role
+            out["role"] = "system"
+        return out
+
+
+class StreamOptions(Body):
+    include_usage: bool = False
+
+
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+class Sampling(Body):
+    """Fields shared by chat and text completions."""
+
+    model: str
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # vLLM extension
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM extension
+    ignore_eos: bool = False  # vLLM extension
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if v is not None and any(s == "" for s in ([v] if isinstance(v, str) else v)):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options(self) -> Sampling:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int, choice: int) -> SamplingParams:
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+                raise bad_request(f"logit_bias key {key!r} is not a token id of this model", "logit_bias")
+            bias[int(key)] = value
+        for token in self.stop_token_ids or ():
+            if not 0 <= token < vocab_size:
+                raise bad_request(f"stop_token_ids holds {token}, not a token id of this model", "stop_token_ids")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            # n choices with one seed must still differ, and stay reproducible.
+            seed=None if self.seed is None else self.seed + choice,
+            stop=tuple(stop),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=bias,
+            logprobs=logprobs,
+        )
+
+
+class ChatCompletionRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True  # vLLM extension
+
+    @model_validator(mode="after")
+    def _logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(Sampling):
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> CompletionRequest:
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo together with logprobs (prompt logprobs) is not supported")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be an empty list")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]

@@ -1,0 +1,181 @@
+"""What chat and text completions share: the model behind the gateway, choices run on the
+engine concurrently, usage, logprobs and SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+
+from gateway.errors import APIError, bad_request
+from gateway.protocol import Sampling
+from gateway.settings import Settings
+from runtime.engine import Engine, PromptTooLong
+from runtime.sampling import SamplingParams, TokenLogprob
+from runtime.sequence import Output
+from runtime.tokens import TokenBytes
+
+FINGERPRINT = "kvgate-0.1"
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class Finished:
+    """A choice's whole completion, for non-streaming responses."""
+
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+
+
+class Served:
+    """The model as the gateway sees it: its name, its engine and tokenizer."""
+
+    def __init__(self, settings: Settings, engine: Engine) -> None:
+        self.settings, self.engine = settings, engine
+        self.tokenizer = engine.tokenizer
+        self.name = settings.served_model_name or engine.loaded.name
+        self.token_bytes = TokenBytes(self.tokenizer)
+        self.created = int(time.time())
+
+    def check_model(self, model: str) -> None:
+        if model != self.name:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves `{self.name}`.",
+                "model",
+                "model_not_found",
+            )
+
+    def choices(
+        self, prompts: list[list[int]], body: Sampling, max_tokens: int | None, logprobs: int | None, param: str
+    ) -> list[Choice]:
+        choices = []
+        for p, ids in enumerate(prompts):
+            try:
+                self.engine.check(len(ids), max_tokens)
+            except PromptTooLong as exc:
+                raise bad_request(str(exc), param, "context_length_exceeded") from exc
+            limit = max_tokens or self.engine.max_model_len - len(ids)
+            for i in range(body.n):
+                index = p * body.n + i
+                params = body.sampling_params(limit, logprobs, len(self.tokenizer), index)
+                choices.append(Choice(index, ids, params))
+        return choices
+
+
+async def run(engine: Engine, choices: list[Choice]) -> AsyncIterator[tuple[int, Output]]:
+    """Every choice's outputs, interleaved as they come; leaving early aborts the rest."""
+    merged: asyncio.Queue[tuple[int, Output | Exception]] = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        try:
+            async for out in engine.generate(choice.prompt_ids, choice.params):
+                await merged.put((choice.index, out))
+        except Exception as exc:
+            await merged.put((choice.index, exc))
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    try:
+        remaining = len(choices)
+        while remaining:
+            index, out = await merged.get()
+            if isinstance(out, Exception):
+                raise out
+            remaining -= out.finish_reason is not None
+            yield index, out
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def collect(request: Request, engine: Engine, choices: list[Choice]) -> dict[int, Finished]:
+    """Run choices to the end; stop (and free the engine) if the client hangs up first."""
+    done = {c.index: Finished() for c in choices}
+
+    async def gather() -> None:
+        async for index, out in run(engine, choices):
+            f = done[index]
+            f.text += out.text
+            f.logprobs += out.logprobs
+            f.finish_reason, f.completion_tokens = out.finish_reason, out.completion_tokens
+
+    work = asyncio.create_task(gather())
+    watcher = asyncio.create_task(hang_up(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            work.cancel()
+            raise APIError(499, "the client closed the request")
+        work.result()
+        return done
+    finally:
+        watcher.cancel()
+
+
+async def hang_up(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def finite(logprob: float) -> float:
+    return max(logprob, -9999.0)  # JSON has no -inf
+
+
+def chat_logprobs(tb: TokenBytes, logprobs: list[TokenLogprob]) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token": tb.text(token_id), "logprob": finite(logprob), "bytes": list(tb(token_id))}
+
+    return {
+        "content": [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, p) for t, p in lp.top]} for lp in logprobs
+        ]
+    }
+
+
+def completion_logprobs(tb: TokenBytes, logprobs: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    tokens, offsets = [], []
+    for lp in logprobs:
+        tokens.append(tb.text(lp.token_id))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return {
+        "tokens": tokens,
+        "token_logprobs": [finite(lp.logprob) for lp in logprobs],
+        "top_logprobs": [{tb.text(t): finite(p) for t, p in lp.top} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+def sse_error(exc: Exception) -> str:
+    error = exc if isinstance(exc, APIError) else APIError(500, f"generation failed: {exc}", code="internal_error")
+    return sse(error.body())
+
+
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}

@@ -1,0 +1,66 @@
+"""The one settings object: defaults < YAML file < KVGATE_* environment < command-line flags."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from runtime.config import EngineConfig
+
+
+def user_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvgate"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="forbid", frozen=True)
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    model: str | None = None  # HF directory or .gguf; None: the embedded SmolLM2-135M-Instruct
+    served_model_name: str | None = None
+    cache_dir: Path = Field(default_factory=user_cache_dir)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    max_model_len: int = Field(0, ge=0)
+    max_num_seqs: int = Field(16, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=16)
+    threads: int = Field(0, ge=0)
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    log_level: str = "info"
+
+    @classmethod
+    def load(cls, config_file: str | Path | None = None, **overrides: Any) -> Settings:
+        """Build the settings once at start-up. `config_file` (or KVGATE_CONFIG) is a YAML mapping
+        of the same names; flags given as `overrides` (None means not given) win over everything."""
+        path = config_file or os.environ.get("KVGATE_CONFIG")
+        values: dict[str, Any] = {}
+        if path:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+            if not isinstance(loaded, dict):
+                raise ValueError(f"{path}: expected a mapping of setting names to values")
+            values.update(loaded)
+        # Init values beat the environment in pydantic-settings; the environment must beat the file.
+        for name in cls.model_fields:
+            env = os.environ.get(f"KVGATE_{name.upper()}")
+            if env is not None:
+                values.pop(name, None)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model,
+            cache_dir=self.cache_dir,
+            dtype=self.dtype,
+            device=self.device,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            threads=self.threads,
+        )

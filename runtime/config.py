@@ -1,0 +1,23 @@
+"""The one configuration object of the runtime."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # A local HF directory of a Llama-family model, a .gguf file, or None for the embedded default.
+    model: str | None = None
+    cache_dir: Path = Path.home() / ".cache" / "kvgate"
+    dtype: str = "float32"
+    device: str = "cpu"
+    # 0: the model's own context window.
+    max_model_len: int = 0
+    # Sequences decoded together in one step (continuous batching).
+    max_num_seqs: int = 16
+    # Prompt tokens computed per step; a longer prompt is prefilled in chunks between decode steps.
+    max_num_batched_tokens: int = 2048
+    # 0: leave torch's default.
+    threads: int = 0

@@ -1,0 +1,188 @@
+"""The engine: a thread that steps the model over every live request, and the ways in."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import torch
+
+from runtime.config import EngineConfig
+from runtime.kv import KVCache
+from runtime.loader import LoadedModel, load
+from runtime.model import Run, forward
+from runtime.sampling import SamplingParams, choose, logprob_of, penalise
+from runtime.scheduler import Scheduler
+from runtime.sequence import Output, Sequence
+
+
+class PromptTooLong(ValueError):
+    pass
+
+
+class EngineError(RuntimeError):
+    """A step failed; the requests in it end with this error."""
+
+
+Callback = Callable[[Output | BaseException], None]
+
+
+@dataclass
+class Result:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    logprobs: list
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.config = config
+        self.loaded = loaded or load(config)
+        self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
+        mc = self.model.config
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.kv_shape = (
+            mc.num_hidden_layers,
+            mc.num_key_value_heads,
+            getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads,
+        )
+        self.scheduler = Scheduler(config.max_num_seqs, max(config.max_num_batched_tokens, config.max_num_seqs))
+        self.callbacks: dict[int, Callback] = {}
+        self.inbox: list[tuple[Sequence | int, Callback | None]] = []
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.stopped = False
+        self.steps = 0
+        self.thread = threading.Thread(target=self.loop, name="kvgate-engine", daemon=True)
+        self.thread.start()
+
+    # ---- the ways in (any thread) -------------------------------------------------------
+
+    def check(self, prompt_tokens: int, max_tokens: int | None) -> None:
+        if prompt_tokens == 0:
+            raise PromptTooLong("the prompt is empty")
+        if prompt_tokens >= self.max_model_len:
+            raise PromptTooLong(
+                f"the prompt has {prompt_tokens} tokens; this model's context window is "
+                f"{self.max_model_len} tokens, including the completion"
+            )
+        if max_tokens is not None and prompt_tokens + max_tokens > self.max_model_len:
+            raise PromptTooLong(
+                f"max_tokens={max_tokens} plus the prompt's {prompt_tokens} tokens exceed this "
+                f"model's context window of {self.max_model_len} tokens"
+            )
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, callback: Callback) -> int:
+        self.check(len(prompt_ids), params.max_tokens)
+        kv = KVCache(*self.kv_shape, self.model.dtype, self.config.device)
+        seq = Sequence(list(prompt_ids), params, kv, self.loaded.eos_token_ids, self.max_model_len)
+        with self.lock:
+            self.inbox.append((seq, callback))
+        self.wake.set()
+        return seq.id
+
+    def abort(self, seq_id: int) -> None:
+        with self.lock:
+            self.inbox.append((seq_id, None))
+        self.wake.set()
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Output]:
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[Output | BaseException] = asyncio.Queue()
+        seq_id = self.submit(prompt_ids, params, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o))
+        done = False
+        try:
+            while not done:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    done = True
+                    raise out
+                done = out.finish_reason is not None
+                yield out
+        finally:
+            if not done:  # the caller went away: free the slot and the KV
+                self.abort(seq_id)
+
+    def generate_sync(self, prompt_ids: list[int], params: SamplingParams) -> Result:
+        outputs: queue.Queue[Output | BaseException] = queue.Queue()
+        self.submit(prompt_ids, params, outputs.put)
+        text, ids, logprobs = [], [], []
+        while True:
+            out = outputs.get()
+            if isinstance(out, BaseException):
+                raise out
+            text.append(out.text)
+            ids += out.token_ids
+            logprobs += out.logprobs
+            if out.finish_reason is not None:
+                return Result("".join(text), ids, out.finish_reason, out.prompt_tokens, logprobs)
+
+    def shutdown(self) -> None:
+        self.stopped = True
+        self.wake.set()
+        self.thread.join(timeout=10)
+
+    @property
+    def load_stats(self) -> dict[str, int]:
+        return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running)}
+
+    # ---- the engine thread ---------------------------------------------------------------
+
+    def loop(self) -> None:
+        while not self.stopped:
+            self.wake.clear()
+            self.drain_inbox()
+            if not self.scheduler:
+                self.wake.wait()
+                continue
+            self.step()
+
+    def drain_inbox(self) -> None:
+        with self.lock:
+            inbox, self.inbox = self.inbox, []
+        for item, callback in inbox:
+            if isinstance(item, Sequence):
+                self.callbacks[item.id] = callback
+                self.scheduler.add(item)
+            else:
+                seq = next((s for s in [*self.scheduler.running, *self.scheduler.waiting] if s.id == item), None)
+                if seq is not None:
+                    self.finish(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        self.callbacks.pop(seq.id, None)
+
+    def step(self) -> None:
+        batch = self.scheduler.schedule()
+        try:
+            logits = forward(self.model, [Run(seq.kv, tokens, seq.computed) for seq, tokens in batch])
+            for (seq, _), row in zip(batch, logits):
+                if not seq.prefilling:
+                    self.sample(seq, row)
+        except Exception as exc:  # a failed step ends its requests, never the engine
+            for seq, _ in batch:
+                callback = self.callbacks.get(seq.id)
+                self.finish(seq)
+                if callback:
+                    callback(EngineError(f"{type(exc).__name__}: {exc}"))
+        self.steps += 1
+
+    def sample(self, seq: Sequence, logits: torch.Tensor) -> None:
+        params = seq.params
+        token = choose(penalise(logits, params, seq.output_ids), params, seq.generator)
+        logprob = logprob_of(logits, token, params.logprobs) if params.logprobs is not None else None
+        seq.add(token, logprob, self.tokenizer)
+        callback = self.callbacks[seq.id]
+        if seq.finish_reason is not None:
+            self.finish(seq)
+        out = seq.take_output()
+        if out is not None:
+            callback(out)

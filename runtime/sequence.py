@@ -1,0 +1,125 @@
+"""One request's state inside the engine: tokens, KV, text so far, stop conditions."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from runtime.kv import KVCache
+from runtime.sampling import SamplingParams, TokenLogprob
+
+_ids = itertools.count()
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Output:
+    """What one step produced for a sequence: new text, and the finish reason when done."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass
+class Sequence:
+    prompt_ids: list[int]
+    params: SamplingParams
+    kv: KVCache
+    eos_ids: frozenset[int]
+    max_len: int  # context window: prompt + output never exceed it
+    id: int = field(default_factory=lambda: next(_ids))
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    sent: int = 0  # characters of text already handed out
+    pending_ids: list[int] = field(default_factory=list)  # tokens not yet handed out
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def computed(self) -> int:
+        """Tokens whose KV is in the cache."""
+        return len(self.kv)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.prompt_ids)
+
+    def next_run(self, budget: int) -> list[int]:
+        """The tokens to compute in the next step: a prompt chunk, or the last sampled token."""
+        if self.prefilling:
+            return self.prompt_ids[self.computed : self.computed + budget]
+        return self.output_ids[-1:]
+
+    def add(self, token_id: int, logprob: TokenLogprob | None, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.output_ids.append(token_id)
+        self.pending_ids.append(token_id)
+        if logprob is not None:
+            self.pending_logprobs.append(logprob)
+        p = self.params
+        if token_id in p.stop_token_ids or (token_id in self.eos_ids and not p.ignore_eos):
+            self.finish_reason = "stop"
+        else:
+            self.text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
+            self.check_stop_strings()
+        if self.finish_reason is None and (
+            len(self.output_ids) >= p.max_tokens or len(self.prompt_ids) + len(self.output_ids) >= self.max_len
+        ):
+            self.finish_reason = "length"
+
+    def check_stop_strings(self) -> None:
+        if not self.params.stop:
+            return
+        # Only the tail can hold a new match: the last token's text plus a stop string's length.
+        window = max(self.sent - max(map(len, self.params.stop)), 0)
+        hits = [i for s in self.params.stop if (i := self.text.find(s, window)) >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.finish_reason = "stop"
+
+    def take_output(self) -> Output | None:
+        """New text since the last call; None when nothing can be handed out yet."""
+        done = self.finish_reason is not None
+        end = len(self.text)
+        if not done:
+            # Hold back text that may be the start of a stop string, or half a UTF-8 character.
+            if self.params.stop:
+                end -= max(map(len, self.params.stop)) - 1
+            if self.text.endswith("\ufffd"):
+                end = min(end, len(self.text) - 1)
+        end = max(end, self.sent)
+        if not done and end == self.sent and not self.pending_logprobs:
+            return None
+        out = Output(
+            text=self.text[self.sent : end],
+            token_ids=self.pending_ids,
+            logprobs=self.pending_logprobs,
+            finish_reason=self.finish_reason,
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=len(self.output_ids),
+        )
+        self.sent, self.pending_ids, self.pending_logprobs = end, [], []
+        return out

@@ -1,0 +1,83 @@
+"""Between text and token ids: the chat template, prompt encoding, and each token's bytes."""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+
+class TemplateError(ValueError):
+    pass
+
+
+def chat_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    if not tokenizer.chat_template:
+        raise TemplateError("this model has no chat template; use /v1/completions")
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+    except Exception as exc:  # jinja raises its own errors for messages a template rejects
+        raise TemplateError(f"the model's chat template rejected the messages: {exc}") from exc
+    # The rendered template already holds the special tokens the model wants.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def text_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=True)
+
+
+@cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: each printable stand-in char -> its byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_HEX_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+class TokenBytes:
+    """The raw bytes of single tokens (OpenAI logprobs carry them: a token may be half a character)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self.byte_level = type(decoder).__name__ == "ByteLevel"
+        self.special = set(tokenizer.all_special_ids)
+        self.memo: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int) -> bytes:
+        if token_id not in self.memo:
+            self.memo[token_id] = self._bytes(token_id)
+        return self.memo[token_id]
+
+    def _bytes(self, token_id: int) -> bytes:
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if token_id in self.special or piece is None:
+            return (piece or "").encode()
+        if self.byte_level:
+            table = _byte_decoder()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        if match := _HEX_BYTE.match(piece):  # sentencepiece byte fallback
+            return bytes([int(match.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()
+
+    def text(self, token_id: int) -> str:
+        return self(token_id).decode("utf-8", errors="replace")

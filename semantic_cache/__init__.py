@@ -1,0 +1,1 @@
+"""Category-aware semantic response cache. Filled in by the semantic-cache issue."""
