@@ -41,56 +41,48 @@ class RequestId:
 
 
 class BodyLimit:
-    """413 for a body over the limit, whether it declares its length or streams it in chunks."""
+    """413 for a body over the limit, whether it declares its length or streams it in chunks.
+
+    The body is read here (it is JSON the app would buffer anyway) and replayed to the app."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app, self.limit = app, limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared and declared.isdigit() and int(declared) > self.limit:
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
             return await self.reject(send)
-        seen = 0
-        started = False
-
-        async def counted() -> Message:
-            nonlocal seen
+        parts, size = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise _TooLarge
-            return message
+            if message["type"] == "http.disconnect":
+                return
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > self.limit:
+                return await self.reject(send)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(parts)
+        replayed = False
 
-        async def tracked(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # after the body: wait for the client to hang up
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
 
-        try:
-            await self.app(scope, counted, tracked)
-        except _TooLarge:
-            if not started:
-                await self.reject(send)
+        await self.app(scope, replay, send)
 
     async def reject(self, send: Send) -> None:
-        body = json.dumps(
-            APIError(413, f"the request body is larger than {self.limit} bytes", code="request_too_large").body()
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-            }
-        )
+        error = APIError(413, f"the request body is larger than {self.limit} bytes", code="request_too_large")
+        body = json.dumps(error.body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": body})
-
-
-class _TooLarge(Exception):
-    pass
 
 
 def create_app(settings: Settings, engine: Engine) -> FastAPI:

@@ -7,7 +7,10 @@ import logging
 import sys
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from gateway.settings import Settings
+from runtime.loader import ModelNotFound
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +38,15 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     flags = {k: getattr(args, k, None) for k in ("host", "port", "model", "served_model_name")}
-    settings = Settings.load(args.config, **flags)
+    try:
+        settings = Settings.load(args.config, **flags)
+        return run(args, settings, argv)
+    except (ValidationError, ModelNotFound, OSError) as exc:
+        print(f"kvgate: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace, settings: Settings, argv: list[str] | None) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     if args.command == "convert":

@@ -1,0 +1,120 @@
+"""runtime/engine.py: continuous batching, stop conditions, seeds, aborts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from runtime.config import EngineConfig
+from runtime.engine import Engine, PromptTooLong
+from runtime.loader import LoadedModel
+from runtime.sampling import SamplingParams
+from tests.conftest import QUESTIONS
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0)
+
+
+def test_concurrent_requests_equal_their_serial_runs(engine: Engine, chat_ids) -> None:
+    prompts = [chat_ids(q) for q in QUESTIONS]
+    serial = [engine.generate_sync(ids, GREEDY) for ids in prompts]
+    steps_before = engine.steps
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda ids: engine.generate_sync(ids, GREEDY), prompts))
+    assert [r.token_ids for r in together] == [r.token_ids for r in serial]
+    assert [r.text for r in together] == [r.text for r in serial]
+    # Batched: far fewer steps than the tokens generated (a serial engine needs one step per token).
+    assert engine.steps - steps_before < sum(len(r.token_ids) for r in together) / 2
+
+
+def test_request_joins_a_running_batch(engine: Engine, chat_ids) -> None:
+    long = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    first = ThreadPoolExecutor(1).submit(engine.generate_sync, chat_ids(QUESTIONS[0]), long)
+    while engine.load_stats["running"] == 0:
+        time.sleep(0.01)
+    second = engine.generate_sync(chat_ids(QUESTIONS[1]), GREEDY)
+    assert not first.done()  # the second finished while the first was still decoding
+    assert second.token_ids == engine.generate_sync(chat_ids(QUESTIONS[1]), GREEDY).token_ids
+    assert len(first.result().token_ids) == 60
+
+
+def test_chunked_prefill_gives_the_same_answer(loaded: LoadedModel, engine: Engine, chat_ids) -> None:
+    small = Engine(EngineConfig(max_num_batched_tokens=16, max_num_seqs=4), loaded)
+    try:
+        ids = chat_ids(QUESTIONS[6])
+        assert len(ids) > 16
+        assert small.generate_sync(ids, GREEDY).token_ids == engine.generate_sync(ids, GREEDY).token_ids
+    finally:
+        small.shutdown()
+
+
+def test_max_tokens_and_eos(engine: Engine, chat_ids) -> None:
+    short = engine.generate_sync(chat_ids(QUESTIONS[2]), SamplingParams(max_tokens=3, temperature=0))
+    assert short.finish_reason == "length" and len(short.token_ids) == 3
+    full = engine.generate_sync(chat_ids(QUESTIONS[0]), SamplingParams(max_tokens=200, temperature=0))
+    assert full.finish_reason == "stop" and full.token_ids[-1] in engine.loaded.eos_token_ids
+
+
+def test_stop_string_cuts_the_text(engine: Engine, chat_ids) -> None:
+    ids = chat_ids(QUESTIONS[1])
+    free = engine.generate_sync(ids, GREEDY)
+    word = free.text.split()[1]
+    cut = engine.generate_sync(ids, SamplingParams(max_tokens=24, temperature=0, stop=(word,)))
+    assert cut.finish_reason == "stop"
+    assert cut.text == free.text[: free.text.index(word)]
+
+
+def test_stop_token_ids(engine: Engine, chat_ids) -> None:
+    ids = chat_ids(QUESTIONS[1])
+    free = engine.generate_sync(ids, GREEDY)
+    stop_at = free.token_ids[2]
+    cut = engine.generate_sync(ids, SamplingParams(max_tokens=24, temperature=0, stop_token_ids=(stop_at,)))
+    assert cut.finish_reason == "stop" and cut.token_ids == free.token_ids[:3]
+
+
+def test_seed_reproduces_and_sampling_varies(engine: Engine, chat_ids) -> None:
+    ids = chat_ids(QUESTIONS[2])
+    hot = dict(max_tokens=16, temperature=1.0, top_p=0.95)
+    a = engine.generate_sync(ids, SamplingParams(seed=1, **hot))
+    assert engine.generate_sync(ids, SamplingParams(seed=1, **hot)).token_ids == a.token_ids
+    others = {tuple(engine.generate_sync(ids, SamplingParams(seed=s, **hot)).token_ids) for s in range(2, 6)}
+    assert len(others | {tuple(a.token_ids)}) > 1
+
+
+def test_top_k_one_is_greedy(engine: Engine, chat_ids) -> None:
+    ids = chat_ids(QUESTIONS[5])
+    sampled = engine.generate_sync(ids, SamplingParams(max_tokens=16, temperature=1.5, top_k=1, seed=3))
+    assert sampled.token_ids == engine.generate_sync(ids, SamplingParams(max_tokens=16, temperature=0)).token_ids
+
+
+def test_logprobs_of_greedy_tokens_are_the_top(engine: Engine, chat_ids) -> None:
+    r = engine.generate_sync(chat_ids(QUESTIONS[4]), SamplingParams(max_tokens=8, temperature=0, logprobs=3))
+    assert [lp.token_id for lp in r.logprobs] == r.token_ids
+    for lp in r.logprobs:
+        assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id and lp.top[0][1] == pytest.approx(lp.logprob)
+        assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1] and lp.logprob <= 0
+
+
+def test_context_window_is_enforced(engine: Engine) -> None:
+    with pytest.raises(PromptTooLong):
+        engine.check(engine.max_model_len, None)
+    with pytest.raises(PromptTooLong):
+        engine.check(100, engine.max_model_len)
+    engine.check(100, engine.max_model_len - 100)
+
+
+def test_abandoned_stream_frees_its_slot(engine: Engine, chat_ids) -> None:
+    async def read_two() -> None:
+        params = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+        stream = engine.generate(chat_ids(QUESTIONS[3]), params)
+        async for _ in stream:
+            break
+        await stream.aclose()
+
+    asyncio.run(read_two())
+    deadline = time.monotonic() + 10
+    while engine.load_stats["running"] or engine.load_stats["waiting"]:
+        assert time.monotonic() < deadline, "aborted sequence still scheduled"
+        time.sleep(0.02)

@@ -1,0 +1,144 @@
+"""Bad input gets OpenAI's error body and the right status; the server keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+
+def post(base_url: str, path: str, **kw) -> httpx.Response:
+    return httpx.post(f"{base_url}{path}", timeout=60, **kw)
+
+
+def error_of(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json") and r.headers["x-request-id"]
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def chat(model: str, **fields) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **fields}
+
+
+def test_malformed_json(base_url) -> None:
+    r = post(
+        base_url,
+        "/v1/chat/completions",
+        content=b'{"model": "x", "messages": [',
+        headers={"content-type": "application/json"},
+    )
+    assert error_of(r, 400)["type"] == "invalid_request_error"
+
+
+def test_body_not_an_object(base_url) -> None:
+    error_of(post(base_url, "/v1/chat/completions", json=[1, 2]), 400)
+
+
+@pytest.mark.parametrize("missing", ["model", "messages"])
+def test_missing_fields(base_url, model_name, missing) -> None:
+    body = chat(model_name)
+    del body[missing]
+    assert error_of(post(base_url, "/v1/chat/completions", json=body), 400)["param"] == missing
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", 2.5),
+        ("temperature", -1),
+        ("top_p", 0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("n", 0),
+        ("max_tokens", 0),
+        ("max_tokens", "many"),
+        ("presence_penalty", 3),
+        ("frequency_penalty", -3),
+        ("top_logprobs", 21),
+        ("logit_bias", {"99999999": 1}),
+        ("logit_bias", {"5": 500}),
+        ("stop", [""]),
+        ("stream_options", {"include_usage": True}),
+        ("messages", []),
+        ("stop_token_ids", [-1]),
+    ],
+)
+def test_invalid_values(base_url, model_name, field, value) -> None:
+    error = error_of(post(base_url, "/v1/chat/completions", json=chat(model_name, **{field: value})), 400)
+    assert field in (error["param"] or "") or field in error["message"]
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "wizard", "content": "Hi"},
+        {"role": "user"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]},
+    ],
+)
+def test_invalid_messages(base_url, model_name, message) -> None:
+    error = error_of(post(base_url, "/v1/chat/completions", json=chat(model_name, messages=[message])), 400)
+    assert error["param"].startswith("messages")
+
+
+def test_completion_specific_checks(base_url, model_name) -> None:
+    base = {"model": model_name, "prompt": "Hi", "max_tokens": 2}
+    for extra in (
+        {"logprobs": 21},
+        {"suffix": "x"},
+        {"prompt": []},
+        {"prompt": [10**9]},
+        {"best_of": 3},
+        {"echo": True, "logprobs": 1},
+    ):
+        error_of(post(base_url, "/v1/completions", json={**base, **extra}), 400)
+
+
+def test_prompt_longer_than_the_context_window(base_url, model_name, engine) -> None:
+    long = "word " * (engine.max_model_len + 10)
+    error = error_of(
+        post(base_url, "/v1/chat/completions", json=chat(model_name, messages=[{"role": "user", "content": long}])), 400
+    )
+    assert error["code"] == "context_length_exceeded"
+    error = error_of(
+        post(
+            base_url, "/v1/completions", json={"model": model_name, "prompt": "Hi", "max_tokens": engine.max_model_len}
+        ),
+        400,
+    )
+    assert error["code"] == "context_length_exceeded"
+
+
+def test_unknown_model_is_404(base_url, client) -> None:
+    error = error_of(post(base_url, "/v1/chat/completions", json=chat("gpt-17")), 404)
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
+
+
+def test_oversized_body_is_413(base_url, model_name, settings) -> None:
+    huge = chat(model_name, messages=[{"role": "user", "content": "x" * (settings.max_body_bytes + 1)}])
+    assert error_of(post(base_url, "/v1/chat/completions", json=huge), 413)["code"] == "request_too_large"
+
+    def chunks():  # no content-length: the limit must hold for a streamed body too
+        for _ in range(settings.max_body_bytes // 65536 + 2):
+            yield b"x" * 65536
+
+    r = post(base_url, "/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"})
+    error_of(r, 413)
+
+
+def test_unknown_route_and_method(base_url) -> None:
+    error_of(httpx.get(f"{base_url}/v1/nothing"), 404)
+    error_of(httpx.get(f"{base_url}/v1/chat/completions"), 405)
+
+
+def test_sdk_raises_typed_errors_and_server_keeps_serving(client, model_name) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}], temperature=9)
+    assert bad.value.status_code == 400 and bad.value.body["param"] == "temperature"
+    ok = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert ok.choices[0].message.content is not None

@@ -1,0 +1,41 @@
+"""runtime/sequence.py: streamed text never shows part of a stop string or half a character."""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.kv import KVCache
+from runtime.loader import LoadedModel
+from runtime.sampling import SamplingParams
+from runtime.sequence import Sequence
+
+
+def feed(loaded: LoadedModel, text: str, params: SamplingParams) -> tuple[list[str], Sequence]:
+    seq = Sequence([1], params, KVCache(1, 1, 1, torch.float32, "cpu"), loaded.eos_token_ids, 10_000)
+    pieces = []
+    for token in loaded.tokenizer.encode(text, add_special_tokens=False):
+        seq.add(token, None, loaded.tokenizer)
+        if (out := seq.take_output()) is not None:
+            pieces.append(out.text)
+        if seq.finish_reason:
+            break
+    return pieces, seq
+
+
+def test_stop_string_is_never_streamed(loaded: LoadedModel) -> None:
+    pieces, seq = feed(loaded, "alpha beta STOP gamma", SamplingParams(max_tokens=100, stop=("STOP",)))
+    assert seq.finish_reason == "stop"
+    assert "".join(pieces) == "alpha beta "
+    assert not any("ST" in p for p in pieces)
+
+
+def test_multibyte_characters_arrive_whole(loaded: LoadedModel) -> None:
+    text = "emoji 😀 and 日本語"
+    pieces, seq = feed(loaded, text, SamplingParams(max_tokens=100))
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_length_limit(loaded: LoadedModel) -> None:
+    pieces, seq = feed(loaded, "one two three four five six", SamplingParams(max_tokens=3))
+    assert seq.finish_reason == "length" and len(seq.output_ids) == 3
