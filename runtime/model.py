@@ -36,14 +36,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [heads, n, d], the last n positions of k, v: [kv_heads, T, d]. Causal."""
-    n, total = q.shape[1], k.shape[1]
+    # A batch dimension matters: on CPU, 3-D inputs fall back to SDPA's slow math kernel.
+    q, k, v = q[None], k[None], v[None]
+    n, total = q.shape[2], k.shape[2]
     if n == total:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    if n == 1:
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
-    rows = torch.arange(total - n, total, device=q.device)[:, None]
-    mask = torch.arange(total, device=q.device)[None, :] <= rows
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    elif n == 1:
+        out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+    else:
+        rows = torch.arange(total - n, total, device=q.device)[:, None]
+        mask = torch.arange(total, device=q.device)[None, :] <= rows
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0]
 
 
 @torch.inference_mode()
