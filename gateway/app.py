@@ -7,7 +7,7 @@ import re
 import uuid
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import chat, completions, errors
@@ -113,9 +113,8 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
         return card()
 
     @app.get("/health")
-    async def health(request: Request) -> dict[str, Any]:
-        alive = engine.thread.is_alive()
-        if not alive:
+    async def health() -> dict[str, Any]:
+        if not engine.thread.is_alive():
             raise APIError(503, "the engine thread has stopped", code="engine_down")
         return {"status": "ok", "model": served.name, **engine.load_stats}
 

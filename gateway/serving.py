@@ -64,6 +64,8 @@ class Served:
     ) -> list[Choice]:
         choices = []
         for p, ids in enumerate(prompts):
+            if not ids:
+                raise bad_request("the prompt is empty", param, "invalid_value")
             try:
                 self.engine.check(len(ids), max_tokens)
             except PromptTooLong as exc:

@@ -14,7 +14,7 @@ from runtime.config import EngineConfig
 from runtime.kv import KVCache
 from runtime.loader import LoadedModel, load
 from runtime.model import Run, forward
-from runtime.sampling import SamplingParams, choose, logprob_of, penalise
+from runtime.sampling import SamplingParams, TokenLogprob, choose, logprob_of, penalise
 from runtime.scheduler import Scheduler
 from runtime.sequence import Output, Sequence
 
@@ -36,7 +36,7 @@ class Result:
     token_ids: list[int]
     finish_reason: str
     prompt_tokens: int
-    logprobs: list
+    logprobs: list[TokenLogprob]
 
 
 class Engine:
@@ -67,7 +67,7 @@ class Engine:
 
     def check(self, prompt_tokens: int, max_tokens: int | None) -> None:
         if prompt_tokens == 0:
-            raise PromptTooLong("the prompt is empty")
+            raise ValueError("the prompt is empty")
         if prompt_tokens >= self.max_model_len:
             raise PromptTooLong(
                 f"the prompt has {prompt_tokens} tokens; this model's context window is "
