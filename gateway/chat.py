@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -11,7 +11,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from gateway.errors import bad_request
 from gateway.protocol import ChatCompletionRequest
-from gateway.serving import FINGERPRINT, SSE_HEADERS, Choice, Served, chat_logprobs, collect, run, sse, sse_error, usage
+from gateway.serving import FINGERPRINT, SSE_HEADERS, Served, chat_logprobs, collect, stream, usage
+from runtime.sequence import Output
 from runtime.tokens import TemplateError, chat_prompt
 
 router = APIRouter()
@@ -35,8 +36,21 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     }
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        opening = [
+            {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for c in choices
+        ]
+        events = stream(
+            served,
+            choices,
+            {**head, "object": "chat.completion.chunk"},
+            include_usage,
+            len(prompt),
+            opening,
+            render(served, body.logprobs),
+        )
         return StreamingResponse(
-            stream(served, choices, head, include_usage, body.logprobs),
+            events,
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
@@ -60,39 +74,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     )
 
 
-async def stream(
-    served: Served, choices: list[Choice], head: dict[str, Any], include_usage: bool, logprobs: bool
-) -> AsyncIterator[str]:
-    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, lps: Any = None) -> str:
-        body = {
-            **head,
-            "object": "chat.completion.chunk",
-            "choices": [{"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}],
-        }
-        if include_usage:
-            body["usage"] = None
-        return sse(body)
+def render(served: Served, logprobs: bool) -> Callable[[int, Output], list[dict[str, Any]]]:
+    """A content chunk for new text, then a chunk with an empty delta carrying finish_reason."""
 
-    completion_tokens = 0
-    try:
-        for c in choices:
-            yield chunk(c.index, {"role": "assistant", "content": ""})
-        async for index, out in run(served.engine, choices):
-            if out.text or out.logprobs:
-                lps = chat_logprobs(served.token_bytes, out.logprobs) if logprobs else None
-                yield chunk(index, {"content": out.text}, lps=lps)
-            if out.finish_reason is not None:
-                completion_tokens += out.completion_tokens
-                yield chunk(index, {}, out.finish_reason)
-        if include_usage:
-            yield sse(
-                {
-                    **head,
-                    "object": "chat.completion.chunk",
-                    "choices": [],
-                    "usage": usage(len(choices[0].prompt_ids), completion_tokens),
-                }
-            )
-    except Exception as exc:
-        yield sse_error(exc)
-    yield sse("[DONE]")
+    def chunks(index: int, out: Output) -> list[dict[str, Any]]:
+        found = []
+        if out.text or out.logprobs:
+            lps = chat_logprobs(served.token_bytes, out.logprobs) if logprobs else None
+            found.append({"index": index, "delta": {"content": out.text}, "logprobs": lps, "finish_reason": None})
+        if out.finish_reason is not None:
+            found.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason})
+        return found
+
+    return chunks

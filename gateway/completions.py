@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -14,15 +14,13 @@ from gateway.protocol import CompletionRequest
 from gateway.serving import (
     FINGERPRINT,
     SSE_HEADERS,
-    Choice,
     Served,
     collect,
     completion_logprobs,
-    run,
-    sse,
-    sse_error,
+    stream,
     usage,
 )
+from runtime.sequence import Output
 from runtime.tokens import text_prompt
 
 router = APIRouter()
@@ -54,8 +52,20 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     prompt_tokens = sum(map(len, prompts))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        opening = [
+            {"index": i, "text": text, "logprobs": None, "finish_reason": None} for i, text in echo.items() if text
+        ]
+        events = stream(
+            served,
+            choices,
+            {**head, "object": "text_completion"},
+            include_usage,
+            prompt_tokens,
+            opening,
+            render(served, body.logprobs),
+        )
         return StreamingResponse(
-            stream(served, choices, head, echo, prompt_tokens, include_usage, body.logprobs),
+            events,
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
@@ -81,44 +91,16 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     )
 
 
-async def stream(
-    served: Served,
-    choices: list[Choice],
-    head: dict[str, Any],
-    echo: dict[int, str],
-    prompt_tokens: int,
-    include_usage: bool,
-    logprobs: int | None,
-) -> AsyncIterator[str]:
-    def chunk(index: int, text: str, finish: str | None, lps: Any) -> str:
-        body = {
-            **head,
-            "object": "text_completion",
-            "choices": [{"index": index, "text": text, "logprobs": lps, "finish_reason": finish}],
-        }
-        if include_usage:
-            body["usage"] = None
-        return sse(body)
+def render(served: Served, logprobs: int | None) -> Callable[[int, Output], list[dict[str, Any]]]:
+    """One chunk per output; the last carries finish_reason. Logprob offsets run on across chunks."""
+    offsets: dict[int, int] = {}
 
-    offsets = {c.index: 0 for c in choices}
-    completion_tokens = 0
-    try:
-        for index, text in echo.items():
-            if text:
-                yield chunk(index, text, None, None)
-        async for index, out in run(served.engine, choices):
-            lps = None
-            if logprobs is not None:
-                lps = completion_logprobs(served.token_bytes, out.logprobs, offsets[index])
-            offsets[index] += len(out.text)
-            if out.finish_reason is not None:
-                completion_tokens += out.completion_tokens
-            if out.text or out.logprobs or out.finish_reason:
-                yield chunk(index, out.text, out.finish_reason, lps)
-        if include_usage:
-            yield sse(
-                {**head, "object": "text_completion", "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
-            )
-    except Exception as exc:
-        yield sse_error(exc)
-    yield sse("[DONE]")
+    def chunks(index: int, out: Output) -> list[dict[str, Any]]:
+        offset = offsets.get(index, 0)
+        offsets[index] = offset + len(out.text)
+        if not (out.text or out.logprobs or out.finish_reason):
+            return []
+        lps = completion_logprobs(served.token_bytes, out.logprobs, offset) if logprobs is not None else None
+        return [{"index": index, "text": out.text, "logprobs": lps, "finish_reason": out.finish_reason}]
+
+    return chunks

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,6 +168,41 @@ def completion_logprobs(tb: TokenBytes, logprobs: list[TokenLogprob], offset: in
         "top_logprobs": [{tb.text(t): finite(p) for t, p in lp.top} for lp in logprobs],
         "text_offset": offsets,
     }
+
+
+async def stream(
+    served: Served,
+    choices: list[Choice],
+    head: dict[str, Any],
+    include_usage: bool,
+    prompt_tokens: int,
+    opening: list[dict[str, Any]],
+    render: Callable[[int, Output], list[dict[str, Any]]],
+) -> AsyncIterator[str]:
+    """The SSE body of a streamed completion: the opening choice chunks, then each output as
+    `render` turns it into choice chunks, the usage chunk if asked for, and always [DONE]."""
+    obj = head["object"]
+
+    def event(choice: dict[str, Any]) -> str:
+        body = {**head, "choices": [choice]}
+        if include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    completion_tokens = 0
+    try:
+        for choice in opening:
+            yield event(choice)
+        async for index, out in run(served.engine, choices):
+            if out.finish_reason is not None:
+                completion_tokens += out.completion_tokens
+            for choice in render(index, out):
+                yield event(choice)
+        if include_usage:
+            yield sse({**head, "object": obj, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+    except Exception as exc:
+        yield sse_error(exc)
+    yield sse("[DONE]")
 
 
 def sse(payload: dict[str, Any] | str) -> str:
