@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from gateway.errors import bad_request
 from gateway.protocol import ChatCompletionRequest
-from gateway.serving import FINGERPRINT, SSE_HEADERS, Served, chat_logprobs, collect, stream, usage
+from gateway.serving import Served, chat_logprobs, collect, response_head, streamed, usage
 from runtime.sequence import Output
 from runtime.tokens import TemplateError, chat_prompt
 
@@ -28,32 +27,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     except TemplateError as exc:
         raise bad_request(str(exc), "messages", "invalid_messages") from exc
     choices = served.choices([prompt], body, body.max_new_tokens, body.logprobs_k, "messages")
-    head = {
-        "id": f"chatcmpl-{request.state.request_id}",
-        "created": int(time.time()),
-        "model": served.name,
-        "system_fingerprint": FINGERPRINT,
-    }
+    head = response_head("chatcmpl", request, served)
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         opening = [
             {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             for c in choices
         ]
-        events = stream(
-            served,
-            choices,
-            {**head, "object": "chat.completion.chunk"},
-            include_usage,
-            len(prompt),
-            opening,
-            render(served, body.logprobs),
-        )
-        return StreamingResponse(
-            events,
-            media_type="text/event-stream",
-            headers=SSE_HEADERS,
-        )
+        chunk_head = {**head, "object": "chat.completion.chunk"}
+        return streamed(served, body, choices, chunk_head, len(prompt), opening, render(served, body.logprobs))
 
     done = await collect(request, served.engine, choices)
     return JSONResponse(

@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from gateway.errors import bad_request
 from gateway.protocol import CompletionRequest
-from gateway.serving import (
-    FINGERPRINT,
-    SSE_HEADERS,
-    Served,
-    collect,
-    completion_logprobs,
-    stream,
-    usage,
-)
+from gateway.serving import Served, collect, completion_logprobs, response_head, streamed, usage
 from runtime.sequence import Output
 from runtime.tokens import text_prompt
 
@@ -43,32 +34,14 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     echo = {
         c.index: served.tokenizer.decode(c.prompt_ids, skip_special_tokens=True) if body.echo else "" for c in choices
     }
-    head = {
-        "id": f"cmpl-{request.state.request_id}",
-        "created": int(time.time()),
-        "model": served.name,
-        "system_fingerprint": FINGERPRINT,
-    }
+    head = response_head("cmpl", request, served)
     prompt_tokens = sum(map(len, prompts))
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         opening = [
             {"index": i, "text": text, "logprobs": None, "finish_reason": None} for i, text in echo.items() if text
         ]
-        events = stream(
-            served,
-            choices,
-            {**head, "object": "text_completion"},
-            include_usage,
-            prompt_tokens,
-            opening,
-            render(served, body.logprobs),
-        )
-        return StreamingResponse(
-            events,
-            media_type="text/event-stream",
-            headers=SSE_HEADERS,
-        )
+        chunk_head = {**head, "object": "text_completion"}
+        return streamed(served, body, choices, chunk_head, prompt_tokens, opening, render(served, body.logprobs))
 
     done = await collect(request, served.engine, choices)
     return JSONResponse(

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
 
 from gateway.errors import APIError, bad_request
 from gateway.protocol import Sampling
@@ -170,39 +171,54 @@ def completion_logprobs(tb: TokenBytes, logprobs: list[TokenLogprob], offset: in
     }
 
 
-async def stream(
+def response_head(kind: str, request: Request, served: Served) -> dict[str, Any]:
+    """The fields every response and chunk of one request share; kind is chatcmpl or cmpl."""
+    return {
+        "id": f"{kind}-{request.state.request_id}",
+        "created": int(time.time()),
+        "model": served.name,
+        "system_fingerprint": FINGERPRINT,
+    }
+
+
+def streamed(
     served: Served,
+    body: Sampling,
     choices: list[Choice],
     head: dict[str, Any],
-    include_usage: bool,
     prompt_tokens: int,
     opening: list[dict[str, Any]],
     render: Callable[[int, Output], list[dict[str, Any]]],
-) -> AsyncIterator[str]:
-    """The SSE body of a streamed completion: the opening choice chunks, then each output as
-    `render` turns it into choice chunks, the usage chunk if asked for, and always [DONE]."""
-    obj = head["object"]
+) -> StreamingResponse:
+    """A streamed completion as SSE: the opening choice chunks, then each output as `render`
+    turns it into choice chunks, the usage chunk if asked for, and always [DONE]."""
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def event(choice: dict[str, Any]) -> str:
-        body = {**head, "choices": [choice]}
+        chunk = {**head, "choices": [choice]}
         if include_usage:
-            body["usage"] = None
-        return sse(body)
+            chunk["usage"] = None
+        return sse(chunk)
 
-    completion_tokens = 0
-    try:
-        for choice in opening:
-            yield event(choice)
-        async for index, out in run(served.engine, choices):
-            if out.finish_reason is not None:
-                completion_tokens += out.completion_tokens
-            for choice in render(index, out):
+    async def events() -> AsyncIterator[str]:
+        completion_tokens = 0
+        try:
+            for choice in opening:
                 yield event(choice)
-        if include_usage:
-            yield sse({**head, "object": obj, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
-    except Exception as exc:
-        yield sse_error(exc)
-    yield sse("[DONE]")
+            async for index, out in run(served.engine, choices):
+                if out.finish_reason is not None:
+                    completion_tokens += out.completion_tokens
+                for choice in render(index, out):
+                    yield event(choice)
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        except Exception as exc:
+            yield sse_error(exc)
+        yield sse("[DONE]")
+
+    return StreamingResponse(
+        events(), media_type="text/event-stream", headers={"cache-control": "no-cache", "x-accel-buffering": "no"}
+    )
 
 
 def sse(payload: dict[str, Any] | str) -> str:
@@ -213,6 +229,3 @@ def sse(payload: dict[str, Any] | str) -> str:
 def sse_error(exc: Exception) -> str:
     error = exc if isinstance(exc, APIError) else APIError(500, f"generation failed: {exc}", code="internal_error")
     return sse(error.body())
-
-
-SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
