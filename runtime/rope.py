@@ -1,0 +1,36 @@
+"""Moving cached keys to new positions.
+
+Keys are cached post-RoPE. A rotation by position p+d equals a rotation by d applied to the
+rotation by p, so a document's keys computed at 0..T-1 can be placed at offset..offset+T-1
+without recomputing them. This holds only where RoPE is a pure rotation by the position
+(times fixed frequencies): the default, linear and llama3 rope types.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from runtime.model import apply_rope
+
+SHIFTABLE = {"default", "linear", "llama3"}
+
+
+def rope_type(model: PreTrainedModel) -> str:
+    params = getattr(model.config, "rope_parameters", None) or getattr(model.config, "rope_scaling", None) or {}
+    return params.get("rope_type", params.get("type", "default"))
+
+
+def can_shift(model: PreTrainedModel) -> bool:
+    return rope_type(model) in SHIFTABLE
+
+
+def shift(model: PreTrainedModel, keys: torch.Tensor, delta: int) -> torch.Tensor:
+    """keys: [kv_heads, T, head_dim] cached at positions p; returns them as if cached at p + delta."""
+    if not can_shift(model):
+        raise ValueError(f"rope type {rope_type(model)!r} does not allow shifting cached keys")
+    position = torch.tensor([[delta]], device=keys.device)
+    cos, sin = model.model.rotary_emb(keys[None], position)  # [1, 1, head_dim]
+    # Computed in fp32 whatever the cache dtype: the error would otherwise grow with delta.
+    rotated = apply_rope(keys.transpose(0, 1).float(), cos[0].float(), sin[0].float())
+    return rotated.transpose(0, 1).to(keys.dtype)
