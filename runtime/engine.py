@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -17,6 +18,8 @@ from runtime.model import Run, forward
 from runtime.sampling import SamplingParams, TokenLogprob, choose, logprob_of, penalise
 from runtime.scheduler import Scheduler
 from runtime.sequence import Output, Sequence
+
+log = logging.getLogger("kvgate.engine")
 
 
 class PromptTooLong(ValueError):
@@ -164,16 +167,18 @@ class Engine:
         batch = self.scheduler.schedule()
         try:
             logits = forward(self.model, [Run(seq.kv, tokens, seq.computed) for seq, tokens in batch])
-            for (seq, _), row in zip(batch, logits):
-                if not seq.prefilling:
-                    self.sample(seq, row)
         except Exception as exc:  # a failed step ends its requests, never the engine
             for seq, _ in batch:
-                callback = self.callbacks.get(seq.id)
-                self.finish(seq)
-                if callback:
-                    callback(EngineError(f"{type(exc).__name__}: {exc}"))
+                self.fail(seq, exc)
+            return
         self.steps += 1
+        for (seq, _), row in zip(batch, logits):
+            if seq.prefilling:
+                continue
+            try:
+                self.sample(seq, row)
+            except Exception as exc:  # e.g. a NaN distribution: only this sequence ends
+                self.fail(seq, exc)
 
     def sample(self, seq: Sequence, logits: torch.Tensor) -> None:
         params = seq.params
@@ -185,4 +190,20 @@ class Engine:
             self.finish(seq)
         out = seq.take_output()
         if out is not None:
-            callback(out)
+            self.deliver(seq, callback, out)
+
+    def fail(self, seq: Sequence, exc: Exception) -> None:
+        log.exception("request %d failed", seq.id, exc_info=exc)
+        callback = self.callbacks.get(seq.id)
+        self.finish(seq)
+        if callback is not None:
+            self.deliver(seq, callback, EngineError(f"{type(exc).__name__}: {exc}"))
+
+    def deliver(self, seq: Sequence, callback: Callback, item: Output | BaseException) -> None:
+        """Hand an output to its client. A client that cannot take it (its event loop is gone)
+        loses its sequence; the other sequences of the batch carry on."""
+        try:
+            callback(item)
+        except Exception:
+            log.warning("request %d: its client is gone; aborting it", seq.id)
+            self.finish(seq)

@@ -118,3 +118,17 @@ def test_abandoned_stream_frees_its_slot(engine: Engine, chat_ids) -> None:
     while engine.load_stats["running"] or engine.load_stats["waiting"]:
         assert time.monotonic() < deadline, "aborted sequence still scheduled"
         time.sleep(0.02)
+
+
+def test_a_client_that_cannot_take_output_only_loses_its_own_request(engine: Engine, chat_ids) -> None:
+    # A real failure a real part cannot stage on demand: a callback raising as a closed event loop does.
+    def closed_loop(_: object) -> None:
+        raise RuntimeError("Event loop is closed")
+
+    engine.submit(chat_ids(QUESTIONS[0]), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True), closed_loop)
+    survivor = engine.generate_sync(chat_ids(QUESTIONS[1]), GREEDY)
+    assert survivor.token_ids == engine.generate_sync(chat_ids(QUESTIONS[1]), GREEDY).token_ids
+    deadline = time.monotonic() + 10
+    while engine.load_stats["running"] or engine.load_stats["waiting"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
