@@ -1,0 +1,23 @@
+"""The chunk cache's configuration: which tiers, in order, and each one's options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ChunkCacheConfig:
+    # Registered tier names, fastest first; a hit in a later tier promotes to the first.
+    tiers: tuple[str, ...] = ("memory",)
+    memory_bytes: int = 2 << 30
+    # A use this long ago counts half as much as one now, when choosing what to evict.
+    half_life_s: float = 600.0
+    # None: entries stay where they were computed (the runtime's device).
+    memory_device: str | None = None
+
+    def tier_options(self, name: str) -> dict[str, Any]:
+        """The keyword arguments `make_tier(name, ...)` gets."""
+        if name == "memory":
+            return {"budget_bytes": self.memory_bytes, "half_life_s": self.half_life_s, "device": self.memory_device}
+        return {}

@@ -1,0 +1,185 @@
+"""The first tier: entries held in process (host or device) memory, evicted by value.
+
+value = recent hits x recompute cost / bytes, where "recent hits" is a hit count that halves
+every `half_life_s` (a put counts as the first use). Between accesses every entry's value
+decays by the same factor, so the eviction order is a time-independent priority:
+    log2(uses) + log2(cost) - log2(bytes) + touched / half_life
+which is what `_priority` computes (logs keep it finite for any clock value).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from chunk_cache.entry import ChunkKV
+from chunk_cache.tier import Tier, register_tier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Slot:
+    entry: ChunkKV
+    uses: float  # decayed use count as of `touched`
+    touched: float
+    pinned_until: float = -math.inf
+
+
+@register_tier("memory")
+class MemoryTier(Tier):
+    def __init__(
+        self,
+        budget_bytes: int,
+        half_life_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+        device: str | torch.device | None = None,
+    ) -> None:
+        """device: where held entries live (None: wherever they were put from)."""
+        super().__init__()
+        if budget_bytes < 0 or not half_life_s > 0:
+            raise ValueError(f"need budget_bytes >= 0 and half_life_s > 0, got {budget_bytes}, {half_life_s}")
+        self.budget_bytes, self.half_life_s, self.clock, self.device = budget_bytes, half_life_s, clock, device
+        self._slots: dict[str, _Slot] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._hits = self._misses = self._puts = self._refused = self._evictions = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    @property
+    def budget(self) -> int:
+        return self.budget_bytes
+
+    def get(self, key: str) -> ChunkKV | None:
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is None:
+                self._misses += 1
+                return None
+            self._hits += 1
+            self._use(slot, self.clock())
+            return slot.entry
+
+    def put(self, entry: ChunkKV) -> bool:
+        if self.device is not None:
+            entry = entry.to(self.device)  # a copy to device is slow: keep it outside the lock
+        size = entry.nbytes
+        with self._lock:
+            now = self.clock()
+            old = self._slots.get(entry.key)
+            victims = self._victims(entry.key, self._bytes - (old.entry.nbytes if old else 0) + size, now)
+            if victims is None:
+                self._refused += 1
+                return False
+            for victim in victims:
+                self._remove(victim.entry.key)
+                self._evictions += 1
+            if old is not None:
+                self._remove(entry.key)
+                self._use(old, now)
+                old.entry = entry
+                slot = old
+            else:
+                slot = _Slot(entry, 1.0, now)
+            self._slots[entry.key] = slot
+            self._bytes += size
+            self._puts += 1
+        self._demote(victims)
+        return True
+
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            return self._remove(key) is not None
+
+    def pin(self, key: str, until: float) -> bool:
+        """Never evict `key` while clock() < until (a later pin replaces an earlier one)."""
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is not None:
+                slot.pinned_until = until
+            return slot is not None
+
+    def unpin(self, key: str) -> bool:
+        return self.pin(key, -math.inf)
+
+    def value(self, key: str) -> float | None:
+        """The entry's current eviction value (decayed uses x cost / bytes); None if absent."""
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is None:
+                return None
+            decay = 0.5 ** ((self.clock() - slot.touched) / self.half_life_s)
+            return slot.uses * decay * slot.entry.cost / max(slot.entry.nbytes, 1)
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._slots
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._slots)
+
+    def stats(self) -> dict[str, int | float]:
+        with self._lock:
+            now = self.clock()
+            return {
+                "hits": self._hits,
+                "misses": self._misses,
+                "puts": self._puts,
+                "refused": self._refused,
+                "evictions": self._evictions,
+                "entries": len(self._slots),
+                "pinned": sum(s.pinned_until > now for s in self._slots.values()),
+                "bytes": self._bytes,
+                "budget_bytes": self.budget_bytes,
+            }
+
+    def _use(self, slot: _Slot, now: float) -> None:
+        slot.uses = slot.uses * 0.5 ** ((now - slot.touched) / self.half_life_s) + 1.0
+        slot.touched = now
+
+    def _priority(self, slot: _Slot) -> float:
+        # Zero cost still orders entries by uses, bytes and recency.
+        cost, size = max(slot.entry.cost, 1e-30), max(slot.entry.nbytes, 1)
+        return math.log2(slot.uses) + math.log2(cost) - math.log2(size) + slot.touched / self.half_life_s
+
+    def _victims(self, key: str, needed: int, now: float) -> list[_Slot] | None:
+        """The lowest-value unpinned entries whose removal brings `needed` bytes within budget; None if impossible."""
+        excess = needed - self.budget_bytes
+        if excess <= 0:
+            return []
+        candidates = [s for k, s in self._slots.items() if k != key and s.pinned_until <= now]
+        if sum(s.entry.nbytes for s in candidates) < excess:
+            return None
+        victims = []
+        for slot in sorted(candidates, key=self._priority):
+            victims.append(slot)
+            excess -= slot.entry.nbytes
+            if excess <= 0:
+                break
+        return victims
+
+    def _remove(self, key: str) -> _Slot | None:
+        slot = self._slots.pop(key, None)
+        if slot is not None:
+            self._bytes -= slot.entry.nbytes
+        return slot
+
+    def _demote(self, victims: list[_Slot]) -> None:
+        if self.on_evict is None:
+            return
+        for victim in victims:
+            try:
+                self.on_evict(victim.entry)
+            except Exception:
+                # A failing lower tier loses the entry; it must not fail the put that evicted it.
+                log.exception("demoting chunk %s failed", victim.entry.key)

@@ -1,0 +1,88 @@
+"""The interface every storage tier implements, and the registry that builds tiers by name."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
+
+from chunk_cache.entry import ChunkKV
+
+
+class Tier(ABC):
+    """A byte-budgeted map from chunk key to ChunkKV. Implementations are thread-safe.
+
+    A damaged or unreadable entry is a miss (get returns None), never an error or a wrong answer.
+    Entries handed out are shared, not copied: their tensors are read-only to every caller.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self) -> None:
+        # Called with each entry this tier evicts, after its lock is released; the store points
+        # it at the next tier down, so that evictions demote.
+        self.on_evict: Callable[[ChunkKV], object] | None = None
+
+    @abstractmethod
+    def get(self, key: str) -> ChunkKV | None: ...
+
+    @abstractmethod
+    def put(self, entry: ChunkKV) -> bool:
+        """Store (or replace) an entry; False when it cannot be held (too big, or the room is pinned)."""
+
+    @abstractmethod
+    def delete(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool: ...
+
+    @abstractmethod
+    def keys(self) -> list[str]: ...
+
+    @abstractmethod
+    def stats(self) -> dict[str, int | float]: ...
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def budget(self) -> int: ...
+
+    def pin(self, key: str, until: float) -> bool:
+        """Keep `key` from eviction until `until` on the tier's clock; False if absent or unsupported."""
+        return False
+
+    def unpin(self, key: str) -> bool:
+        return False
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+
+_TIERS: dict[str, type[Tier]] = {}
+T = TypeVar("T", bound=type[Tier])
+
+
+def register_tier(name: str) -> Callable[[T], T]:
+    def register(cls: T) -> T:
+        if _TIERS.get(name, cls) is not cls:
+            raise ValueError(f"tier {name!r} is already registered as {_TIERS[name].__qualname__}")
+        cls.name = name
+        _TIERS[name] = cls
+        return cls
+
+    return register
+
+
+def make_tier(name: str, **config: Any) -> Tier:
+    try:
+        cls = _TIERS[name]
+    except KeyError:
+        raise ValueError(f"unknown chunk cache tier {name!r}; known: {', '.join(sorted(_TIERS))}") from None
+    return cls(**config)
+
+
+def tier_names() -> list[str]:
+    return sorted(_TIERS)

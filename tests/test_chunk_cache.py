@@ -1,0 +1,328 @@
+"""chunk_cache: content keys, self-checking entries, the memory tier's value-based eviction, the store."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from chunk_cache import (
+    ChunkCacheConfig,
+    ChunkKV,
+    ChunkStore,
+    CorruptEntry,
+    MemoryTier,
+    Tier,
+    chunk_key,
+    make_tier,
+    register_tier,
+    tier_names,
+)
+
+
+def chunk(key: str = "doc", tokens: int = 4, cost: float = 1.0, dtype: torch.dtype = torch.float32) -> ChunkKV:
+    """A small random entry: 2 layers, 2 kv heads, head_dim 8 (1 KiB of float32 KV at 4 tokens)."""
+    shape = (2, 2, tokens, 8)
+    ids = [random.randrange(50_000) for _ in range(tokens)]
+    return ChunkKV(key, ids, torch.randn(shape).to(dtype), torch.randn(shape).to(dtype), cost)
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# --- keys ---------------------------------------------------------------------------------------
+
+
+def test_key_is_a_stable_sha256_of_the_tokens_whatever_their_container() -> None:
+    key = chunk_key("model", "tok", [1, 2, 3], scope="tenant-a")
+    assert len(key) == 64 and int(key, 16) >= 0
+    assert chunk_key("model", "tok", (1, 2, 3), scope="tenant-a") == key
+    assert chunk_key("model", "tok", torch.tensor([1, 2, 3]), scope="tenant-a") == key
+
+
+def test_key_changes_with_model_tokenizer_tokens_and_scope() -> None:
+    keys = {
+        chunk_key("model", "tok", [1, 2, 3]),
+        chunk_key("model-2", "tok", [1, 2, 3]),
+        chunk_key("model", "tok-2", [1, 2, 3]),
+        chunk_key("model", "tok", [1, 2, 4]),
+        chunk_key("model", "tok", [3, 2, 1]),
+        chunk_key("model", "tok", [1, 2, 3, 0]),
+        chunk_key("model", "tok", [1, 2, 3], scope="tenant-a"),
+        chunk_key("model", "tok", [1, 2, 3], scope="tenant-b"),
+    }
+    assert len(keys) == 8
+
+
+def test_key_parts_cannot_run_into_each_other() -> None:
+    # Plain concatenation would give the same bytes for each pair.
+    assert chunk_key("ab", "c", [1]) != chunk_key("a", "bc", [1])
+    assert chunk_key("m", "", [1], scope="x") != chunk_key("m", "x", [1], scope="")
+    assert chunk_key("m", "t", [], scope="") != chunk_key("m", "t", [0], scope="")
+    assert chunk_key("m", "t", [1 << 32]) != chunk_key("m", "t", [0, 1])
+
+
+# --- entries ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_bytes_round_trip_is_exact(dtype: torch.dtype) -> None:
+    entry = chunk("doc", tokens=5, cost=0.25, dtype=dtype)
+    back = ChunkKV.from_bytes(entry.to_bytes(), key="doc")
+    assert (back.key, back.token_ids, back.cost) == ("doc", entry.token_ids, 0.25)
+    assert back.keys.dtype == dtype and back.keys.shape == (2, 2, 5, 8)
+    assert torch.equal(back.keys, entry.keys) and torch.equal(back.values, entry.values)
+    assert (back.tokens, back.nbytes) == (5, entry.nbytes)
+
+
+def test_every_flipped_byte_is_a_corrupt_entry() -> None:
+    data = chunk().to_bytes()
+    for i in range(len(data)):
+        damaged = bytearray(data)
+        damaged[i] ^= 0xFF
+        with pytest.raises(CorruptEntry):
+            ChunkKV.from_bytes(bytes(damaged))
+
+
+def test_flipped_bit_in_the_tensors_fails_the_checksum() -> None:
+    data = bytearray(chunk().to_bytes())
+    data[-3] ^= 0x01
+    with pytest.raises(CorruptEntry, match="checksum"):
+        ChunkKV.from_bytes(bytes(data))
+
+
+def test_truncated_bytes_are_a_corrupt_entry() -> None:
+    data = chunk().to_bytes()
+    for cut in [0, 4, 8, 50, len(data) // 2, len(data) - 1]:
+        with pytest.raises(CorruptEntry):
+            ChunkKV.from_bytes(data[:cut])
+
+
+def test_an_entry_stored_under_another_key_is_a_corrupt_entry() -> None:
+    data = chunk("doc-a").to_bytes()
+    assert ChunkKV.from_bytes(data, key="doc-a").key == "doc-a"
+    with pytest.raises(CorruptEntry, match="key"):
+        ChunkKV.from_bytes(data, key="doc-b")
+
+
+def test_entry_checks_its_own_shapes() -> None:
+    k = torch.randn(2, 2, 4, 8)
+    with pytest.raises(ValueError, match="differ"):
+        ChunkKV("doc", [1, 2, 3, 4], k, torch.randn(2, 2, 5, 8))
+    with pytest.raises(ValueError, match="token ids"):
+        ChunkKV("doc", [1, 2, 3], k, k.clone())
+    with pytest.raises(ValueError, match="layers"):
+        ChunkKV("doc", [1, 2, 3, 4], k[0], k[0].clone())
+
+
+# --- memory tier --------------------------------------------------------------------------------
+
+
+def test_hits_misses_and_delete() -> None:
+    tier = MemoryTier(budget_bytes=1 << 20)
+    entry = chunk("doc")
+    assert tier.get("doc") is None
+    assert tier.put(entry)
+    assert "doc" in tier and tier.get("doc") is entry
+    assert tier.delete("doc") and not tier.delete("doc")
+    assert tier.nbytes == 0
+    stats = tier.stats()
+    assert (stats["hits"], stats["misses"], stats["puts"], stats["entries"]) == (1, 1, 1, 0)
+
+
+def test_eviction_keeps_a_cheap_entry_that_is_hit_often_over_an_expensive_one_never_hit() -> None:
+    size = chunk().nbytes
+    tier = MemoryTier(budget_bytes=2 * size, clock=Clock())
+    tier.put(chunk("cheap", cost=1.0))
+    tier.put(chunk("expensive", cost=4.0))
+    for _ in range(9):
+        tier.get("cheap")
+    # value per byte: cheap 10 uses x 1 = 10, expensive 1 use x 4 = 4
+    assert tier.value("cheap") > tier.value("expensive")
+
+    assert tier.put(chunk("new"))
+    assert set(tier.keys()) == {"cheap", "new"}
+    assert tier.stats()["evictions"] == 1
+
+
+def test_old_hits_decay_with_the_half_life() -> None:
+    clock = Clock()
+    size = chunk().nbytes
+    tier = MemoryTier(budget_bytes=2 * size, half_life_s=60, clock=clock)
+    tier.put(chunk("popular-long-ago"))
+    for _ in range(9):
+        tier.get("popular-long-ago")
+    before = tier.value("popular-long-ago")
+    clock.now += 60
+    assert tier.value("popular-long-ago") == pytest.approx(before / 2)
+
+    clock.now += 4 * 60  # five half-lives in all: 10 uses now weigh 10/32
+    tier.put(chunk("recent"))
+    tier.put(chunk("newest"))
+    assert set(tier.keys()) == {"recent", "newest"}
+
+
+def test_budget_is_never_exceeded() -> None:
+    tier = MemoryTier(budget_bytes=10_000, clock=Clock())
+    for i in range(200):
+        tier.put(chunk(f"doc-{i % 37}", tokens=random.randint(1, 12), cost=random.random()))
+        if random.random() < 0.5:
+            tier.get(f"doc-{random.randrange(37)}")
+        assert tier.nbytes <= tier.budget
+        assert tier.nbytes == sum(tier.get(k).nbytes for k in tier.keys())
+
+
+def test_an_entry_larger_than_the_whole_budget_is_refused_and_evicts_nothing() -> None:
+    small = chunk("small", tokens=2)
+    tier = MemoryTier(budget_bytes=chunk(tokens=4).nbytes)
+    tier.put(small)
+    assert not tier.put(chunk("huge", tokens=5))
+    assert tier.keys() == ["small"] and tier.nbytes == small.nbytes
+    assert tier.stats()["refused"] == 1
+
+
+def test_pinned_entry_survives_pressure_until_its_deadline() -> None:
+    clock = Clock()
+    tier = MemoryTier(budget_bytes=2 * chunk().nbytes, clock=clock)
+    tier.put(chunk("agent-kv", cost=0.001))  # the lowest value there is
+    assert tier.pin("agent-kv", until=clock.now + 30)
+    assert not tier.pin("absent", until=clock.now + 30)
+
+    for i in range(5):
+        assert tier.put(chunk(f"doc-{i}", cost=100.0))
+        assert "agent-kv" in tier
+
+    clock.now += 30
+    assert tier.put(chunk("doc-5", cost=100.0))
+    assert "agent-kv" not in tier
+
+
+def test_put_is_refused_when_only_pinned_entries_could_make_room() -> None:
+    clock = Clock()
+    tier = MemoryTier(budget_bytes=2 * chunk().nbytes, clock=clock)
+    for key in ("a", "b"):
+        tier.put(chunk(key))
+        tier.pin(key, until=clock.now + 10)
+    assert not tier.put(chunk("c"))
+    assert tier.unpin("a")
+    assert tier.put(chunk("c"))
+    assert set(tier.keys()) == {"b", "c"}
+
+
+def test_replacing_an_entry_keeps_its_history_and_its_pin() -> None:
+    clock = Clock()
+    tier = MemoryTier(budget_bytes=1 << 20, clock=clock)
+    tier.put(chunk("doc", tokens=4))
+    tier.pin("doc", until=clock.now + 10)
+    assert tier.put(chunk("doc", tokens=6))
+    assert tier.nbytes == chunk(tokens=6).nbytes
+    assert tier.stats()["pinned"] == 1
+
+
+def test_evicted_entries_are_handed_to_on_evict() -> None:
+    tier = MemoryTier(budget_bytes=chunk().nbytes, clock=Clock())
+    demoted: list[str] = []
+    tier.on_evict = lambda entry: demoted.append(entry.key)
+    tier.put(chunk("first"))
+    tier.put(chunk("second"))
+    assert demoted == ["first"]
+
+
+def test_concurrent_puts_gets_and_deletes_keep_byte_accounting_right() -> None:
+    tier = MemoryTier(budget_bytes=20_000)
+    evicted = []
+    tier.on_evict = evicted.append
+    gets = [0] * 8
+    entries = [chunk(f"doc-{i}", tokens=1 + i % 9, cost=random.random()) for i in range(40)]
+
+    def work(n: int) -> None:
+        rng = random.Random(n)
+        for _ in range(500):
+            op = rng.random()
+            if op < 0.5:
+                tier.put(rng.choice(entries))
+            elif op < 0.9:
+                tier.get(rng.choice(entries).key)
+                gets[n] += 1
+            else:
+                tier.delete(rng.choice(entries).key)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    held = {e.key: e for e in entries if e.key in tier}
+    stats = tier.stats()
+    assert tier.nbytes == sum(e.nbytes for e in held.values()) <= tier.budget
+    assert stats["hits"] + stats["misses"] == sum(gets)
+    assert stats["evictions"] == len(evicted)
+
+
+# --- registry and store -------------------------------------------------------------------------
+
+
+def test_tiers_are_built_by_registered_name() -> None:
+    assert "memory" in tier_names()
+    tier = make_tier("memory", budget_bytes=1024, half_life_s=5)
+    assert isinstance(tier, MemoryTier) and tier.budget == 1024 and tier.name == "memory"
+    with pytest.raises(ValueError, match="known: .*memory"):
+        make_tier("floppy")
+    with pytest.raises(ValueError, match="already registered"):
+        register_tier("memory")(type("Other", (MemoryTier,), {}))
+    assert issubclass(MemoryTier, Tier)
+
+
+def test_store_from_config_uses_the_configured_tiers() -> None:
+    store = ChunkStore.from_config(ChunkCacheConfig(memory_bytes=4096, half_life_s=30))
+    (tier,) = store.tiers
+    assert isinstance(tier, MemoryTier) and (tier.budget, tier.half_life_s) == (4096, 30)
+
+
+def test_store_promotes_a_hit_in_a_lower_tier_to_the_first() -> None:
+    fast, slow = MemoryTier(budget_bytes=1 << 20), MemoryTier(budget_bytes=1 << 20)
+    store = ChunkStore([fast, slow])
+    slow.put(chunk("doc"))
+
+    assert store.get("doc") is not None
+    assert "doc" in fast
+    assert store.get("missing") is None
+    stats = store.stats()
+    assert (stats["hits"], stats["misses"], stats["promotions"]) == (1, 1, 1)
+    assert [t["tier"] for t in stats["tiers"]] == ["memory", "memory"]
+
+
+def test_store_demotes_evictions_and_still_finds_them() -> None:
+    fast, slow = MemoryTier(budget_bytes=chunk().nbytes, clock=Clock()), MemoryTier(budget_bytes=1 << 20)
+    store = ChunkStore([fast, slow])
+    store.put(chunk("a"))
+    store.put(chunk("b"))
+    assert fast.keys() == ["b"] and slow.keys() == ["a"]
+    assert store.get("a") is not None and "a" in fast
+
+
+def test_store_puts_into_the_first_tier_that_accepts() -> None:
+    fast, slow = MemoryTier(budget_bytes=chunk(tokens=2).nbytes), MemoryTier(budget_bytes=1 << 20)
+    store = ChunkStore([fast, slow])
+    assert store.put(chunk("big", tokens=4))
+    assert "big" not in fast and "big" in slow and "big" in store
+    assert store.delete("big") and "big" not in store
+
+
+def test_store_pins_where_the_entry_is() -> None:
+    clock = Clock()
+    store = ChunkStore([MemoryTier(budget_bytes=1 << 20, clock=clock)])
+    store.put(chunk("doc"))
+    assert store.pin("doc", until=clock.now + 5) and not store.pin("absent", until=clock.now + 5)
+    assert store.stats()["tiers"][0]["pinned"] == 1
+    assert store.unpin("doc") and store.stats()["tiers"][0]["pinned"] == 0
