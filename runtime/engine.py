@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,11 +34,21 @@ Callback = Callable[[Output | BaseException], None]
 
 @dataclass
 class Result:
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    prompt_tokens: int
-    logprobs: list[TokenLogprob]
+    """A whole completion, gathered from its outputs."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, out: Output) -> None:
+        self.text += out.text
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs
+        self.finish_reason = out.finish_reason
+        self.prompt_tokens, self.completion_tokens = out.prompt_tokens, out.completion_tokens
 
 
 class Engine:
@@ -69,6 +78,7 @@ class Engine:
     # ---- the ways in (any thread) -------------------------------------------------------
 
     def check(self, prompt_tokens: int, max_tokens: int | None) -> None:
+        """Raise ValueError for a prompt the engine cannot take (PromptTooLong for the context window)."""
         if prompt_tokens == 0:
             raise ValueError("the prompt is empty")
         if prompt_tokens >= self.max_model_len:
@@ -84,7 +94,7 @@ class Engine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, callback: Callback) -> int:
         self.check(len(prompt_ids), params.max_tokens)
-        kv = KVCache(*self.kv_shape, self.model.dtype, self.config.device)
+        kv = KVCache(*self.kv_shape, self.model.dtype, self.config.device, self.max_model_len)
         seq = Sequence(list(prompt_ids), params, kv, self.loaded.eos_token_ids, self.max_model_len)
         with self.lock:
             self.inbox.append((seq, callback))
@@ -114,18 +124,15 @@ class Engine:
                 self.abort(seq_id)
 
     def generate_sync(self, prompt_ids: list[int], params: SamplingParams) -> Result:
-        outputs: queue.Queue[Output | BaseException] = queue.Queue()
-        self.submit(prompt_ids, params, outputs.put)
-        text, ids, logprobs = [], [], []
-        while True:
-            out = outputs.get()
-            if isinstance(out, BaseException):
-                raise out
-            text.append(out.text)
-            ids += out.token_ids
-            logprobs += out.logprobs
-            if out.finish_reason is not None:
-                return Result("".join(text), ids, out.finish_reason, out.prompt_tokens, logprobs)
+        """generate() to the end, for a caller without an event loop."""
+
+        async def gather() -> Result:
+            result = Result()
+            async for out in self.generate(prompt_ids, params):
+                result.add(out)
+            return result
+
+        return asyncio.run(gather())
 
     def shutdown(self) -> None:
         self.stopped = True

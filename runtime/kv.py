@@ -6,11 +6,14 @@ import torch
 
 
 class KVCache:
-    """Grows by doubling, so appending one decode token is amortised O(1)."""
+    """Grows by doubling, so appending one decode token is amortised O(1); never past max_len
+    (the sequence's context window; 0: no bound)."""
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: str) -> None:
+    def __init__(
+        self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: str, max_len: int = 0
+    ) -> None:
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.max_len = dtype, device, max_len
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.lengths = [0] * num_layers
@@ -29,6 +32,8 @@ class KVCache:
         if tokens <= capacity:
             return
         new = max(tokens, 2 * capacity, 16)
+        if self.max_len:
+            new = max(tokens, min(new, self.max_len))
         shape = (self.kv_heads, new, self.head_dim)
         keys, values = [], []
         for i in range(self.num_layers):

@@ -6,11 +6,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+# Dividing logits by a tinier temperature overflows them to inf (and the distribution to NaN).
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0: greedy
+    temperature: float = 1.0  # below GREEDY_BELOW (0 included): greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
     seed: int | None = None
@@ -44,7 +47,7 @@ def penalise(logits: torch.Tensor, params: SamplingParams, output_ids: list[int]
 
 def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Pick a token from one row of (penalised) logits."""
-    if params.temperature == 0:
+    if params.temperature < GREEDY_BELOW:
         return int(logits.argmax())
     logits = logits / params.temperature
     if 0 < params.top_k < logits.shape[0]:

@@ -53,7 +53,7 @@ class Sequence:
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+            self.generator = torch.Generator(device=self.kv.device).manual_seed(self.params.seed)
 
     @property
     def computed(self) -> int:

@@ -105,6 +105,17 @@ def test_context_window_is_enforced(engine: Engine) -> None:
     engine.check(100, engine.max_model_len - 100)
 
 
+def test_generate_sync_gathers_every_output_and_raises_engine_errors(engine: Engine, chat_ids) -> None:
+    ids = chat_ids(QUESTIONS[0])
+    r = engine.generate_sync(ids, SamplingParams(max_tokens=5, temperature=0, logprobs=0))
+    assert r.prompt_tokens == len(ids) and r.completion_tokens == len(r.token_ids) == len(r.logprobs) == 5
+    assert r.text == engine.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate_sync([], GREEDY)
+    with pytest.raises(PromptTooLong):
+        engine.generate_sync(ids, SamplingParams(max_tokens=engine.max_model_len))
+
+
 def test_abandoned_stream_frees_its_slot(engine: Engine, chat_ids) -> None:
     async def read_two() -> None:
         params = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)

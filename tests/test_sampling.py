@@ -44,3 +44,8 @@ def test_logprobs_are_normalised() -> None:
     lp = logprob_of(LOGITS * 3, 1, 2)
     assert [t for t, _ in lp.top] == [0, 1]
     assert torch.isclose(torch.tensor([lp.logprob]).exp(), torch.softmax(LOGITS * 3, -1)[1])
+
+
+def test_a_tiny_temperature_is_greedy() -> None:
+    # Dividing by it would overflow the logits to inf and the distribution to NaN.
+    assert draws(SamplingParams(temperature=1e-40), 5) == {0}

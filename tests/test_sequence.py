@@ -6,7 +6,7 @@ import torch
 
 from runtime.kv import KVCache
 from runtime.loader import LoadedModel
-from runtime.sampling import SamplingParams
+from runtime.sampling import SamplingParams, choose
 from runtime.sequence import Sequence
 
 
@@ -39,3 +39,22 @@ def test_multibyte_characters_arrive_whole(loaded: LoadedModel) -> None:
 def test_length_limit(loaded: LoadedModel) -> None:
     pieces, seq = feed(loaded, "one two three four five six", SamplingParams(max_tokens=3))
     assert seq.finish_reason == "length" and len(seq.output_ids) == 3
+
+
+def test_kv_capacity_never_exceeds_the_context_window() -> None:
+    kv = KVCache(1, 1, 1, torch.float32, "cpu", max_len=20)
+    for _ in range(20):  # doubling would reach 32 at token 17
+        kv.append(0, torch.zeros(1, 1, 1), torch.zeros(1, 1, 1))
+        assert kv.keys[0].shape[1] <= 20
+    assert len(kv) == 20
+
+
+def test_a_seed_samples_reproducibly_on_the_kv_device() -> None:
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # a CPU generator cannot sample on a GPU
+    logits = torch.randn(64, generator=torch.Generator().manual_seed(0)).to(device)
+    params = SamplingParams(seed=7)
+    runs = []
+    for _ in range(2):
+        seq = Sequence([1], params, KVCache(1, 1, 1, torch.float32, device), frozenset(), 100)
+        runs.append([choose(logits, params, seq.generator) for _ in range(8)])
+    assert runs[0] == runs[1] and len(set(runs[0])) > 1
