@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 from typing import Any
@@ -11,16 +12,21 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import chat, completions, errors
-from gateway.errors import APIError
+from gateway.errors import APIError, internal
 from gateway.serving import Served
 from gateway.settings import Settings
 from runtime.engine import Engine
+
+log = logging.getLogger("kvgate")
 
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
 class RequestId:
-    """Every response carries x-request-id: the client's own when it sent a sane one."""
+    """Every response carries x-request-id: the client's own when it sent a sane one.
+
+    It is the outermost middleware, so it also turns an unhandled exception into the 500 (Starlette's
+    own error middleware sits outside it and would answer without the id)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -32,12 +38,22 @@ class RequestId:
         request_id = given if _CLIENT_ID.match(given) else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
 
+        started = False
+
         async def send_with_id(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:
+            log.exception("request %s failed", request_id)
+            if started:  # too late for an error response; the server ends the connection
+                raise
+            await send_json(send_with_id, internal(exc))
 
 
 class BodyLimit:
@@ -79,10 +95,15 @@ class BodyLimit:
 
     async def reject(self, send: Send) -> None:
         error = APIError(413, f"the request body is larger than {self.limit} bytes", code="request_too_large")
-        body = json.dumps(error.body()).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        await send({"type": "http.response.start", "status": 413, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await send_json(send, error)
+
+
+async def send_json(send: Send, error: APIError) -> None:
+    """An error response, sent from a middleware (below the app's exception handlers)."""
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def create_app(settings: Settings, engine: Engine) -> FastAPI:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -22,8 +23,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     served: Served = request.app.state.served
     served.check_model(body.model)
     messages = [m.for_template(i) for i, m in enumerate(body.messages)]
-    try:
-        prompt = chat_prompt(served.tokenizer, messages, body.add_generation_prompt, body.tools)
+    try:  # off the event loop: rendering and tokenizing a long prompt takes seconds
+        prompt = await asyncio.to_thread(
+            chat_prompt, served.tokenizer, messages, body.add_generation_prompt, body.tools
+        )
     except TemplateError as exc:
         raise bad_request(str(exc), "messages", "invalid_messages") from exc
     choices = served.choices([prompt], body, body.max_new_tokens, body.logprobs_k, "messages")

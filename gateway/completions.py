@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -21,19 +22,14 @@ router = APIRouter()
 async def completions(body: CompletionRequest, request: Request) -> Any:
     served: Served = request.app.state.served
     served.check_model(body.model)
-    prompts: list[list[int]] = []
-    for i, p in enumerate(body.prompts):
-        if isinstance(p, str):
-            prompts.append(text_prompt(served.tokenizer, p))
-        elif any(not 0 <= t < len(served.tokenizer) for t in p):
-            raise bad_request(f"prompt {i} holds token ids outside this model's vocabulary", "prompt")
-        else:
-            prompts.append(list(p))
+    # Off the event loop: tokenizing a long prompt takes seconds.
+    prompts = await asyncio.to_thread(token_ids, served, body)
     choices = served.choices(prompts, body, body.max_tokens, body.logprobs, "prompt")
     # Echo returns each prompt as text in front of its completion.
-    echo = {
-        c.index: served.tokenizer.decode(c.prompt_ids, skip_special_tokens=True) if body.echo else "" for c in choices
-    }
+    texts = [""] * len(prompts)
+    if body.echo:
+        texts = await asyncio.to_thread(served.tokenizer.batch_decode, prompts, skip_special_tokens=True)
+    echo = {c.index: texts[c.index // body.n] for c in choices}
     head = response_head("cmpl", request, served)
     prompt_tokens = sum(map(len, prompts))
     if body.stream:
@@ -64,16 +60,30 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     )
 
 
+def token_ids(served: Served, body: CompletionRequest) -> list[list[int]]:
+    prompts = []
+    for i, p in enumerate(body.prompts):
+        if isinstance(p, str):
+            prompts.append(text_prompt(served.tokenizer, p))
+        elif any(not 0 <= t < len(served.tokenizer) for t in p):
+            raise bad_request(f"prompt {i} holds token ids outside this model's vocabulary", "prompt")
+        else:
+            prompts.append(list(p))
+    return prompts
+
+
 def render(served: Served, logprobs: int | None) -> Callable[[int, Output], list[dict[str, Any]]]:
-    """One chunk per output; the last carries finish_reason. Logprob offsets run on across chunks."""
+    """One chunk per output; the last carries finish_reason. Logprob offsets run on across chunks,
+    by the tokens' own text (the chunks' text lags behind it while a stop string may be starting)."""
     offsets: dict[int, int] = {}
 
     def chunks(index: int, out: Output) -> list[dict[str, Any]]:
-        offset = offsets.get(index, 0)
-        offsets[index] = offset + len(out.text)
         if not (out.text or out.logprobs or out.finish_reason):
             return []
-        lps = completion_logprobs(served.token_bytes, out.logprobs, offset) if logprobs is not None else None
+        lps = None
+        if logprobs is not None:
+            lps = completion_logprobs(served.token_bytes, out.logprobs, offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + sum(map(len, lps["tokens"]))
         return [{"index": index, "text": out.text, "logprobs": lps, "finish_reason": out.finish_reason}]
 
     return chunks

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-log = logging.getLogger("kvgate")
+from runtime.engine import EngineError
 
 TYPES = {
     400: "invalid_request_error",
@@ -44,8 +44,22 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
+def internal(exc: Exception) -> APIError:
+    """The error a client sees for an exception nothing else handled: an engine failure says what failed."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineError):
+        return APIError(500, f"generation failed: {exc}", code="internal_error")
+    return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param, code)
+
+
+# The segments pydantic adds to an error's location for union members and validators: type tags
+# (str, list[int], union[...]), validator tags (function-after[...]) and model class names.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|bytes|none|[a-z-]+\[.*\]|[A-Z]\w*)$")
 
 
 def from_validation(exc: RequestValidationError) -> APIError:
@@ -56,12 +70,12 @@ def from_validation(exc: RequestValidationError) -> APIError:
             code="invalid_json",
         )
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    # Tagged-union and type names in the location say nothing to a client; keep field names and indices.
-    loc = [p for p in loc if not (p[0].isupper() or p.startswith(("function-", "list[", "str", "int")))]
+    # Union tags in the location say nothing to a client; keep field names, keys and indices.
+    loc = [p for p in loc if p and not _UNION_TAG.match(p)]
     param = ".".join(loc) or None
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
     if first.get("type") == "missing":
-        message = f"missing required field '{param}'"
+        message = f"missing required field '{param}'" if param else "the request body is missing; send a JSON object"
     elif param:
         message = f"invalid value for '{param}': {message}"
     if first.get("type") == "model_attributes_type" and not loc:
@@ -84,8 +98,3 @@ def install(app: FastAPI) -> None:
         if exc.status_code == 404:
             message = "not found: no such route"
         return APIError(exc.status_code, message).response()
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error").response()

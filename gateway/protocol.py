@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -9,9 +10,20 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from gateway.errors import bad_request
 from runtime.sampling import SamplingParams
 
+SEED_BOUND = 2**63  # seeds are signed 64-bit integers
+
 
 class Body(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """An explicit null for a field with a default means the default (as OpenAI and vLLM read it)."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
 
 
 class TextPart(Body):
@@ -53,6 +65,18 @@ class Message(Body):
             out["content"] = self.content or ""
         if out["role"] == "developer":  # OpenAI's newer name for the system role
             out["role"] = "system"
+        for j, call in enumerate(out.get("tool_calls", ())):
+            function = call.get("function")
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                # OpenAI sends arguments as a JSON string; chat templates expect a mapping.
+                try:
+                    call["function"] = {**function, "arguments": json.loads(function["arguments"])}
+                except json.JSONDecodeError as exc:
+                    raise bad_request(
+                        f"tool call arguments are not valid JSON: {exc}",
+                        f"messages.{index}.tool_calls.{j}.function.arguments",
+                        "invalid_value",
+                    ) from exc
         return out
 
 
@@ -73,7 +97,7 @@ class Sampling(Body):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)  # vLLM extension
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-SEED_BOUND, lt=SEED_BOUND)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM extension
     ignore_eos: bool = False  # vLLM extension
@@ -98,9 +122,13 @@ class Sampling(Body):
     def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int, choice: int) -> SamplingParams:
         bias: dict[int, float] = {}
         for key, value in (self.logit_bias or {}).items():
-            if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+            try:
+                token = int(key)
+            except ValueError:
+                token = -1
+            if not 0 <= token < vocab_size:
                 raise bad_request(f"logit_bias key {key!r} is not a token id of this model", "logit_bias")
-            bias[int(key)] = value
+            bias[token] = value
         for token in self.stop_token_ids or ():
             if not 0 <= token < vocab_size:
                 raise bad_request(f"stop_token_ids holds {token}, not a token id of this model", "stop_token_ids")
@@ -110,8 +138,8 @@ class Sampling(Body):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
-            # n choices with one seed must still differ, and stay reproducible.
-            seed=None if self.seed is None else self.seed + choice,
+            # n choices with one seed must still differ, and stay reproducible (and within int64).
+            seed=None if self.seed is None else (self.seed + choice + SEED_BOUND) % (2 * SEED_BOUND) - SEED_BOUND,
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,

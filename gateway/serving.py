@@ -7,16 +7,16 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from gateway.errors import APIError, bad_request
+from gateway.errors import APIError, bad_request, internal
 from gateway.protocol import Sampling
 from gateway.settings import Settings
-from runtime.engine import Engine, PromptTooLong
+from runtime.engine import Engine, PromptTooLong, Result
 from runtime.sampling import SamplingParams, TokenLogprob
 from runtime.sequence import Output
 from runtime.tokens import TokenBytes
@@ -29,16 +29,6 @@ class Choice:
     index: int
     prompt_ids: list[int]
     params: SamplingParams
-
-
-@dataclass
-class Finished:
-    """A choice's whole completion, for non-streaming responses."""
-
-    text: str = ""
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    completion_tokens: int = 0
 
 
 class Served:
@@ -65,12 +55,11 @@ class Served:
     ) -> list[Choice]:
         choices = []
         for p, ids in enumerate(prompts):
-            if not ids:
-                raise bad_request("the prompt is empty", param, "invalid_value")
             try:
                 self.engine.check(len(ids), max_tokens)
-            except PromptTooLong as exc:
-                raise bad_request(str(exc), param, "context_length_exceeded") from exc
+            except ValueError as exc:
+                code = "context_length_exceeded" if isinstance(exc, PromptTooLong) else "invalid_value"
+                raise bad_request(str(exc), param, code) from exc
             limit = max_tokens or self.engine.max_model_len - len(ids)
             for i in range(body.n):
                 index = p * body.n + i
@@ -104,16 +93,13 @@ async def run(engine: Engine, choices: list[Choice]) -> AsyncIterator[tuple[int,
             task.cancel()
 
 
-async def collect(request: Request, engine: Engine, choices: list[Choice]) -> dict[int, Finished]:
+async def collect(request: Request, engine: Engine, choices: list[Choice]) -> dict[int, Result]:
     """Run choices to the end; stop (and free the engine) if the client hangs up first."""
-    done = {c.index: Finished() for c in choices}
+    done = {c.index: Result() for c in choices}
 
     async def gather() -> None:
         async for index, out in run(engine, choices):
-            f = done[index]
-            f.text += out.text
-            f.logprobs += out.logprobs
-            f.finish_reason, f.completion_tokens = out.finish_reason, out.completion_tokens
+            done[index].add(out)
 
     work = asyncio.create_task(gather())
     watcher = asyncio.create_task(hang_up(request))
@@ -158,15 +144,18 @@ def chat_logprobs(tb: TokenBytes, logprobs: list[TokenLogprob]) -> dict[str, Any
 
 
 def completion_logprobs(tb: TokenBytes, logprobs: list[TokenLogprob], offset: int) -> dict[str, Any]:
-    tokens, offsets = [], []
+    """Logprobs of text completions; text_offset counts on from `offset`, each token's own text."""
+    tokens, offsets, tops = [], [], []
     for lp in logprobs:
         tokens.append(tb.text(lp.token_id))
         offsets.append(offset)
         offset += len(tokens[-1])
+        # As vLLM: the sampled token is among its top logprobs even when it is not in the top k.
+        tops.append({**{tb.text(t): finite(p) for t, p in lp.top}, tokens[-1]: finite(lp.logprob)})
     return {
         "tokens": tokens,
         "token_logprobs": [finite(lp.logprob) for lp in logprobs],
-        "top_logprobs": [{tb.text(t): finite(p) for t, p in lp.top} for lp in logprobs],
+        "top_logprobs": tops,
         "text_offset": offsets,
     }
 
@@ -227,5 +216,4 @@ def sse(payload: dict[str, Any] | str) -> str:
 
 
 def sse_error(exc: Exception) -> str:
-    error = exc if isinstance(exc, APIError) else APIError(500, f"generation failed: {exc}", code="internal_error")
-    return sse(error.body())
+    return sse(internal(exc).body())

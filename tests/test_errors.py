@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Iterator
+
 import httpx
 import openai
 import pytest
+import uvicorn
+
+from gateway.app import create_app
+from runtime.engine import EngineError
+from tests.conftest import free_port
 
 
 def post(base_url: str, path: str, **kw) -> httpx.Response:
@@ -64,6 +73,12 @@ def test_missing_fields(base_url, model_name, missing) -> None:
         ("stream_options", {"include_usage": True}),
         ("messages", []),
         ("stop_token_ids", [-1]),
+        ("seed", 2**64),
+        ("seed", -(2**63) - 1),
+        ("logit_bias", {"²": 1}),
+        ("logit_bias", {"": 500}),
+        ("stream", "maybe"),
+        ("stream_options", 5),
     ],
 )
 def test_invalid_values(base_url, model_name, field, value) -> None:
@@ -82,6 +97,37 @@ def test_invalid_values(base_url, model_name, field, value) -> None:
 def test_invalid_messages(base_url, model_name, message) -> None:
     error = error_of(post(base_url, "/v1/chat/completions", json=chat(model_name, messages=[message])), 400)
     assert error["param"].startswith("messages")
+
+
+def test_empty_body_says_so(base_url) -> None:
+    r = post(base_url, "/v1/chat/completions", content=b"", headers={"content-type": "application/json"})
+    error = error_of(r, 400)
+    assert error["message"] == "the request body is missing; send a JSON object" and error["param"] is None
+
+
+def test_seed_range_and_tiny_temperature(base_url, model_name) -> None:
+    for seed in (2**63 - 1, -(2**63)):  # the per-choice offset wraps within int64
+        r = post(base_url, "/v1/chat/completions", json=chat(model_name, seed=seed, n=3))
+        assert r.status_code == 200 and len(r.json()["choices"]) == 3
+    tiny = post(base_url, "/v1/chat/completions", json=chat(model_name, temperature=1e-40, max_tokens=8))
+    greedy = post(base_url, "/v1/chat/completions", json=chat(model_name, temperature=0, max_tokens=8))
+    assert tiny.status_code == 200, tiny.text
+    assert tiny.json()["choices"][0]["message"] == greedy.json()["choices"][0]["message"]
+
+
+def test_tool_call_arguments_must_be_json(base_url, model_name) -> None:
+    def call(arguments: str) -> dict:
+        tool_call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": arguments}}
+        messages = [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [tool_call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        ]
+        return chat(model_name, messages=messages)
+
+    assert post(base_url, "/v1/chat/completions", json=call('{"city": "Paris"}')).status_code == 200
+    error = error_of(post(base_url, "/v1/chat/completions", json=call('{"city": Paris}')), 400)
+    assert error["param"] == "messages.1.tool_calls.0.function.arguments"
 
 
 def test_completion_specific_checks(base_url, model_name) -> None:
@@ -142,3 +188,37 @@ def test_sdk_raises_typed_errors_and_server_keeps_serving(client, model_name) ->
     assert bad.value.status_code == 400 and bad.value.body["param"] == "temperature"
     ok = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
     assert ok.choices[0].message.content is not None
+
+
+@pytest.fixture(scope="module")
+def failing_url(settings, engine) -> Iterator[str]:
+    """A second real server whose app also has routes failing as a bug and as the engine would."""
+    app = create_app(settings, engine)
+
+    @app.get("/bug")
+    async def bug() -> None:
+        raise KeyError("no such thing")
+
+    @app.get("/engine-failure")
+    async def engine_failure() -> None:
+        raise EngineError("RuntimeError: probability tensor contains either `inf`, `nan` or element < 0")
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{server.config.port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_unhandled_errors_are_openai_500s_with_the_request_id(failing_url) -> None:
+    r = httpx.get(f"{failing_url}/bug", headers={"x-request-id": "trace-500"})
+    error = error_of(r, 500)
+    assert r.headers["x-request-id"] == "trace-500"
+    assert error["type"] == "server_error" and error["code"] == "internal_error" and "KeyError" in error["message"]
+    error = error_of(httpx.get(f"{failing_url}/engine-failure"), 500)
+    assert "probability tensor contains" in error["message"]
+    assert httpx.get(f"{failing_url}/health").status_code == 200

@@ -198,3 +198,59 @@ def test_client_hanging_up_mid_stream_frees_the_engine(base_url, model_name, eng
     while engine.load_stats["running"]:
         assert time.monotonic() < deadline, "the engine kept decoding for a client that left"
         time.sleep(0.05)
+
+
+def test_tokenizing_a_huge_prompt_does_not_stall_other_clients(base_url, model_name) -> None:
+    # About 3 MB of prompt: seconds of template rendering and tokenizing, then a context-window 400.
+    huge = {"model": model_name, "messages": [{"role": "user", "content": "word " * 600_000}], "max_tokens": 2}
+    with ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        big = pool.submit(httpx.post, f"{base_url}/v1/chat/completions", json=huge, timeout=120)
+        waits = []
+        while not big.done():
+            t = time.monotonic()
+            assert httpx.get(f"{base_url}/health", timeout=60).status_code == 200
+            waits.append(time.monotonic() - t)
+        took = time.monotonic() - started
+    assert big.result().status_code == 400
+    assert len(waits) > 5 and max(waits) < took / 3, (max(waits), took)
+
+
+def test_null_means_the_default(base_url, model_name) -> None:
+    nulls = dict.fromkeys(["n", "stream", "presence_penalty", "frequency_penalty", "temperature", "seed", "stop"])
+    chat = httpx.post(
+        f"{base_url}/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": model_name,
+            "messages": [{"role": "user", "content": "Hi", "name": None}],
+            "max_tokens": 2,
+            **nulls,
+            **dict.fromkeys(["logprobs", "top_logprobs", "ignore_eos", "add_generation_prompt", "stream_options"]),
+        },
+    )
+    assert chat.status_code == 200, chat.text
+    assert len(chat.json()["choices"]) == 1 and chat.json()["choices"][0]["logprobs"] is None
+    body = {"model": model_name, "prompt": "Hi", "max_tokens": 2, **nulls, "echo": None, "logprobs": None}
+    text = httpx.post(f"{base_url}/v1/completions", timeout=60, json=body)
+    assert text.status_code == 200, text.text
+    body |= {"stream": True, "stream_options": {"include_usage": None}}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert r.status_code == 200 and all("usage" not in e for e in events)
+
+
+def test_streamed_text_offsets_count_tokens_held_back_for_a_stop_string(client, model_name) -> None:
+    kw = dict(model=model_name, prompt="The sky is", max_tokens=12, temperature=0, logprobs=1, stop=["zzzzzzzzzz"])
+    whole = client.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True)]
+    offsets = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+    assert offsets == whole.logprobs.text_offset
+    assert offsets == [len("".join(whole.logprobs.tokens[:i])) for i in range(len(offsets))]
+    assert "".join(c.text for c in chunks) == whole.text
+
+
+def test_logprobs_zero_gives_the_sampled_token(client, model_name) -> None:
+    r = client.completions.create(model=model_name, prompt="The sky is", max_tokens=4, temperature=1.0, logprobs=0)
+    lp = r.choices[0].logprobs
+    assert lp.top_logprobs == [{t: p} for t, p in zip(lp.tokens, lp.token_logprobs)]
