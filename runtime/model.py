@@ -50,11 +50,43 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
     return out[0]
 
 
+def project(layer: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A decoder layer's q, k, v for hidden states h [n, hidden]: [n, heads, head_dim], RoPE applied."""
+    attn = layer.self_attn
+    x = layer.input_layernorm(h)
+    q = attn.q_proj(x).view(len(h), -1, attn.head_dim)
+    k = attn.k_proj(x).view(len(h), -1, attn.head_dim)
+    v = attn.v_proj(x).view(len(h), -1, attn.head_dim)
+    if hasattr(attn, "q_norm"):  # Qwen3
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def project_keys(layer: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Only the keys of `project`: what a deviation check needs."""
+    attn = layer.self_attn
+    k = attn.k_proj(layer.input_layernorm(h)).view(len(h), -1, attn.head_dim)
+    if hasattr(attn, "k_norm"):
+        k = attn.k_norm(k)
+    return apply_rope(k, cos, sin)
+
+
+def finish_layer(layer: torch.nn.Module, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    """The rest of a decoder layer after attention: output projection, residuals, MLP."""
+    h = h + layer.self_attn.o_proj(attn_out.reshape(len(h), -1))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def logits_of(model: PreTrainedModel, h: torch.Tensor) -> torch.Tensor:
+    return model.lm_head(model.model.norm(h)).float()
+
+
 @torch.inference_mode()
-def forward(model: PreTrainedModel, runs: list[Run]) -> torch.Tensor:
+def forward(model: PreTrainedModel, runs: list[Run], every: bool = False) -> torch.Tensor:
     """Compute the runs' tokens through every layer, appending their K/V to each run's cache.
 
-    Returns the logits of each run's last token, [len(runs), vocab].
+    Returns the logits of each run's last token, [len(runs), vocab]; with `every`, of every
+    token, [tokens, vocab].
     """
     device = model.device
     lengths = [len(r.token_ids) for r in runs]
@@ -70,20 +102,14 @@ def forward(model: PreTrainedModel, runs: list[Run]) -> torch.Tensor:
     bounds = torch.tensor([0, *lengths]).cumsum(0).tolist()
 
     for i, layer in enumerate(inner.layers):
-        attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        q = attn.q_proj(x).view(len(ids), -1, attn.head_dim)
-        k = attn.k_proj(x).view(len(ids), -1, attn.head_dim)
-        v = attn.v_proj(x).view(len(ids), -1, attn.head_dim)
-        if hasattr(attn, "q_norm"):  # Qwen3
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = project(layer, h, cos, sin)
         out = torch.empty_like(q)
         for r, a, b in zip(runs, bounds, bounds[1:]):
             keys, values = r.kv.append(i, k[a:b].transpose(0, 1), v[a:b].transpose(0, 1))
-            out[a:b] = attend(q[a:b].transpose(0, 1), keys, values, attn.scaling).transpose(0, 1)
-        h = h + attn.o_proj(out.reshape(len(ids), -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+            out[a:b] = attend(q[a:b].transpose(0, 1), keys, values, layer.self_attn.scaling).transpose(0, 1)
+        h = finish_layer(layer, h, out)
 
+    if every:
+        return logits_of(model, h)
     last = torch.tensor(bounds[1:], device=device) - 1
-    return model.lm_head(inner.norm(h[last])).float()
+    return logits_of(model, h[last])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from runtime.model import apply_rope
+from runtime.kernels import rope_shift
 
 SHIFTABLE = {"default", "linear", "llama3"}
 
@@ -30,7 +30,5 @@ def shift(model: PreTrainedModel, keys: torch.Tensor, delta: int) -> torch.Tenso
     if not can_shift(model):
         raise ValueError(f"rope type {rope_type(model)!r} does not allow shifting cached keys")
     position = torch.tensor([[delta]], device=keys.device)
-    cos, sin = model.model.rotary_emb(keys[None], position)  # [1, 1, head_dim]
-    # Computed in fp32 whatever the cache dtype: the error would otherwise grow with delta.
-    rotated = apply_rope(keys.transpose(0, 1).float(), cos[0].float(), sin[0].float())
-    return rotated.transpose(0, 1).to(keys.dtype)
+    cos, sin = model.model.rotary_emb(keys[None].float(), position)  # [1, 1, head_dim], fp32
+    return rope_shift(keys, cos[0, 0], sin[0, 0])

@@ -1,0 +1,179 @@
+"""Prefill over reused document KV with selective recompute (CacheBlend).
+
+A prompt is a list of pieces. A piece with cached KV (computed alone at positions 0..T-1) is
+placed at its offset by a RoPE shift; the others are computed fresh. Reused KV lacks the
+attention to the pieces before it, so the layers up to the first check layer run over every
+token; at each check layer the reused tokens whose fresh keys deviate most from their reused
+keys are kept (the top `ratio`), and from there on only they and the fresh tokens are computed.
+Their new K/V overwrite the reused rows, and their queries attend over the whole mixed KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from runtime.kernels import gather_rows, scatter_rows, token_deviation
+from runtime.kv import KVCache
+from runtime.model import finish_layer, logits_of, project, project_keys
+from runtime.rope import shift
+
+
+@dataclass(frozen=True)
+class BlendConfig:
+    ratio: float = 0.15  # fraction of reused tokens recomputed after the check layers
+    # Layers where tokens are selected; the ones before the first run over every token.
+    # Several layers filter gradually: `widen` times more tokens are kept at each earlier one.
+    check_layers: tuple[int, ...] = (1,)
+    widen: float = 2.0
+    first_k: int = 0  # always recompute each reused piece's first k tokens (attention sinks)
+    select: str = "deviation"  # or "random": the baseline selection is measured against
+    seed: int = 0  # for random selection
+
+
+@dataclass
+class Piece:
+    token_ids: list[int]
+    keys: torch.Tensor | None = None  # [layers, kv_heads, T, head_dim], post-RoPE at 0..T-1
+    values: torch.Tensor | None = None
+
+    @property
+    def reused(self) -> bool:
+        return self.keys is not None
+
+
+@dataclass
+class Blended:
+    logits: torch.Tensor  # the last token's, [vocab]
+    reused: int  # tokens whose cached KV was kept
+    recomputed: int  # reused tokens computed again
+    deviation: float  # mean key deviation of reused tokens at the first check layer, relative
+
+
+def assemble(model: PreTrainedModel, kv: KVCache, pieces: list[Piece]) -> torch.Tensor:
+    """Write every reused piece's KV at its offset in `kv`; return a [N] mask of reused tokens."""
+    total = sum(len(p.token_ids) for p in pieces)
+    kv.reserve(total)
+    reused = torch.zeros(total, dtype=torch.bool)
+    offset = 0
+    for piece in pieces:
+        n = len(piece.token_ids)
+        if piece.reused:
+            layers, heads = piece.keys.shape[:2]
+            keys = piece.keys.reshape(layers * heads, n, -1)
+            shifted = shift(model, keys, offset).view_as(piece.keys) if offset else piece.keys
+            for i in range(layers):
+                kv.keys[i][:, offset : offset + n] = shifted[i]
+                kv.values[i][:, offset : offset + n] = piece.values[i]
+            reused[offset : offset + n] = True
+        offset += n
+    kv.lengths = [total] * kv.num_layers
+    return reused
+
+
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float):
+    """Queries at sorted `positions` [n] over keys 0..N-1, causal by true position.
+
+    Queries are split in groups, each attending only to the keys up to its last position, so
+    the masked-out upper triangle is mostly skipped rather than computed and thrown away."""
+    n = q.shape[1]
+    groups = max(1, min(8, n // 64))
+    out = torch.empty_like(q)
+    for rows in torch.arange(n).tensor_split(groups):
+        if len(rows) == 0:
+            continue
+        pos = positions[rows]
+        end = int(pos[-1]) + 1
+        mask = torch.arange(end)[None, :] <= pos[:, None]
+        out[:, rows] = F.scaled_dot_product_attention(
+            q[None, :, rows], k[None, :, :end], v[None, :, :end], attn_mask=mask, scale=scale, enable_gqa=True
+        )[0]
+    return out
+
+
+def choose(
+    deviation: torch.Tensor, reused: torch.Tensor, keep: int, forced: torch.Tensor, config: BlendConfig
+) -> torch.Tensor:
+    """Indices (sorted) into the current selection: all fresh and forced tokens, plus the `keep`
+    reused ones that deviate most."""
+    score = deviation.clone()
+    if config.select == "random":
+        g = torch.Generator().manual_seed(config.seed)
+        score = torch.rand(len(score), generator=g)
+    score[~reused] = float("-inf")
+    candidates = int(reused.sum())
+    top = score.topk(min(keep, candidates)).indices if keep > 0 else torch.empty(0, dtype=torch.long)
+    chosen = ~reused | forced
+    chosen[top] = True
+    return chosen.nonzero()[:, 0]
+
+
+def first_tokens(pieces: list[Piece], k: int) -> torch.Tensor:
+    masks = []
+    for piece in pieces:
+        m = torch.zeros(len(piece.token_ids), dtype=torch.bool)
+        if piece.reused:
+            m[:k] = True
+        masks.append(m)
+    return torch.cat(masks)
+
+
+@torch.inference_mode()
+def prefill(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: BlendConfig) -> Blended:
+    """Fill `kv` with the prompt's KV (reused where it can be) and return the last token's logits."""
+    inner = model.model
+    reused_all = assemble(model, kv, pieces)
+    total = len(reused_all)
+    ids = torch.tensor([t for p in pieces for t in p.token_ids], device=model.device)
+    positions = torch.arange(total, device=model.device)
+    h = inner.embed_tokens(ids)
+    cos_all, sin_all = (t[0] for t in inner.rotary_emb(h[None], positions[None]))
+    forced_all = first_tokens(pieces, config.first_k)
+    n_reused = int(reused_all.sum())
+    sel = positions  # the tokens being computed, sorted
+    checks = sorted(config.check_layers) if n_reused else []
+    deviation = 0.0
+
+    for i, layer in enumerate(inner.layers):
+        cos, sin = cos_all[sel], sin_all[sel]
+        if i in checks:
+            j = checks.index(i)
+            keep = round(n_reused * min(1.0, config.ratio * config.widen ** (len(checks) - 1 - j)))
+            reused = reused_all[sel]
+            if keep > 0 and config.select == "deviation":
+                fresh = project_keys(layer, h, cos, sin).transpose(0, 1)  # [kv_heads, n, d]
+                cached = gather_rows(kv.keys[i], sel)
+                dev = token_deviation(fresh, cached)
+                if j == 0:
+                    norm = cached.float().pow(2).sum((0, 2))
+                    deviation = float((dev[reused] / norm[reused].clamp_min(1e-12)).mean())
+            else:
+                dev = torch.zeros(len(sel))
+            picked = choose(dev, reused, keep, forced_all[sel], config)
+            sel, h, cos, sin = sel[picked], h[picked], cos[picked], sin[picked]
+
+        q, k, v = project(layer, h, cos, sin)
+        if len(sel) == total:
+            kv.keys[i][:, :total] = k.transpose(0, 1)
+            kv.values[i][:, :total] = v.transpose(0, 1)
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None],
+                kv.keys[i][None, :, :total],
+                kv.values[i][None, :, :total],
+                is_causal=True,
+                scale=layer.self_attn.scaling,
+                enable_gqa=True,
+            )[0]
+        else:
+            scatter_rows(kv.keys[i], sel, k.transpose(0, 1))
+            scatter_rows(kv.values[i], sel, v.transpose(0, 1))
+            out = attend_rows(
+                q.transpose(0, 1), kv.keys[i][:, :total], kv.values[i][:, :total], sel, layer.self_attn.scaling
+            )
+        h = finish_layer(layer, h, out.transpose(0, 1))
+
+    recomputed = int(reused_all[sel].sum())
+    return Blended(logits_of(model, h[-1]), n_reused - recomputed, recomputed, deviation)

@@ -1,0 +1,58 @@
+"""Documents in a chat prompt: one fixed template, each document tokenized on its own.
+
+The prompt is split into pieces
+
+    [head][document 1]...[document n][tail]
+
+head: the chat template's rendering up to the start of the first user message's content;
+document i: DOCUMENT_TEMPLATE with its text, tokenized alone (so its token ids, and so its
+cached KV, never depend on its neighbours or its place in the list);
+tail: the first user message's own content, the rest of the conversation and the generation
+prompt.
+
+The split is found by rendering the template with a marker that no client can know (a random
+string made at start-up) in front of the first user message, never by searching user text.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from runtime.tokens import TemplateError
+
+DOCUMENT_TEMPLATE = "<document>\n{text}\n</document>\n\n"
+
+_MARKER = f"kvgate-documents-{secrets.token_hex(16)}"
+
+
+def document_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return tokenizer.encode(DOCUMENT_TEMPLATE.format(text=text), add_special_tokens=False)
+
+
+def chat_pieces(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+) -> tuple[list[int], list[int]]:
+    """The head and tail token ids around the documents."""
+    if not tokenizer.chat_template:
+        raise TemplateError("this model has no chat template; documents need chat completions")
+    first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
+    if first_user is None:
+        raise TemplateError("documents need a user message to precede")
+    marked = [dict(m) for m in messages]
+    marked[first_user]["content"] = _MARKER + (marked[first_user].get("content") or "")
+    try:
+        text = tokenizer.apply_chat_template(
+            marked, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+    except Exception as exc:  # jinja raises its own errors for messages a template rejects
+        raise TemplateError(f"the model's chat template rejected the messages: {exc}") from exc
+    head, found, tail = text.partition(_MARKER)
+    if not found or _MARKER in tail:
+        raise TemplateError("the model's chat template does not render the user message verbatim")
+    return tokenizer.encode(head, add_special_tokens=False), tokenizer.encode(tail, add_special_tokens=False)

@@ -1,0 +1,182 @@
+"""How a prompt made of pieces gets its KV: full prefill, exact prefix reuse, naive reuse, blend.
+
+Documents are looked up in the chunk store by content; a document not found is computed alone
+(positions 0..T-1, as it will be found next time) and stored. Exact prefix reuse keeps, per
+prompt, the KV of everything before its tail as computed in context, and finds it again at any
+document boundary of a later prompt with the same leading pieces.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from chunk_cache import ChunkKV, ChunkStore, chunk_key, fingerprint
+from runtime.blend import BlendConfig, Piece, prefill
+from runtime.kv import KVCache
+from runtime.model import Run, forward
+from runtime.rope import can_shift, rope_type
+
+MODES = ("full", "prefix", "naive", "blend")
+
+
+@dataclass(frozen=True)
+class Reuse:
+    mode: str = "blend"
+    ratio: float | None = None  # None: the calibrated ratio
+
+
+@dataclass
+class Prefilled:
+    """What a reuse prefill did. `logits` is None when the caller computes the remaining
+    prompt tokens itself (from `len(kv)` on)."""
+
+    logits: torch.Tensor | None
+    mode: str  # the mode that ran, which may differ from the one asked (and `note` says why)
+    reused: int = 0
+    recomputed: int = 0
+    deviation: float = 0.0
+    note: str = ""
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return fingerprint(backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items())))
+
+
+class Reuser:
+    """Owns the document and prefix entries of one model in a chunk store."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        store: ChunkStore,
+        model_fp: str,
+        blend: BlendConfig,
+        max_ratio: float = 0.5,
+        deviation_limit: float | None = None,
+    ) -> None:
+        self.model, self.store, self.blend = model, store, blend
+        self.model_fp, self.tokenizer_fp = model_fp, tokenizer_fingerprint(tokenizer)
+        self.shiftable = can_shift(model)
+        # A request whose key deviation is above this (calibrated) limit gets `max_ratio`.
+        self.max_ratio, self.deviation_limit = max_ratio, deviation_limit
+        mc = model.config
+        self.kv_shape = (mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
+        self.prefixes: dict[str, tuple[str, int]] = {}  # boundary key -> (entry key, tokens)
+        self.lock = threading.Lock()
+
+    def key(self, token_ids: list[int], scope: str = "") -> str:
+        return chunk_key(self.model_fp, self.tokenizer_fp, token_ids, scope)
+
+    def new_kv(self) -> KVCache:
+        return KVCache(*self.kv_shape, self.model.dtype, self.model.device)
+
+    # ---- documents --------------------------------------------------------------------
+
+    def document(self, token_ids: list[int], scope: str = "") -> tuple[ChunkKV, bool]:
+        """The document's entry, computing and storing it when missing; and whether it was found."""
+        key = self.key(token_ids, scope)
+        entry = self.store.get(key)
+        if entry is not None and entry.token_ids == tuple(token_ids):
+            return entry, True
+        kv = self.new_kv()
+        start = time.perf_counter()
+        forward(self.model, [Run(kv, token_ids, 0)])
+        cost = time.perf_counter() - start
+        n = len(token_ids)
+        keys = torch.stack([k[:, :n] for k in kv.keys])
+        values = torch.stack([v[:, :n] for v in kv.values])
+        entry = ChunkKV(key, tuple(token_ids), keys, values, cost)
+        self.store.put(entry)
+        return entry, False
+
+    # ---- exact prefix -----------------------------------------------------------------
+
+    def attach_prefix(self, kv: KVCache, pieces: list[list[int]], scope: str = "") -> int:
+        """Copy the longest stored exact prefix ending at a piece boundary into the empty `kv`;
+        return its length in tokens."""
+        ids = [t for p in pieces for t in p]
+        bounds = torch.tensor([len(p) for p in pieces]).cumsum(0).tolist()[:-1]  # never the whole prompt
+        for end in reversed(bounds):
+            with self.lock:
+                found = self.prefixes.get(self.key(ids[:end], "prefix:" + scope))
+            entry = self.store.get(found[0]) if found else None
+            if entry is None or entry.token_ids[:end] != tuple(ids[:end]):
+                continue
+            kv.reserve(end)
+            for i in range(kv.num_layers):
+                kv.keys[i][:, :end] = entry.keys[i][:, :end]
+                kv.values[i][:, :end] = entry.values[i][:, :end]
+            kv.lengths = [end] * kv.num_layers
+            return end
+        return 0
+
+    def store_prefix(self, kv: KVCache, pieces: list[list[int]], scope: str = "") -> None:
+        """Keep the in-context KV of all pieces but the last, findable at each piece boundary."""
+        ids = [t for p in pieces[:-1] for t in p]
+        end = len(ids)
+        if end == 0 or len(kv) < end:
+            return
+        key = self.key(ids, "prefix:" + scope)
+        if key not in self.store:
+            keys = torch.stack([k[:, :end] for k in kv.keys])
+            values = torch.stack([v[:, :end] for v in kv.values])
+            self.store.put(ChunkKV(key, tuple(ids), keys, values, float(end)))
+        with self.lock:
+            boundary = 0
+            for p in pieces[:-1]:
+                boundary += len(p)
+                self.prefixes[self.key(ids[:boundary], "prefix:" + scope)] = (key, boundary)
+
+    # ---- the modes ----------------------------------------------------------------------
+
+    def prefill(
+        self, kv: KVCache, pieces: list[list[int]], documents: list[bool], reuse: Reuse, scope: str = ""
+    ) -> Prefilled:
+        """Start the prompt's KV in the empty `kv`. pieces: token ids; documents: which are documents."""
+        if reuse.mode == "full":
+            return Prefilled(None, "full")
+        if reuse.mode == "prefix":
+            n = self.attach_prefix(kv, pieces, scope)
+            return Prefilled(None, "prefix", reused=n)
+        if not self.shiftable:
+            return Prefilled(None, "full", note=f"rope type {rope_type(self.model)} cannot shift cached keys")
+        parts = []
+        for ids, is_doc in zip(pieces, documents):
+            if is_doc:
+                entry, _ = self.document(ids, scope)
+                parts.append(Piece(ids, entry.keys, entry.values))
+            else:
+                parts.append(Piece(ids))
+        ratio = 0.0 if reuse.mode == "naive" else (reuse.ratio if reuse.ratio is not None else self.blend.ratio)
+        config = self.config(ratio, reuse.mode)
+        done = prefill(self.model, kv, parts, config)
+        note = ""
+        if (
+            reuse.mode == "blend"
+            and reuse.ratio is None
+            and self.deviation_limit is not None
+            and done.deviation > self.deviation_limit
+            and ratio < self.max_ratio
+        ):
+            # Far outside what calibration saw: redo with the larger ratio.
+            note = f"deviation {done.deviation:.3g} above the calibrated {self.deviation_limit:.3g}"
+            kv.truncate(0)
+            done = prefill(self.model, kv, parts, self.config(self.max_ratio, "blend"))
+        return Prefilled(done.logits, reuse.mode, done.reused, done.recomputed, done.deviation, note)
+
+    def config(self, ratio: float, mode: str) -> BlendConfig:
+        if mode == "naive":  # no layer runs over the reused tokens at all
+            return BlendConfig(ratio=0.0, check_layers=(0,))
+        return BlendConfig(
+            ratio=ratio,
+            check_layers=self.blend.check_layers,
+            widen=self.blend.widen,
+            first_k=self.blend.first_k,
+        )

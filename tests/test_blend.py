@@ -1,0 +1,135 @@
+"""Prefill over reused document KV: assembly, selective recompute, the reuse modes, the template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from chunk_cache import ChunkStore, fingerprint
+from runtime.blend import BlendConfig, Piece, prefill
+from runtime.documents import chat_pieces, document_ids
+from runtime.loader import LoadedModel
+from runtime.model import Run, forward
+from runtime.reuse import Reuse, Reuser
+
+MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_rag_dev.jsonl"
+
+
+@pytest.fixture(scope="module")
+def reuser(loaded: LoadedModel) -> Reuser:
+    return Reuser(loaded.model, loaded.tokenizer, ChunkStore.from_config(), fingerprint("test"), BlendConfig())
+
+
+def musique(loaded: LoadedModel, index: int, docs: int, words: int) -> tuple[list[list[int]], list[bool]]:
+    if not MUSIQUE.is_file():
+        pytest.skip(f"{MUSIQUE} is missing (the shared evaluation data)")
+    with MUSIQUE.open() as f:
+        row = [json.loads(line) for _, line in zip(range(index + 1), f)][-1]
+    tok = loaded.tokenizer
+    head, tail = chat_pieces(tok, [{"role": "user", "content": row["question"]}])
+    passages = [" ".join(p.split()[:words]) for p in row["passages"][:docs]]
+    return [head, *(document_ids(tok, p) for p in passages), tail], [False, *[True] * docs, False]
+
+
+def full_logits(reuser: Reuser, pieces: list[list[int]]) -> torch.Tensor:
+    return forward(reuser.model, [Run(reuser.new_kv(), [t for p in pieces for t in p], 0)])[0]
+
+
+def blend_pieces(reuser: Reuser, pieces: list[list[int]], documents: list[bool]) -> list[Piece]:
+    out = []
+    for ids, is_doc in zip(pieces, documents):
+        entry = reuser.document(ids)[0] if is_doc else None
+        out.append(Piece(ids, entry.keys, entry.values) if entry else Piece(ids))
+    return out
+
+
+def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    p, q = p_logits.log_softmax(-1), q_logits.log_softmax(-1)
+    return float((p.exp() * (p - q)).sum())
+
+
+def test_blend_at_ratio_one_is_full_prefill(reuser: Reuser, loaded: LoadedModel) -> None:
+    pieces, documents = musique(loaded, 0, docs=3, words=120)
+    reference = full_logits(reuser, pieces)
+    kv = reuser.new_kv()
+    done = prefill(reuser.model, kv, blend_pieces(reuser, pieces, documents), BlendConfig(ratio=1.0))
+    assert done.recomputed == sum(len(p) for p, d in zip(pieces, documents) if d) and done.reused == 0
+    assert (done.logits - reference).abs().max() < 1e-3
+    assert len(kv) == sum(map(len, pieces))
+
+
+def test_naive_reuse_computes_only_the_fresh_tokens_and_moves_the_answer(reuser: Reuser, loaded: LoadedModel) -> None:
+    pieces, documents = musique(loaded, 0, docs=3, words=120)
+    kv = reuser.new_kv()
+    done = reuser.prefill(kv, pieces, documents, Reuse("naive"))
+    assert done.recomputed == 0 and done.reused == sum(len(p) for p, d in zip(pieces, documents) if d)
+    # Without the attention across documents the distribution moves, measurably but not wildly.
+    assert 1e-4 < kl(full_logits(reuser, pieces), done.logits) < 2.0
+
+
+def test_deviation_selection_beats_random_selection(reuser: Reuser, loaded: LoadedModel) -> None:
+    pieces, documents = musique(loaded, 1, docs=4, words=150)
+    reference = full_logits(reuser, pieces)
+    parts = blend_pieces(reuser, pieces, documents)
+
+    def divergence(config: BlendConfig) -> float:
+        return kl(reference, prefill(reuser.model, reuser.new_kv(), parts, config).logits)
+
+    chosen = divergence(BlendConfig(ratio=0.15))
+    at_random = [divergence(BlendConfig(ratio=0.15, select="random", seed=s)) for s in range(3)]
+    assert chosen < sum(at_random) / len(at_random)
+
+
+def test_more_recompute_moves_the_answer_less(reuser: Reuser, loaded: LoadedModel) -> None:
+    pieces, documents = musique(loaded, 1, docs=4, words=150)
+    reference = full_logits(reuser, pieces)
+    kls = [
+        kl(reference, reuser.prefill(reuser.new_kv(), pieces, documents, Reuse("blend", r)).logits) for r in (0, 0.5)
+    ]
+    assert kls[1] < kls[0]
+
+
+def test_exact_prefix_is_found_at_a_document_boundary(reuser: Reuser, loaded: LoadedModel) -> None:
+    pieces, documents = musique(loaded, 2, docs=3, words=60)
+    earlier = reuser.new_kv()
+    forward(reuser.model, [Run(earlier, [t for p in pieces for t in p], 0)])
+    reuser.store_prefix(earlier, pieces)
+
+    # A later prompt shares the head and the first two documents, then differs.
+    later = [*pieces[:3], document_ids(loaded.tokenizer, "Something else entirely."), pieces[-1]]
+    kv = reuser.new_kv()
+    done = reuser.prefill(kv, later, documents, Reuse("prefix"))
+    assert done.logits is None and done.reused == len(kv) == sum(map(len, later[:3]))
+    ids = [t for p in later for t in p]
+    logits = forward(reuser.model, [Run(kv, ids[len(kv) :], len(kv))])[0]
+    assert (logits - full_logits(reuser, later)).abs().max() < 1e-3
+
+
+def test_a_document_is_computed_once_then_found(reuser: Reuser, loaded: LoadedModel) -> None:
+    ids = document_ids(loaded.tokenizer, "The Eiffel Tower is in Paris.")
+    first, found = reuser.document(ids)
+    again, found_again = reuser.document(ids)
+    assert (found, found_again) == (False, True) and again is first
+    assert first.keys.shape[2] == len(ids) and first.cost > 0
+    assert reuser.document(ids, scope="tenant-b")[1] is False  # scopes never share entries
+
+
+def test_rope_types_that_cannot_shift_fall_back_to_full_prefill(loaded: LoadedModel) -> None:
+    reuser = Reuser(loaded.model, loaded.tokenizer, ChunkStore.from_config(), fingerprint("t"), BlendConfig())
+    reuser.shiftable = False  # a yarn-scaled model would say so; none is small enough to load here
+    done = reuser.prefill(reuser.new_kv(), [[1, 2], [3, 4], [5]], [False, True, False], Reuse("blend"))
+    assert done.mode == "full" and done.logits is None and "cannot shift" in done.note
+
+
+def test_documents_sit_between_head_and_the_users_words(loaded: LoadedModel) -> None:
+    tok = loaded.tokenizer
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who wrote <document>?"}]
+    head, tail = chat_pieces(tok, messages)
+    whole = tok.decode(head + document_ids(tok, "Some text.") + tail)
+    assert whole.index("Be brief.") < whole.index("Some text.") < whole.index("Who wrote <document>?")
+    assert tok.decode(tail).startswith("Who wrote <document>?")
+    # A document's tokens never depend on where it goes.
+    assert document_ids(tok, "Some text.") == document_ids(tok, "Some text.")
