@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway import chat, completions, errors
+from gateway import chat, completions, documents, errors
 from gateway.errors import APIError, internal
 from gateway.serving import Served
 from gateway.settings import Settings
@@ -113,6 +113,7 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
     errors.install(app)
     app.include_router(chat.router)
     app.include_router(completions.router)
+    app.include_router(documents.router)
 
     def card() -> dict[str, Any]:
         return {

@@ -9,9 +9,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from gateway import documents
 from gateway.errors import bad_request
 from gateway.protocol import ChatCompletionRequest
-from gateway.serving import Served, chat_logprobs, collect, response_head, streamed, usage
+from gateway.serving import Served, chat_logprobs, collect, response_head, reuse_headers, streamed, usage
 from runtime.sequence import Output
 from runtime.tokens import TemplateError, chat_prompt
 
@@ -23,13 +24,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     served: Served = request.app.state.served
     served.check_model(body.model)
     messages = [m.for_template(i) for i, m in enumerate(body.messages)]
-    try:  # off the event loop: rendering and tokenizing a long prompt takes seconds
-        prompt = await asyncio.to_thread(
-            chat_prompt, served.tokenizer, messages, body.add_generation_prompt, body.tools
-        )
-    except TemplateError as exc:
-        raise bad_request(str(exc), "messages", "invalid_messages") from exc
-    choices = served.choices([prompt], body, body.max_new_tokens, body.logprobs_k, "messages")
+    plan = None
+    # Off the event loop: rendering and tokenizing a long prompt takes seconds.
+    if body.documents:
+        plan = await asyncio.to_thread(documents.plan, served, body, messages)
+        prompt = [t for piece in plan.pieces for t in piece]
+    else:
+        try:
+            prompt = await asyncio.to_thread(
+                chat_prompt, served.tokenizer, messages, body.add_generation_prompt, body.tools
+            )
+        except TemplateError as exc:
+            raise bad_request(str(exc), "messages", "invalid_messages") from exc
+    choices = served.choices([prompt], body, body.max_new_tokens, body.logprobs_k, "messages", plan)
     head = response_head("chatcmpl", request, served)
     if body.stream:
         opening = [
@@ -37,7 +44,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             for c in choices
         ]
         chunk_head = {**head, "object": "chat.completion.chunk"}
-        return streamed(served, body, choices, chunk_head, len(prompt), opening, render(served, body.logprobs))
+        return await streamed(served, body, choices, chunk_head, len(prompt), opening, render(served, body.logprobs))
 
     done = await collect(request, served.engine, choices)
     return JSONResponse(
@@ -53,8 +60,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 }
                 for i, f in sorted(done.items())
             ],
-            "usage": usage(len(prompt), sum(f.completion_tokens for f in done.values())),
-        }
+            "usage": usage(len(prompt), sum(f.completion_tokens for f in done.values()), done[0].cached_tokens),
+        },
+        headers=reuse_headers(done[0]),
     )
 
 

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 
 from gateway.errors import bad_request
 from gateway.protocol import CompletionRequest
-from gateway.serving import Served, collect, completion_logprobs, response_head, streamed, usage
+from gateway.serving import Served, collect, completion_logprobs, response_head, reuse_headers, streamed, usage
 from runtime.sequence import Output
 from runtime.tokens import text_prompt
 
@@ -37,7 +37,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             {"index": i, "text": text, "logprobs": None, "finish_reason": None} for i, text in echo.items() if text
         ]
         chunk_head = {**head, "object": "text_completion"}
-        return streamed(served, body, choices, chunk_head, prompt_tokens, opening, render(served, body.logprobs))
+        return await streamed(served, body, choices, chunk_head, prompt_tokens, opening, render(served, body.logprobs))
 
     done = await collect(request, served.engine, choices)
     return JSONResponse(
@@ -56,7 +56,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                 for i, f in sorted(done.items())
             ],
             "usage": usage(prompt_tokens, sum(f.completion_tokens for f in done.values())),
-        }
+        },
+        headers=reuse_headers(done[0]),
     )
 
 

@@ -150,8 +150,34 @@ class Sampling(Body):
         )
 
 
+class DocumentRef(Body):
+    """A document of a RAG request: its text, or the id `POST /v1/documents` gave it."""
+
+    text: str | None = Field(None, min_length=1)
+    id: str | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> DocumentRef:
+        if (self.text is None) == (self.id is None):
+            raise ValueError("a document needs exactly one of 'text' and 'id'")
+        return self
+
+
+class ReuseOptions(Body):
+    """kvgate extension: how documents' KV is reused."""
+
+    reuse: Literal["full", "prefix", "naive", "blend"] = "blend"
+    recompute_ratio: float | None = Field(None, ge=0.0, le=1.0)
+
+
+class DocumentRequest(Body):
+    text: str = Field(min_length=1)
+
+
 class ChatCompletionRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
+    documents: list[DocumentRef] | None = Field(None, max_length=256)  # kvgate extension
+    kvgate: ReuseOptions | None = None  # kvgate extension
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False

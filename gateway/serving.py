@@ -18,7 +18,7 @@ from gateway.protocol import Sampling
 from gateway.settings import Settings
 from runtime.engine import Engine, PromptTooLong, Result
 from runtime.sampling import SamplingParams, TokenLogprob
-from runtime.sequence import Output
+from runtime.sequence import Output, Plan
 from runtime.tokens import TokenBytes
 
 FINGERPRINT = "kvgate-0.1"
@@ -29,6 +29,7 @@ class Choice:
     index: int
     prompt_ids: list[int]
     params: SamplingParams
+    plan: Plan | None = None
 
 
 class Served:
@@ -51,7 +52,13 @@ class Served:
             )
 
     def choices(
-        self, prompts: list[list[int]], body: Sampling, max_tokens: int | None, logprobs: int | None, param: str
+        self,
+        prompts: list[list[int]],
+        body: Sampling,
+        max_tokens: int | None,
+        logprobs: int | None,
+        param: str,
+        plan: Plan | None = None,
     ) -> list[Choice]:
         choices = []
         for p, ids in enumerate(prompts):
@@ -64,7 +71,7 @@ class Served:
             for i in range(body.n):
                 index = p * body.n + i
                 params = body.sampling_params(limit, logprobs, len(self.tokenizer), index)
-                choices.append(Choice(index, ids, params))
+                choices.append(Choice(index, ids, params, plan))
         return choices
 
 
@@ -74,7 +81,7 @@ async def run(engine: Engine, choices: list[Choice]) -> AsyncIterator[tuple[int,
 
     async def pump(choice: Choice) -> None:
         try:
-            async for out in engine.generate(choice.prompt_ids, choice.params):
+            async for out in engine.generate(choice.prompt_ids, choice.params, choice.plan):
                 await merged.put((choice.index, out))
         except Exception as exc:
             await merged.put((choice.index, exc))
@@ -117,6 +124,17 @@ async def collect(request: Request, engine: Engine, choices: list[Choice]) -> di
 async def hang_up(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def reuse_headers(done: Output | Result) -> dict[str, str]:
+    """What reuse did for the prompt (the same for every choice of a request)."""
+    headers = {
+        "x-kvgate-reused-tokens": str(done.cached_tokens),
+        "x-kvgate-recomputed-tokens": str(done.recomputed_tokens),
+    }
+    if done.reuse:
+        headers["x-kvgate-reuse"] = done.reuse
+    return headers
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
@@ -170,7 +188,7 @@ def response_head(kind: str, request: Request, served: Served) -> dict[str, Any]
     }
 
 
-def streamed(
+async def streamed(
     served: Served,
     body: Sampling,
     choices: list[Choice],
@@ -189,25 +207,35 @@ def streamed(
             chunk["usage"] = None
         return sse(chunk)
 
+    # The headers say what reuse did, so the response starts once the prompt is prefilled
+    # (an error before then is an ordinary error response).
+    outputs = run(served.engine, choices)
+    first = await anext(outputs)
+
     async def events() -> AsyncIterator[str]:
         completion_tokens = 0
         try:
             for choice in opening:
                 yield event(choice)
-            async for index, out in run(served.engine, choices):
+            for index, out in [first]:
+                completion_tokens += out.completion_tokens if out.finish_reason is not None else 0
+                for choice in render(index, out):
+                    yield event(choice)
+            async for index, out in outputs:
                 if out.finish_reason is not None:
                     completion_tokens += out.completion_tokens
                 for choice in render(index, out):
                     yield event(choice)
             if include_usage:
-                yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+                yield sse(
+                    {**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens, first[1].cached_tokens)}
+                )
         except Exception as exc:
             yield sse_error(exc)
         yield sse("[DONE]")
 
-    return StreamingResponse(
-        events(), media_type="text/event-stream", headers={"cache-control": "no-cache", "x-accel-buffering": "no"}
-    )
+    headers = {"cache-control": "no-cache", "x-accel-buffering": "no", **reuse_headers(first[1])}
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
 
 def sse(payload: dict[str, Any] | str) -> str:

@@ -31,6 +31,8 @@ class Settings(BaseSettings):
     max_num_seqs: int = Field(16, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=16)
     threads: int = Field(0, ge=0)
+    chunk_cache_bytes: int = Field(2 << 30, ge=0)
+    recompute_ratio: float | None = Field(None, ge=0.0, le=1.0)
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     log_level: str = "info"
 
@@ -63,4 +65,6 @@ class Settings(BaseSettings):
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             threads=self.threads,
+            chunk_cache_bytes=self.chunk_cache_bytes,
+            recompute_ratio=self.recompute_ratio,
         )

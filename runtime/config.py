@@ -21,3 +21,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     # 0: leave torch's default.
     threads: int = 0
+    # Bytes of document KV kept in memory (the chunk cache's first tier).
+    chunk_cache_bytes: int = 2 << 30
+    # Blend's recompute ratio; None: the calibrated one (`kvgate calibrate`), else the default.
+    recompute_ratio: float | None = None

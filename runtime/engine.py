@@ -6,17 +6,24 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
+from chunk_cache import ChunkCacheConfig, ChunkStore
+from runtime.blend import BlendConfig
+from runtime.calibration import Calibration, model_fingerprint
+from runtime.calibration import load as load_calibration
+from runtime.calibration import path as calibration_path
 from runtime.config import EngineConfig
 from runtime.kv import KVCache
 from runtime.loader import LoadedModel, load
 from runtime.model import Run, forward
+from runtime.reuse import Reuser
 from runtime.sampling import SamplingParams, TokenLogprob, choose, logprob_of, penalise
 from runtime.scheduler import Scheduler
-from runtime.sequence import Output, Sequence
+from runtime.sequence import Output, Plan, Sequence
 
 log = logging.getLogger("kvgate.engine")
 
@@ -42,6 +49,9 @@ class Result:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
+    recomputed_tokens: int = 0
+    reuse: str = ""
 
     def add(self, out: Output) -> None:
         self.text += out.text
@@ -49,6 +59,7 @@ class Result:
         self.logprobs += out.logprobs
         self.finish_reason = out.finish_reason
         self.prompt_tokens, self.completion_tokens = out.prompt_tokens, out.completion_tokens
+        self.cached_tokens, self.recomputed_tokens, self.reuse = out.cached_tokens, out.recomputed_tokens, out.reuse
 
 
 class Engine:
@@ -65,15 +76,26 @@ class Engine:
             mc.num_key_value_heads,
             getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads,
         )
+        self.model_fp = model_fingerprint(self.loaded)
+        self.calibration = load_calibration(calibration_path(config.cache_dir, self.model_fp))
+        self.reuser = self.make_reuser(self.calibration)
         self.scheduler = Scheduler(config.max_num_seqs, max(config.max_num_batched_tokens, config.max_num_seqs))
         self.callbacks: dict[int, Callback] = {}
-        self.inbox: list[tuple[Sequence | int, Callback | None]] = []
+        self.inbox: list[tuple[Sequence | int | Future, Callback | None]] = []
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.stopped = False
         self.steps = 0
         self.thread = threading.Thread(target=self.loop, name="kvgate-engine", daemon=True)
         self.thread.start()
+
+    def make_reuser(self, calibration: Calibration | None) -> Reuser:
+        c = self.config
+        ratio = c.recompute_ratio if c.recompute_ratio is not None else calibration.ratio if calibration else None
+        blend = BlendConfig() if ratio is None else BlendConfig(ratio=ratio)
+        store = ChunkStore.from_config(ChunkCacheConfig(memory_bytes=c.chunk_cache_bytes))
+        limit = calibration.deviation_limit if calibration and c.recompute_ratio is None else None
+        return Reuser(self.model, self.tokenizer, store, self.model_fp, blend, deviation_limit=limit)
 
     # ---- the ways in (any thread) -------------------------------------------------------
 
@@ -92,10 +114,12 @@ class Engine:
                 f"model's context window of {self.max_model_len} tokens"
             )
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, callback: Callback) -> int:
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, callback: Callback, plan: Plan | None = None
+    ) -> int:
         self.check(len(prompt_ids), params.max_tokens)
         kv = KVCache(*self.kv_shape, self.model.dtype, self.config.device, self.max_model_len)
-        seq = Sequence(list(prompt_ids), params, kv, self.loaded.eos_token_ids, self.max_model_len)
+        seq = Sequence(list(prompt_ids), params, kv, self.loaded.eos_token_ids, self.max_model_len, plan=plan)
         with self.lock:
             self.inbox.append((seq, callback))
         self.wake.set()
@@ -106,10 +130,20 @@ class Engine:
             self.inbox.append((seq_id, None))
         self.wake.set()
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Output]:
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run `fn` on the engine thread between two steps (the model is never used by two threads)."""
+        future: Future = Future()
+        with self.lock:
+            self.inbox.append((future, fn))
+        self.wake.set()
+        return future
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, plan: Plan | None = None
+    ) -> AsyncIterator[Output]:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[Output | BaseException] = asyncio.Queue()
-        seq_id = self.submit(prompt_ids, params, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o))
+        seq_id = self.submit(prompt_ids, params, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o), plan)
         done = False
         try:
             while not done:
@@ -161,6 +195,12 @@ class Engine:
             if isinstance(item, Sequence):
                 self.callbacks[item.id] = callback
                 self.scheduler.add(item)
+            elif isinstance(item, Future):
+                if item.set_running_or_notify_cancel():
+                    try:
+                        item.set_result(callback())
+                    except Exception as exc:
+                        item.set_exception(exc)
             else:
                 seq = next((s for s in [*self.scheduler.running, *self.scheduler.waiting] if s.id == item), None)
                 if seq is not None:
@@ -171,7 +211,22 @@ class Engine:
         self.callbacks.pop(seq.id, None)
 
     def step(self) -> None:
-        batch = self.scheduler.schedule()
+        batch = []
+        for seq, tokens in self.scheduler.schedule():
+            if seq.plan is None or seq.planned:
+                batch.append((seq, tokens))
+                continue
+            try:
+                logits = self.reuse(seq)
+                if logits is not None:  # the whole prompt is in the KV: straight to the first token
+                    self.sample(seq, logits)
+                    continue
+            except Exception as exc:
+                self.fail(seq, exc)
+                continue
+            batch.append((seq, seq.next_run(len(tokens))))
+        if not batch:
+            return
         try:
             logits = forward(self.model, [Run(seq.kv, tokens, seq.computed) for seq, tokens in batch])
         except Exception as exc:  # a failed step ends its requests, never the engine
@@ -182,10 +237,22 @@ class Engine:
         for (seq, _), row in zip(batch, logits):
             if seq.prefilling:
                 continue
+            if seq.plan is not None and seq.plan.reuse.mode == "prefix" and not seq.output_ids:
+                self.reuser.store_prefix(seq.kv, seq.plan.pieces, seq.plan.scope)
             try:
                 self.sample(seq, row)
             except Exception as exc:  # e.g. a NaN distribution: only this sequence ends
                 self.fail(seq, exc)
+
+    def reuse(self, seq: Sequence) -> torch.Tensor | None:
+        """Start the KV of a prompt with documents as its plan says; the first token's logits
+        when the whole prompt is done, else None (the rest is prefilled in the usual steps)."""
+        plan = seq.plan
+        done = self.reuser.prefill(seq.kv, plan.pieces, plan.documents, plan.reuse, plan.scope)
+        seq.planned = True
+        seq.cached_tokens, seq.recomputed_tokens = done.reused, done.recomputed
+        seq.reuse = done.mode + (f"; {done.note}" if done.note else "")
+        return done.logits
 
     def sample(self, seq: Sequence, logits: torch.Tensor) -> None:
         params = seq.params

@@ -69,6 +69,8 @@ class Reuser:
         mc = model.config
         self.kv_shape = (mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
         self.prefixes: dict[str, tuple[str, int]] = {}  # boundary key -> (entry key, tokens)
+        # Every document seen, by key: its KV may be evicted, its tokens are kept to recompute it.
+        self.known: dict[str, tuple[int, ...]] = {}
         self.lock = threading.Lock()
 
     def key(self, token_ids: list[int], scope: str = "") -> str:
@@ -82,6 +84,8 @@ class Reuser:
     def document(self, token_ids: list[int], scope: str = "") -> tuple[ChunkKV, bool]:
         """The document's entry, computing and storing it when missing; and whether it was found."""
         key = self.key(token_ids, scope)
+        with self.lock:
+            self.known[key] = tuple(token_ids)
         entry = self.store.get(key)
         if entry is not None and entry.token_ids == tuple(token_ids):
             return entry, True
@@ -95,6 +99,15 @@ class Reuser:
         entry = ChunkKV(key, tuple(token_ids), keys, values, cost)
         self.store.put(entry)
         return entry, False
+
+    def tokens_of(self, key: str) -> tuple[int, ...] | None:
+        with self.lock:
+            return self.known.get(key)
+
+    def forget(self, key: str) -> bool:
+        with self.lock:
+            known = self.known.pop(key, None) is not None
+        return self.store.delete(key) or known
 
     # ---- exact prefix -----------------------------------------------------------------
 

@@ -10,9 +10,20 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from runtime.kv import KVCache
+from runtime.reuse import Reuse
 from runtime.sampling import SamplingParams, TokenLogprob
 
 _ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A prompt made of pieces, some of them documents whose KV may be reused."""
+
+    pieces: list[list[int]]
+    documents: list[bool]
+    reuse: Reuse = Reuse()
+    scope: str = ""
 
 
 class Status(Enum):
@@ -31,7 +42,9 @@ class Output:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from a cache and was kept
+    recomputed_tokens: int = 0  # cached prompt tokens computed again (blend)
+    reuse: str = ""  # how the prompt's KV was made, when documents were reused; and why if not as asked
 
 
 @dataclass
@@ -50,6 +63,11 @@ class Sequence:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     generator: torch.Generator | None = None
+    plan: Plan | None = None
+    planned: bool = False  # the plan's reuse has run
+    cached_tokens: int = 0
+    recomputed_tokens: int = 0
+    reuse: str = ""
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
@@ -120,6 +138,9 @@ class Sequence:
             finish_reason=self.finish_reason,
             prompt_tokens=len(self.prompt_ids),
             completion_tokens=len(self.output_ids),
+            cached_tokens=self.cached_tokens,
+            recomputed_tokens=self.recomputed_tokens,
+            reuse=self.reuse,
         )
         self.sent, self.pending_ids, self.pending_logprobs = end, [], []
         return out

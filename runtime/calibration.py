@@ -1,0 +1,55 @@
+"""A model's calibrated blend ratio, chosen by `kvgate calibrate` and used when serving."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from chunk_cache import fingerprint
+from runtime.loader import LoadedModel
+
+log = logging.getLogger("kvgate.calibration")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    ratio: float  # the smallest recompute ratio that met the target
+    deviation_limit: float | None  # a request deviating more than this gets a larger ratio
+    target: float
+    metric: str
+    items: int
+    curve: dict[str, float] = field(default_factory=dict)  # ratio -> measured metric
+
+
+def model_fingerprint(loaded: LoadedModel) -> str:
+    return fingerprint(str(loaded.path), str(loaded.model.dtype))
+
+
+def path(cache_dir: Path, model_fp: str) -> Path:
+    return Path(cache_dir) / "calibration" / f"{model_fp[:16]}.json"
+
+
+def save(cal: Calibration, where: Path) -> None:
+    where.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=where.parent, prefix=where.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(asdict(cal), f, indent=2)
+    os.replace(tmp, where)
+
+
+def load(where: Path) -> Calibration | None:
+    """None when there is none; a damaged file is logged and counts as none."""
+    if not where.is_file():
+        return None
+    try:
+        cal = Calibration(**json.loads(where.read_text()))
+        if not 0.0 <= cal.ratio <= 1.0:
+            raise ValueError(f"ratio {cal.ratio} outside [0, 1]")
+        return cal
+    except (OSError, ValueError, TypeError) as exc:
+        log.warning("ignoring the calibration in %s: %s", where, exc)
+        return None

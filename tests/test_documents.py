@@ -1,0 +1,134 @@
+"""Documents over HTTP: the `documents` and `kvgate` fields of chat completions, `/v1/documents`."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+QUESTION = "Where was the author of Hannibal and Scipio educated?"
+DOCS = [
+    "Hannibal and Scipio is a Caroline era stage play, a classical tragedy written by Thomas Nabbes. "
+    "The play was first performed in 1635 by Queen Henrietta's Men.",
+    "Thomas Nabbes was an English dramatist. He was educated at Exeter College, Oxford, and came to London about 1630.",
+    "Exeter College is one of the constituent colleges of the University of Oxford, founded in 1314.",
+]
+
+
+def ask(client: openai.OpenAI, model: str, documents: list[dict], reuse: dict | None = None, **kw):
+    extra = {"documents": documents, **({"kvgate": reuse} if reuse else {})}
+    return client.chat.completions.with_raw_response.create(
+        model=model,
+        messages=[{"role": "user", "content": QUESTION}],
+        temperature=0,
+        max_tokens=12,
+        extra_body=extra,
+        **kw,
+    )
+
+
+def test_documents_by_text_are_reused_and_reported(client, model_name) -> None:
+    raw = ask(client, model_name, [{"text": d} for d in DOCS], {"reuse": "blend", "recompute_ratio": 0.2})
+    reply = raw.parse()
+    reused, recomputed = int(raw.headers["x-kvgate-reused-tokens"]), int(raw.headers["x-kvgate-recomputed-tokens"])
+    assert reused > 0 and recomputed > 0
+    assert reply.usage.prompt_tokens_details.cached_tokens == reused
+    assert reused + recomputed < reply.usage.prompt_tokens  # head and question are always computed
+    assert raw.headers["x-kvgate-reuse"] == "blend" and reply.choices[0].message.content
+
+
+def test_blend_at_ratio_one_answers_as_full_prefill(client, model_name) -> None:
+    docs = [{"text": d} for d in DOCS]
+    full = ask(client, model_name, docs, {"reuse": "full"})
+    blend = ask(client, model_name, docs, {"reuse": "blend", "recompute_ratio": 1.0})
+    assert full.headers["x-kvgate-reused-tokens"] == "0" and full.headers["x-kvgate-reuse"] == "full"
+    assert blend.headers["x-kvgate-reused-tokens"] == "0" and int(blend.headers["x-kvgate-recomputed-tokens"]) > 0
+    assert blend.parse().choices[0].message.content == full.parse().choices[0].message.content
+
+
+def test_a_stored_document_cited_by_id_answers_as_its_text(client, model_name, base_url) -> None:
+    stored = [httpx.post(f"{base_url}/v1/documents", json={"text": d}, timeout=60).json() for d in DOCS]
+    assert all(s["id"].startswith("doc-") and s["tokens"] > 0 and s["cached"] for s in stored)
+    shown = httpx.get(f"{base_url}/v1/documents/{stored[0]['id']}").json()
+    assert shown == stored[0]
+
+    by_id = ask(client, model_name, [{"id": s["id"]} for s in stored]).parse()
+    by_text = ask(client, model_name, [{"text": d} for d in DOCS]).parse()
+    assert by_id.choices[0].message.content == by_text.choices[0].message.content
+    assert by_id.usage == by_text.usage
+
+
+def test_exact_prefix_reuse_finds_an_earlier_prompt(client, model_name) -> None:
+    docs = [{"text": d + " (prefix test)"} for d in DOCS]
+    first = ask(client, model_name, docs, {"reuse": "prefix"})
+    again = ask(client, model_name, docs, {"reuse": "prefix"})
+    assert first.headers["x-kvgate-reused-tokens"] == "0"
+    assert int(again.headers["x-kvgate-reused-tokens"]) > sum(len(d["text"]) for d in docs) // 8
+    assert again.parse().choices[0].message.content == first.parse().choices[0].message.content
+
+
+def test_streaming_with_documents_carries_the_reuse_headers(client, model_name, base_url) -> None:
+    body = {
+        "model": model_name,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "documents": [{"text": d} for d in DOCS],
+        "temperature": 0,
+        "max_tokens": 12,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        reused = int(r.headers["x-kvgate-reused-tokens"])
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    assert reused > 0 and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == reused
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+
+    # The official SDK streams it too.
+    stream = client.chat.completions.create(
+        model=model_name,
+        messages=body["messages"],
+        temperature=0,
+        max_tokens=12,
+        stream=True,
+        extra_body={"documents": body["documents"]},
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+
+
+def test_deleted_document_is_gone(base_url, client, model_name) -> None:
+    doc = httpx.post(f"{base_url}/v1/documents", json={"text": "A document to delete."}).json()
+    gone = httpx.delete(f"{base_url}/v1/documents/{doc['id']}")
+    assert gone.status_code == 200 and gone.json()["deleted"] is True
+    assert httpx.get(f"{base_url}/v1/documents/{doc['id']}").status_code == 404
+    with pytest.raises(openai.NotFoundError) as err:
+        ask(client, model_name, [{"id": doc["id"]}])
+    assert err.value.body["code"] == "document_not_found" and err.value.body["param"] == "documents.0.id"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"documents": [{"text": "a", "id": "doc-x"}]}, "documents.0"),
+        ({"documents": [{}]}, "documents.0"),
+        ({"documents": [{"text": ""}]}, "documents.0.text"),
+        ({"documents": [{"text": "a"}], "kvgate": {"reuse": "sometimes"}}, "kvgate.reuse"),
+        ({"documents": [{"text": "a"}], "kvgate": {"recompute_ratio": 2}}, "kvgate.recompute_ratio"),
+    ],
+)
+def test_bad_documents_are_400s(client, model_name, extra, param) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_body=extra
+        )
+    assert err.value.body["param"] == param
+
+
+def test_unknown_document_id_is_a_404(base_url) -> None:
+    r = httpx.get(f"{base_url}/v1/documents/doc-nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "document_not_found"
+    assert httpx.post(f"{base_url}/v1/documents", json={}).status_code == 400
