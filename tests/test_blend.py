@@ -133,3 +133,18 @@ def test_documents_sit_between_head_and_the_users_words(loaded: LoadedModel) -> 
     assert tok.decode(tail).startswith("Who wrote <document>?")
     # A document's tokens never depend on where it goes.
     assert document_ids(tok, "Some text.") == document_ids(tok, "Some text.")
+
+
+def test_a_request_deviating_beyond_calibration_gets_a_larger_ratio(loaded: LoadedModel) -> None:
+    pieces, documents = musique(loaded, 0, docs=2, words=80)
+    store, fp = ChunkStore.from_config(), fingerprint("t")
+    calm = Reuser(loaded.model, loaded.tokenizer, store, fp, BlendConfig(ratio=0.1), deviation_limit=1e9)
+    wary = Reuser(loaded.model, loaded.tokenizer, store, fp, BlendConfig(ratio=0.1), deviation_limit=0.0)
+    doc_tokens = sum(len(p) for p, d in zip(pieces, documents) if d)
+    usual = calm.prefill(calm.new_kv(), pieces, documents, Reuse("blend"))
+    raised = wary.prefill(wary.new_kv(), pieces, documents, Reuse("blend"))
+    assert usual.note == "" and usual.recomputed == round(0.1 * doc_tokens)
+    assert "above the calibrated" in raised.note and raised.recomputed == round(wary.max_ratio * doc_tokens)
+    # A ratio the client chose is the client's: no escalation.
+    chosen = wary.prefill(wary.new_kv(), pieces, documents, Reuse("blend", 0.1))
+    assert chosen.note == "" and chosen.recomputed == round(0.1 * doc_tokens)
