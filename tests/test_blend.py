@@ -148,3 +148,14 @@ def test_a_request_deviating_beyond_calibration_gets_a_larger_ratio(loaded: Load
     # A ratio the client chose is the client's: no escalation.
     chosen = wary.prefill(wary.new_kv(), pieces, documents, Reuse("blend", 0.1))
     assert chosen.note == "" and chosen.recomputed == round(0.1 * doc_tokens)
+
+
+def test_attention_weighted_selection_keeps_the_fresh_tokens_and_the_budget(
+    reuser: Reuser, loaded: LoadedModel
+) -> None:
+    pieces, documents = musique(loaded, 1, docs=3, words=80)
+    parts = blend_pieces(reuser, pieces, documents)
+    done = prefill(reuser.model, reuser.new_kv(), parts, BlendConfig(ratio=0.2, select="attention"))
+    doc_tokens = sum(len(p) for p, d in zip(pieces, documents) if d)
+    assert done.recomputed == round(0.2 * doc_tokens)
+    assert kl(full_logits(reuser, pieces), done.logits) < 2.0
