@@ -1,4 +1,4 @@
-"""The `kvgate` command: serve, convert, bench."""
+"""The `kvgate` command: serve, convert, calibrate, bench."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ from pydantic import ValidationError
 
 from gateway.settings import Settings
 from runtime.loader import ModelNotFound
+
+# The shared evaluation data sits beside the project: ../shared/data.
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_rag_dev.jsonl"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +39,38 @@ def main(argv: list[str] | None = None) -> int:
     prefill.add_argument("--repeats", type=int, default=2)
     prefill.add_argument("--output", type=Path, default=Path("benchmarks/BENCHMARKS.md"))
 
+    fidelity = kinds.add_parser("fidelity", help="how far each reuse mode moves the answer from full prefill")
+    musique_args(fidelity, limit=6, offset=0)
+    fidelity.add_argument("--shuffle", action="store_true", help="documents in a fixed random order per item")
+    fidelity.add_argument("--ratios", default="0,5,10,15,20,30,50", help="blend recompute ratios, percent")
+    fidelity.add_argument("--output", type=Path, default=Path("benchmarks/BENCHMARKS.md"))
+
+    ttft = kinds.add_parser("ttft", help="time to first token of each reuse mode against full prefill")
+    musique_args(ttft, limit=6, offset=0)
+    ttft.add_argument("--ratio", type=float, help="blend recompute ratio, percent (default: the calibrated one)")
+    ttft.add_argument("--ratios", default="", help="more blend ratios to time, percent, comma-separated")
+    ttft.add_argument("--repeats", type=int, default=2, help="timings per mode and item; the fastest is kept")
+    ttft.add_argument("--output", type=Path, default=Path("benchmarks/BENCHMARKS.md"))
+
+    calibrate = sub.add_parser("calibrate", help="pick and store the model's blend recompute ratio")
+    musique_args(calibrate, limit=8, offset=100)
+    calibrate.add_argument("--target", type=float, default=0.95, help="the fidelity the ratio must reach")
+    calibrate.add_argument(
+        "--metric",
+        choices=["top1", "kl"],
+        default="top1",
+        help="top1: mean teacher-forced top-1 agreement over 32 answer positions, at least the target; "
+        "kl: mean first-token KL, at most the target",
+    )
+    calibrate.add_argument("--ratios", default="0,5,10,15,20,30,50", help="candidate ratios, percent")
+    calibrate.add_argument(
+        "--shuffle",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="documents in a fixed random order per item (default: yes, as requests cite them in any order)",
+    )
+    calibrate.add_argument("--report", type=Path, help="also write the curve as a section of this BENCHMARKS.md")
+
     args = parser.parse_args(argv)
     flags = {k: getattr(args, k, None) for k in ("host", "port", "model", "served_model_name")}
     try:
@@ -46,6 +81,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def musique_args(parser: argparse.ArgumentParser, limit: int, offset: int) -> None:
+    parser.add_argument("--model")
+    parser.add_argument("--data", type=Path, default=DATA, help="MuSiQue RAG jsonl (question, passages)")
+    parser.add_argument("--docs", type=int, default=6, help="passages per question, as documents")
+    parser.add_argument("--limit", type=int, default=limit, help="items")
+    parser.add_argument("--offset", type=int, default=offset, help="first item (row) of the data file")
+    parser.add_argument("--words", type=int, default=0, help="cut each passage to its first N words (0: whole)")
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    from benchmarks.fidelity import DataError
+
+    for name in ("docs", "limit", "repeats"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise DataError(f"--{name} must be at least 1")
+    if getattr(args, "offset", 0) < 0 or getattr(args, "words", 0) < 0:
+        raise DataError("--offset and --words cannot be negative")
+    ratio = getattr(args, "ratio", None)
+    if ratio is not None and not 0.0 <= ratio <= 100.0:
+        raise DataError("--ratio is a percentage between 0 and 100")
+
+
 def run(args: argparse.Namespace, settings: Settings, argv: list[str] | None) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -54,20 +112,81 @@ def run(args: argparse.Namespace, settings: Settings, argv: list[str] | None) ->
 
         print(resolve(settings.engine_config(), progress=True))
         return 0
+    command = " ".join(["kvgate", *(argv if argv is not None else sys.argv[1:])])
+    if args.command == "calibrate" or (args.command == "bench" and args.kind in ("fidelity", "ttft")):
+        from benchmarks.fidelity import DataError
+
+        try:
+            return measure(args, settings, command)
+        except DataError as exc:
+            print(f"kvgate: error: {exc}", file=sys.stderr)
+            return 2
     if args.command == "bench":
         from benchmarks.prefill import bench_prefill
 
         lengths = [int(x) for x in args.lengths.split(",")]
-        bench_prefill(
-            settings.engine_config(),
-            lengths,
-            args.decode_tokens,
-            args.repeats,
-            args.output,
-            " ".join(["kvgate", *(argv if argv is not None else sys.argv[1:])]),
-        )
+        bench_prefill(settings.engine_config(), lengths, args.decode_tokens, args.repeats, args.output, command)
         return 0
     return serve_forever(settings)
+
+
+def measure(args: argparse.Namespace, settings: Settings, command: str) -> int:
+    """`kvgate calibrate`, `kvgate bench fidelity` and `kvgate bench ttft`."""
+    from benchmarks.fidelity import parse_ratios
+
+    check_numbers(args)
+    if args.command == "calibrate":
+        from benchmarks.calibrate import calibrate
+
+        calibrate(
+            settings.engine_config(),
+            args.data,
+            args.docs,
+            args.limit,
+            args.offset,
+            args.target,
+            args.metric,
+            parse_ratios(args.ratios),
+            args.shuffle,
+            args.words,
+            args.report,
+            command,
+        )
+        return 0
+    if args.command == "bench" and args.kind == "fidelity":
+        from benchmarks.fidelity import bench_fidelity
+
+        bench_fidelity(
+            settings.engine_config(),
+            args.data,
+            args.docs,
+            args.limit,
+            parse_ratios(args.ratios),
+            args.shuffle,
+            args.words,
+            args.offset,
+            args.output,
+            command,
+        )
+        return 0
+    if args.command == "bench" and args.kind == "ttft":
+        from benchmarks.ttft import bench_ttft
+
+        bench_ttft(
+            settings.engine_config(),
+            args.data,
+            args.docs,
+            args.limit,
+            None if args.ratio is None else args.ratio / 100,
+            parse_ratios(args.ratios) if args.ratios.strip() else [],
+            args.repeats,
+            args.words,
+            args.offset,
+            args.output,
+            command,
+        )
+        return 0
+    raise AssertionError(f"not a measurement: {args.command}")
 
 
 def serve_forever(settings: Settings) -> int:

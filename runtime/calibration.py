@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -13,6 +14,9 @@ from chunk_cache import fingerprint
 from runtime.loader import LoadedModel
 
 log = logging.getLogger("kvgate.calibration")
+
+# The fidelity metrics a target may be set on, and whether a larger value is better.
+METRICS = {"top1": True, "kl": False}
 
 
 @dataclass(frozen=True)
@@ -34,11 +38,16 @@ def path(cache_dir: Path, model_fp: str) -> Path:
 
 
 def save(cal: Calibration, where: Path) -> None:
+    """Write atomically: a reader sees the old file or the new one, never half of one."""
     where.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=where.parent, prefix=where.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(asdict(cal), f, indent=2)
-    os.replace(tmp, where)
+    fd, tmp = tempfile.mkstemp(dir=where.parent, prefix=f".{where.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(cal), f, indent=2)
+        os.replace(tmp, where)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def load(where: Path) -> Calibration | None:
@@ -49,7 +58,28 @@ def load(where: Path) -> Calibration | None:
         cal = Calibration(**json.loads(where.read_text()))
         if not 0.0 <= cal.ratio <= 1.0:
             raise ValueError(f"ratio {cal.ratio} outside [0, 1]")
+        if cal.deviation_limit is not None and not cal.deviation_limit >= 0.0:
+            raise ValueError(f"deviation limit {cal.deviation_limit} is not a non-negative number")
         return cal
     except (OSError, ValueError, TypeError) as exc:
         log.warning("ignoring the calibration in %s: %s", where, exc)
         return None
+
+
+def meets(value: float, target: float, metric: str) -> bool:
+    if math.isnan(value):
+        return False
+    return value >= target if METRICS[metric] else value <= target
+
+
+def pick_ratio(curve: dict[float, float], target: float, metric: str) -> tuple[float, bool]:
+    """The smallest ratio whose measured `metric` meets `target`, and True; when none does, the
+    largest ratio measured, and False."""
+    if metric not in METRICS:
+        raise ValueError(f"unknown metric {metric!r}; one of {', '.join(METRICS)}")
+    if not curve:
+        raise ValueError("an empty curve")
+    for ratio in sorted(curve):
+        if meets(curve[ratio], target, metric):
+            return ratio, True
+    return max(curve), False

@@ -1,4 +1,5 @@
-"""gateway/cli.py: `kvgate serve` as its own process answers the OpenAI SDK; `kvgate bench prefill` writes its table."""
+"""gateway/cli.py: `kvgate serve` as its own process answers the OpenAI SDK; the benchmarks write their
+tables; `kvgate calibrate` stores what the engine reads."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
+from chunk_cache import fingerprint
+from runtime.calibration import load as load_calibration
+from runtime.calibration import path as calibration_path
 from runtime.loader import converted_dir, default_gguf, resolve
 from tests.conftest import free_port
 
@@ -81,3 +86,54 @@ def test_bench_prefill_writes_its_table(tmp_path: Path) -> None:
     assert "kept" in text and "bench prefill --lengths 32,64" in text
     rows = [line for line in text.splitlines() if line.startswith(("| 32 |", "| 64 |"))]
     assert len(rows) == 2 and all(float(row.split("|")[2]) > 0 for row in rows)
+
+
+MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_rag_dev.jsonl"
+
+
+def need_musique() -> None:
+    if not MUSIQUE.is_file():
+        pytest.skip(f"{MUSIQUE} is missing (the shared evaluation data)")
+
+
+def test_bench_fidelity_writes_a_table_and_a_plot(tmp_path: Path) -> None:
+    need_musique()
+    out = tmp_path / "BENCHMARKS.md"
+    args = ["bench", "fidelity", "--docs", "2", "--limit", "1", "--ratios", "0,50", "--words", "60"]
+    proc = subprocess.run([KVGATE, *args, "--output", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    assert "kvgate bench fidelity --docs 2 --limit 1 --ratios 0,50" in text and "(fidelity.png)" in text
+    rows = {line.split("|")[1].strip(): line.split("|") for line in text.splitlines() if line.startswith("| ")}
+    assert {"prefix", "naive", "blend 0%", "blend 50%"} <= rows.keys()
+    assert float(rows["prefix"][3]) < 1e-3  # exact prefix reuse is exact
+    assert float(rows["blend 50%"][3]) < float(rows["naive"][3])  # recomputing half the documents helps
+    assert (tmp_path / "fidelity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_refuses_bad_ratios_and_missing_data(tmp_path: Path) -> None:
+    for args in (["--ratios", "0,150"], ["--data", str(tmp_path / "none.jsonl")], ["--limit", "0"]):
+        proc = subprocess.run(
+            [KVGATE, "bench", "fidelity", *args, "--output", str(tmp_path / "B.md")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 2 and "kvgate: error:" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_calibrate_stores_a_calibration_the_engine_finds(tmp_path: Path, settings, loaded) -> None:
+    need_musique()
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "models").symlink_to(settings.cache_dir / "models")  # the converted model, not converted again
+    env = {**os.environ, "KVGATE_CACHE_DIR": str(cache)}
+    args = ["calibrate", "--docs", "2", "--limit", "1", "--words", "50", "--ratios", "0,20", "--target", "0.5"]
+    proc = subprocess.run([KVGATE, *args], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    # Where the engine looks: the model as loaded from this cache dir, and its dtype.
+    model_fp = fingerprint(str(converted_dir(default_gguf(), cache)), str(loaded.model.dtype))
+    cal = load_calibration(calibration_path(cache, model_fp))
+    assert cal is not None and cal.items == 1 and cal.metric == "top1" and cal.target == 0.5
+    assert set(cal.curve) == {"0", "0.2"} and cal.ratio in (0.0, 0.2)
+    assert f"ratio {cal.ratio * 100:g}%" in proc.stdout

@@ -1,0 +1,123 @@
+"""`kvgate calibrate`: per model, the smallest blend recompute ratio that meets a fidelity target.
+
+The fidelity harness (benchmarks/fidelity.py) runs over MuSiQue items kept apart from the benchmark
+ones (rows from `offset` on); for each ratio the metric is averaged over the items, and the smallest
+ratio meeting the target is stored under the cache dir, where the engine finds it at start-up. The
+largest key deviation seen at the chosen ratio, times a margin, becomes the limit above which a
+request gets a larger ratio when served.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.fidelity import Scores, load_items, make_reuser, measure
+from benchmarks.report import table, write_section
+from runtime.calibration import METRICS, Calibration, meets, model_fingerprint, path, pick_ratio, save
+from runtime.config import EngineConfig
+from runtime.loader import load
+from runtime.reuse import Reuse
+
+MARGIN = 1.5  # deviation limit = MARGIN x the largest per-item deviation seen at the chosen ratio
+
+
+def metric_of(scores: Scores, metric: str) -> float:
+    return scores.mean("top1" if metric == "top1" else "kl")
+
+
+def deviation_limit(curve: dict[float, Scores], ratio: float, margin: float = MARGIN) -> float | None:
+    """`margin` x the largest deviation seen at `ratio`. A ratio of 0 selects nothing and measures
+    no deviation; then the largest seen at any ratio (the check layer's deviation does not depend on
+    the ratio). None when none was measured."""
+    top = max(curve[ratio].deviation, default=0.0)
+    if not top > 0.0:
+        top = max((d for s in curve.values() for d in s.deviation), default=0.0)
+    return margin * top if top > 0.0 else None
+
+
+def calibrate(
+    config: EngineConfig,
+    data: Path,
+    docs: int,
+    limit: int,
+    offset: int,
+    target: float,
+    metric: str,
+    ratios: list[float],
+    shuffle: bool,
+    words: int,
+    report: Path | None,
+    command: str,
+) -> tuple[Calibration, Path]:
+    if metric not in METRICS:
+        raise ValueError(f"--metric {metric!r}: one of {', '.join(METRICS)}")
+    began = time.perf_counter()
+    loaded = load(config)
+    data_items = load_items(loaded, data, docs, limit, shuffle, offset, words)
+    reuser = make_reuser(loaded)
+    ratios = sorted(set(ratios))
+    modes = [Reuse("blend", r) for r in ratios]
+    scores = measure(reuser, data_items, modes, loaded.eos_token_ids, loaded.tokenizer.decode, answers=False)
+    curve = dict(zip(ratios, scores.values()))
+    values = {r: metric_of(s, metric) for r, s in curve.items()}
+    ratio, met = pick_ratio(values, target, metric)
+    cal = Calibration(
+        ratio=ratio,
+        deviation_limit=deviation_limit(curve, ratio),
+        target=target,
+        metric=metric,
+        items=len(data_items),
+        curve={f"{r:g}": v for r, v in values.items()},
+    )
+    where = path(config.cache_dir, model_fingerprint(loaded))
+    save(cal, where)
+
+    better = ">=" if METRICS[metric] else "<="
+    rows = [
+        [
+            f"{100 * r:g}%",
+            f"{100 * s.mean('top1'):.1f}%",
+            f"{s.mean('kl'):.3f}",
+            f"{max(s.deviation, default=0.0):.3g}",
+            "yes" if meets(values[r], target, metric) else "no",
+        ]
+        for r, s in curve.items()
+    ]
+    curve_table = table(
+        ["ratio", "top-1 (32, forced)", "first-token KL", "max key deviation", f"{metric} {better} {target:g}"], rows
+    )
+    limit_text = f"{cal.deviation_limit:.3g}" if cal.deviation_limit is not None else "none"
+    choice = (
+        f"chose ratio {100 * ratio:g}%: the smallest whose mean {metric} {better} {target:g}"
+        if met
+        else f"NO ratio met the target ({metric} {better} {target:g}); chose the largest measured, "
+        f"{100 * ratio:g}%, which does not meet it either"
+    )
+    print(curve_table)
+    print(f"{choice}; deviation limit {limit_text}; written to {where}", flush=True)
+    if not met:
+        print(
+            f"kvgate calibrate: WARNING: the target {metric} {better} {target:g} was not met at any ratio "
+            f"(best {max(values.values()) if METRICS[metric] else min(values.values()):.3f})",
+            file=sys.stderr,
+            flush=True,
+        )
+    if report is not None:
+        tokens = statistics.fmean(len(i.ids) for i in data_items)
+        order = "shuffled (a fixed permutation per item)" if shuffle else "in their stored order"
+        body = (
+            f"{len(data_items)} MuSiQue calibration items (rows {offset}..{offset + len(data_items) - 1}, "
+            f"disjoint from the benchmark rows), {docs} documents each, {order}, {tokens:.0f} prompt tokens on "
+            f"average; model {loaded.name}, {config.dtype}. Target: mean {metric} {better} {target:g} "
+            "(top-1: teacher-forced agreement with full prefill over the first 32 answer positions; "
+            "kl: first-token KL).\n\n"
+            + curve_table
+            + f"\n\nResult: {choice}. Deviation limit (served requests above it get a larger ratio): "
+            f"{limit_text} = {MARGIN:g} x the largest per-item key deviation seen. "
+            f"Took {time.perf_counter() - began:.0f} s."
+        )
+        write_section(report, "calibration", "Calibration of the blend ratio", command, body)
+    return cal, where

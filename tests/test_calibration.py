@@ -1,0 +1,79 @@
+"""runtime/calibration.py: the stored calibration, its file, and how a ratio is picked."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from benchmarks.calibrate import deviation_limit
+from benchmarks.fidelity import Scores
+from runtime.calibration import Calibration, load, model_fingerprint, path, pick_ratio, save
+from runtime.loader import LoadedModel
+
+
+def sample() -> Calibration:
+    return Calibration(
+        ratio=0.15, deviation_limit=0.004, target=0.95, metric="top1", items=8, curve={"0.1": 0.9, "0.15": 0.96}
+    )
+
+
+def test_save_then_load_gives_the_same_calibration(tmp_path: Path) -> None:
+    where = path(tmp_path, "ab" * 32)
+    assert where == tmp_path / "calibration" / f"{'ab' * 8}.json"
+    assert load(where) is None  # none yet
+    save(sample(), where)
+    assert load(where) == sample()
+    save(Calibration(0.3, None, 0.05, "kl", 2, {}), where)  # replaced whole
+    assert load(where) == Calibration(0.3, None, 0.05, "kl", 2, {})
+    assert [p.name for p in where.parent.iterdir()] == [where.name]  # no temp file left behind
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{not json",
+        "[1, 2]",
+        json.dumps({"ratio": 0.1}),  # fields missing
+        json.dumps({**sample().__dict__, "extra": 1}),
+        json.dumps({**sample().__dict__, "ratio": 1.5}),
+        json.dumps({**sample().__dict__, "deviation_limit": -1.0}),
+        "\udcff",
+    ],
+)
+def test_a_damaged_file_counts_as_none_and_is_logged(tmp_path: Path, text: str, caplog) -> None:
+    where = path(tmp_path, "cd" * 32)
+    where.parent.mkdir(parents=True)
+    where.write_bytes(text.encode("utf-8", "surrogateescape"))
+    with caplog.at_level(logging.WARNING, logger="kvgate.calibration"):
+        assert load(where) is None
+    assert "ignoring the calibration" in caplog.text
+
+
+def test_the_smallest_ratio_meeting_the_target_is_picked() -> None:
+    curve = {0.0: 0.7, 0.05: 0.9, 0.1: 0.96, 0.2: 0.95, 0.5: 0.99}
+    assert pick_ratio(curve, 0.95, "top1") == (0.1, True)
+    assert pick_ratio(curve, 0.995, "top1") == (0.5, False)  # none meets it: the largest, and say so
+    kls = {0.0: 0.3, 0.1: 0.08, 0.3: 0.04}
+    assert pick_ratio(kls, 0.05, "kl") == (0.3, True)  # for KL, smaller is better
+    assert pick_ratio({0.1: float("nan")}, 0.9, "top1") == (0.1, False)
+    with pytest.raises(ValueError):
+        pick_ratio(curve, 0.9, "rouge")
+
+
+def test_the_deviation_limit_comes_from_the_chosen_ratio() -> None:
+    curve = {0.0: Scores(deviation=[0.0, 0.0]), 0.1: Scores(deviation=[0.002, 0.004]), 0.5: Scores(deviation=[0.003])}
+    assert deviation_limit(curve, 0.1) == pytest.approx(1.5 * 0.004)
+    # Ratio 0 selects nothing and measures no deviation: the largest seen at any ratio.
+    assert deviation_limit(curve, 0.0) == pytest.approx(1.5 * 0.004)
+    assert deviation_limit({0.0: Scores(deviation=[0.0])}, 0.0) is None
+
+
+def test_the_model_fingerprint_is_the_engines(loaded: LoadedModel) -> None:
+    fp = model_fingerprint(loaded)
+    assert fp == model_fingerprint(loaded) and len(fp) == 64
+    from chunk_cache import fingerprint
+
+    assert fp == fingerprint(str(loaded.path), str(loaded.model.dtype))
