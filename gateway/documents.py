@@ -41,7 +41,7 @@ async def store(body: DocumentRequest, request: Request) -> dict[str, Any]:
             "text",
             "context_length_exceeded",
         )
-    entry, _ = await asyncio.wrap_future(served.engine.call(lambda: served.engine.reuser.document(ids)))
+    entry, _ = await asyncio.wrap_future(served.engine.call(lambda: served.engine.reuser.document(ids, remember=True)))
     return card(entry.key, entry.tokens, served)
 
 

@@ -81,11 +81,13 @@ class Reuser:
 
     # ---- documents --------------------------------------------------------------------
 
-    def document(self, token_ids: list[int], scope: str = "") -> tuple[ChunkKV, bool]:
-        """The document's entry, computing and storing it when missing; and whether it was found."""
+    def document(self, token_ids: list[int], scope: str = "", remember: bool = False) -> tuple[ChunkKV, bool]:
+        """The document's entry, computing and storing it when missing; and whether it was found.
+        `remember` keeps its tokens to find it by key later, even once its KV is evicted."""
         key = self.key(token_ids, scope)
-        with self.lock:
-            self.known[key] = tuple(token_ids)
+        if remember:
+            with self.lock:
+                self.known[key] = tuple(token_ids)
         entry = self.store.get(key)
         if entry is not None and entry.token_ids == tuple(token_ids):
             return entry, True
@@ -117,9 +119,13 @@ class Reuser:
         ids = [t for p in pieces for t in p]
         bounds = torch.tensor([len(p) for p in pieces]).cumsum(0).tolist()[:-1]  # never the whole prompt
         for end in reversed(bounds):
+            alias = self.key(ids[:end], "prefix:" + scope)
             with self.lock:
-                found = self.prefixes.get(self.key(ids[:end], "prefix:" + scope))
+                found = self.prefixes.get(alias)
             entry = self.store.get(found[0]) if found else None
+            if found and entry is None:  # evicted: forget the way to it too
+                with self.lock:
+                    self.prefixes.pop(alias, None)
             if entry is None or entry.token_ids[:end] != tuple(ids[:end]):
                 continue
             kv.reserve(end)
