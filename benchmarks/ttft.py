@@ -189,7 +189,7 @@ def bench_ttft(
     calibration = load_calibration(path(config.cache_dir, model_fingerprint(loaded)))
     if ratio is not None:
         source = f"given on the command line ({ratio:.0%})"
-        reuser = make_reuser(loaded, memory_bytes=max(config.chunk_cache_bytes, need))
+        reuser = make_reuser(loaded, memory_bytes=max(config.chunk_cache.memory_bytes, need))
         blend = Reuse("blend", ratio)
     elif calibration is not None:
         source = (
@@ -201,13 +201,13 @@ def bench_ttft(
             loaded,
             BlendConfig(ratio=calibration.ratio),
             calibration.deviation_limit,
-            max(config.chunk_cache_bytes, need),
+            max(config.chunk_cache.memory_bytes, need),
         )
         blend = Reuse("blend")
     else:
         source = f"NOT calibrated (no `kvgate calibrate` result for this model): the default {BlendConfig().ratio:.0%}"
         print(f"kvgate bench ttft: no calibration found; blend uses the default ratio {BlendConfig().ratio:.0%}")
-        reuser = make_reuser(loaded, memory_bytes=max(config.chunk_cache_bytes, need))
+        reuser = make_reuser(loaded, memory_bytes=max(config.chunk_cache.memory_bytes, need))
         blend = Reuse("blend")
     calibrated = reuser.blend.ratio if ratio is None else ratio
     modes = [Reuse("full"), Reuse("prefix"), Reuse("naive"), blend]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -15,9 +16,20 @@ class ChunkCacheConfig:
     half_life_s: float = 600.0
     # None: entries stay where they were computed (the runtime's device).
     memory_device: str | None = None
+    disk_dir: Path = Path.home() / ".cache" / "kvgate" / "chunks"
+    disk_bytes: int = 16 << 30
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_bytes: int = 4 << 30
+    lmcache_bytes: int = 4 << 30
 
     def tier_options(self, name: str) -> dict[str, Any]:
         """The keyword arguments `make_tier(name, ...)` gets."""
         if name == "memory":
             return {"budget_bytes": self.memory_bytes, "half_life_s": self.half_life_s, "device": self.memory_device}
+        if name == "disk":
+            return {"root": self.disk_dir, "budget_bytes": self.disk_bytes}
+        if name == "redis":
+            return {"url": self.redis_url, "budget_bytes": self.redis_bytes}
+        if name == "lmcache":
+            return {"budget_bytes": self.lmcache_bytes}
         return {}

@@ -1,18 +1,27 @@
-"""One document's KV, and its self-checking byte form for tiers that leave process memory."""
+"""One document's KV, and its self-checking byte form for tiers that leave process memory.
+
+The byte form is a safetensors file with two tensors, `kv` [layers, 2, kv_heads, T, head_dim]
+(each layer's keys then values, contiguous, so one layer is one byte range) and `token_ids`,
+and metadata: key, model fingerprint, dtype, shape, cost, an xxh3 checksum per layer, and a
+checksum of the header itself. A reader can check the header alone, then each layer as it
+arrives, and use layer i before layer i+1 has been read (`Header`, `Header.layer`).
+"""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-from safetensors.torch import load, save
+import xxhash
+from safetensors.torch import save
 
-from chunk_cache.key import feed, token_bytes
+from chunk_cache.key import token_bytes
 
-FORMAT = "kvgate.chunk-entry.v1"
-_TENSORS = {"keys", "values", "token_ids"}
+FORMAT = "kvgate.chunk-entry.v2"
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64}
+_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
 class CorruptEntry(ValueError):
@@ -29,6 +38,7 @@ class ChunkKV:
     # What recomputing this chunk would take (seconds, or anything proportional to FLOPs);
     # eviction keeps entries that save the most per byte.
     cost: float = 0.0
+    model: str = ""  # fingerprint of the model that computed it
 
     def __post_init__(self) -> None:
         ids = self.token_ids.tolist() if isinstance(self.token_ids, torch.Tensor) else self.token_ids
@@ -52,87 +62,169 @@ class ChunkKV:
     def nbytes(self) -> int:
         return 2 * self.keys.numel() * self.keys.element_size()
 
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's keys and values, [kv_heads, T, head_dim] each (the same call a `Loading` answers)."""
+        return self.keys[i], self.values[i]
+
     def to(self, device: str | torch.device) -> ChunkKV:
         if self.keys.device == torch.device(device):
             return self
-        return ChunkKV(self.key, self.token_ids, self.keys.to(device), self.values.to(device), self.cost)
+        return ChunkKV(self.key, self.token_ids, self.keys.to(device), self.values.to(device), self.cost, self.model)
 
     def to_bytes(self) -> bytes:
-        """A safetensors file: keys, values, token_ids, and a checksum over all of them in its metadata."""
-        keys, values = _cpu(self.keys), _cpu(self.values)
-        ids = torch.tensor(self.token_ids, dtype=torch.int64)
+        kv = torch.stack([self.keys, self.values], 1).detach().to("cpu").contiguous()
         metadata = {
             "format": FORMAT,
             "key": self.key,
-            "dtype": _dtype_name(keys.dtype),
-            "shape": json.dumps(list(keys.shape)),
+            "model": self.model,
+            "dtype": _NAMES[kv.dtype],
+            "shape": json.dumps(list(self.keys.shape)),
             "cost": repr(self.cost),
+            "layers": json.dumps([_digest(_raw(layer)) for layer in kv]),
         }
-        metadata["checksum"] = _checksum(metadata, self.token_ids, keys, values)
-        return save({"keys": keys, "values": values, "token_ids": ids}, metadata=metadata)
+        metadata["checksum"] = _header_checksum(metadata, self.token_ids)
+        ids = torch.tensor(self.token_ids, dtype=torch.int64)
+        return save({"kv": kv, "token_ids": ids}, metadata=metadata)
 
     @classmethod
-    def from_bytes(cls, data: bytes, key: str | None = None, device: str | torch.device = "cpu") -> ChunkKV:
-        """Raises CorruptEntry for anything but an intact entry (under `key`, when given)."""
-        metadata = _metadata(data)
+    def from_bytes(
+        cls, data: bytes, key: str | None = None, model: str | None = None, device: str | torch.device = "cpu"
+    ) -> ChunkKV:
+        """Raises CorruptEntry for anything but an intact entry (under `key` and `model`, when given)."""
+        view = memoryview(data)
+        header = Header.parse(view[: Header.size_of(view)], key, model)
+        header.check_tokens(view[header.ids_start : header.ids_stop])
+        if len(view) != header.total:
+            raise CorruptEntry(f"{len(view)} bytes, expected {header.total}")
+        kv = torch.empty(header.kv_shape, dtype=header.dtype)
+        for i in range(header.layers):
+            start, stop = header.layer_range(i)
+            header.layer(i, view[start:stop], out=kv[i])
+        return header.entry(kv).to(device)
+
+
+@dataclass(frozen=True)
+class Header:
+    """An entry's header, checked: where each part lies, and what each layer must hash to."""
+
+    key: str
+    model: str
+    dtype: torch.dtype
+    shape: tuple[int, int, int, int]  # [layers, kv_heads, T, head_dim]
+    cost: float
+    digests: tuple[str, ...]
+    checksum: str
+    kv_start: int  # absolute byte offsets
+    ids_start: int
+    ids_stop: int
+    total: int
+    token_ids: tuple[int, ...] = ()  # filled by check_tokens
+
+    @staticmethod
+    def size_of(prefix: bytes | memoryview) -> int:
+        """The header's length in bytes, from the entry's first 8."""
+        if len(prefix) < 8:
+            raise CorruptEntry(f"{len(prefix)} bytes is shorter than a header")
+        n = int.from_bytes(prefix[:8], "little")
+        if n > 1 << 24:
+            raise CorruptEntry(f"a header of {n} bytes")
+        return 8 + n
+
+    @classmethod
+    def parse(cls, head: bytes | memoryview, key: str | None = None, model: str | None = None) -> Header:
+        size = cls.size_of(head)
+        if len(head) < size:
+            raise CorruptEntry(f"header of {size} bytes in {len(head)} bytes")
         try:
-            tensors = load(data)
-        except Exception as e:
-            raise CorruptEntry(f"unreadable safetensors: {e}") from None
-        if set(tensors) != _TENSORS:
-            raise CorruptEntry(f"tensors {sorted(tensors)}, expected {sorted(_TENSORS)}")
-        keys, values, ids = tensors["keys"], tensors["values"], tensors["token_ids"]
-        if metadata.get("format") != FORMAT:
-            raise CorruptEntry(f"format {metadata.get('format')!r}, expected {FORMAT!r}")
-        if key is not None and metadata.get("key") != key:
-            raise CorruptEntry(f"entry holds key {metadata.get('key')!r}, expected {key!r}")
-        for t in (keys, values):
-            if _dtype_name(t.dtype) != metadata.get("dtype") or json.dumps(list(t.shape)) != metadata.get("shape"):
-                raise CorruptEntry(f"tensor {_dtype_name(t.dtype)} {list(t.shape)} does not match its metadata")
-        if ids.dtype != torch.int64 or ids.dim() != 1:
-            raise CorruptEntry("token_ids must be a 1-D int64 tensor")
-        token_ids = tuple(ids.tolist())
-        if _checksum(metadata, token_ids, keys, values) != metadata.get("checksum"):
-            raise CorruptEntry("checksum mismatch")
-        try:
-            entry = cls(metadata["key"], token_ids, keys, values, float(metadata["cost"]))
-        except (KeyError, ValueError) as e:
-            raise CorruptEntry(str(e)) from None
-        return entry.to(device)
+            header = json.loads(bytes(head[8:size]))
+            meta = header["__metadata__"]
+            kv, ids = header["kv"], header["token_ids"]
+            if meta.get("format") != FORMAT:
+                raise CorruptEntry(f"format {meta.get('format')!r}, expected {FORMAT!r}")
+            if key is not None and meta.get("key") != key:
+                raise CorruptEntry(f"entry holds key {meta.get('key')!r}, expected {key!r}")
+            if model is not None and meta.get("model") != model:
+                raise CorruptEntry(f"entry computed by model {meta.get('model')!r:.20}, not {model!r:.20}")
+            shape = tuple(json.loads(meta["shape"]))
+            dtype = _DTYPES[meta["dtype"]]
+            digests = tuple(json.loads(meta["layers"]))
+            if len(shape) != 4 or not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise CorruptEntry(f"shape {shape}")
+            if kv["dtype"] != meta["dtype"] or kv["shape"] != [shape[0], 2, *shape[1:]] or ids["dtype"] != "I64":
+                raise CorruptEntry("tensors do not match the metadata")
+            if ids["shape"] != [shape[2]] or len(digests) != shape[0]:
+                raise CorruptEntry("token ids or layer checksums do not match the shape")
+            (k0, k1), (i0, i1) = kv["data_offsets"], ids["data_offsets"]
+            itemsize = torch.empty(0, dtype=dtype).element_size()
+            if k1 - k0 != 2 * itemsize * shape[0] * shape[1] * shape[2] * shape[3] or i1 - i0 != 8 * shape[2]:
+                raise CorruptEntry("tensor byte ranges do not match their shapes")
+            parsed = cls(
+                str(meta["key"]), str(meta["model"]), dtype, shape, float(meta["cost"]), digests,
+                str(meta["checksum"]), size + k0, size + i0, size + i1, size + max(k1, i1),
+            )  # fmt: skip
+        except CorruptEntry:
+            raise
+        except (KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
+            raise CorruptEntry(f"unreadable header: {e!r}") from None
+        return parsed
+
+    @property
+    def layers(self) -> int:
+        return self.shape[0]
+
+    @property
+    def kv_shape(self) -> tuple[int, ...]:
+        return (self.shape[0], 2, *self.shape[1:])
+
+    @property
+    def layer_bytes(self) -> int:
+        return 2 * self.shape[1] * self.shape[2] * self.shape[3] * torch.empty(0, dtype=self.dtype).element_size()
+
+    def layer_range(self, i: int) -> tuple[int, int]:
+        start = self.kv_start + i * self.layer_bytes
+        return start, start + self.layer_bytes
+
+    def check_tokens(self, raw: bytes | memoryview) -> Header:
+        """Verify the header checksum, which covers the token ids; remember them."""
+        if len(raw) != self.ids_stop - self.ids_start:
+            raise CorruptEntry("token ids truncated")
+        ids = tuple(np.frombuffer(raw, dtype="<i8").tolist())
+        meta = {
+            "format": FORMAT, "key": self.key, "model": self.model, "dtype": _NAMES[self.dtype],
+            "shape": json.dumps(list(self.shape)), "cost": repr(self.cost), "layers": json.dumps(list(self.digests)),
+        }  # fmt: skip
+        if _header_checksum(meta, ids) != self.checksum:
+            raise CorruptEntry("header checksum mismatch")
+        object.__setattr__(self, "token_ids", ids)
+        return self
+
+    def layer(self, i: int, raw: bytes | memoryview, out: torch.Tensor) -> torch.Tensor:
+        """Check layer i's bytes and copy them into `out` [2, kv_heads, T, head_dim]."""
+        if len(raw) != self.layer_bytes:
+            raise CorruptEntry(f"layer {i}: {len(raw)} bytes, expected {self.layer_bytes}")
+        if _digest(raw) != self.digests[i]:
+            raise CorruptEntry(f"layer {i}: checksum mismatch")
+        out.view(torch.uint8).reshape(-1).numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
+        return out
+
+    def entry(self, kv: torch.Tensor) -> ChunkKV:
+        """The entry whose layers have all been read into `kv` [layers, 2, kv_heads, T, head_dim]."""
+        return ChunkKV(self.key, self.token_ids, kv[:, 0], kv[:, 1], self.cost, self.model)
 
 
-def _cpu(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("cpu").contiguous()
+def _raw(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def _digest(raw: bytes | memoryview) -> str:
+    return xxhash.xxh3_128_hexdigest(raw)
 
 
-def _raw(t: torch.Tensor):
-    return t.reshape(-1).view(torch.uint8).numpy()
-
-
-def _checksum(metadata: dict[str, str], token_ids: tuple[int, ...], keys: torch.Tensor, values: torch.Tensor) -> str:
-    h = hashlib.sha256()
-    fields = (metadata.get(f, "") for f in ("format", "key", "dtype", "shape", "cost"))
-    feed(h, (*(f.encode() for f in fields), token_bytes(token_ids), _raw(keys), _raw(values)))
+def _header_checksum(metadata: dict[str, str], token_ids: tuple[int, ...]) -> str:
+    h = xxhash.xxh3_128()
+    for field in ("format", "key", "model", "dtype", "shape", "cost", "layers"):
+        part = metadata.get(field, "").encode()
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    h.update(token_bytes(token_ids))
     return h.hexdigest()
-
-
-def _metadata(data: bytes) -> dict[str, str]:
-    # safetensors' own loader does not hand back the metadata, so read the header directly:
-    # 8-byte little-endian length, then that many bytes of JSON.
-    if len(data) < 8:
-        raise CorruptEntry(f"{len(data)} bytes is shorter than a header")
-    n = int.from_bytes(data[:8], "little")
-    if 8 + n > len(data):
-        raise CorruptEntry(f"header of {n} bytes in {len(data)} bytes")
-    try:
-        header = json.loads(bytes(data[8 : 8 + n]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptEntry(f"unreadable header: {e}") from None
-    metadata = header.get("__metadata__") if isinstance(header, dict) else None
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise CorruptEntry("header has no metadata")
-    return metadata

@@ -40,11 +40,16 @@ class MemoryTier(Tier):
         half_life_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
         device: str | torch.device | None = None,
+        policy: str = "value",
     ) -> None:
-        """device: where held entries live (None: wherever they were put from)."""
+        """device: where held entries live (None: wherever they were put from). policy: "value",
+        or "lru" (least recently used first; the baseline value is measured against)."""
         super().__init__()
         if budget_bytes < 0 or not half_life_s > 0:
             raise ValueError(f"need budget_bytes >= 0 and half_life_s > 0, got {budget_bytes}, {half_life_s}")
+        if policy not in ("value", "lru"):
+            raise ValueError(f"unknown eviction policy {policy!r}; one of value, lru")
+        self.policy = policy
         self.budget_bytes, self.half_life_s, self.clock, self.device = budget_bytes, half_life_s, clock, device
         self._slots: dict[str, _Slot] = {}
         self._bytes = 0
@@ -148,6 +153,8 @@ class MemoryTier(Tier):
         slot.touched = now
 
     def _priority(self, slot: _Slot) -> float:
+        if self.policy == "lru":
+            return slot.touched
         # Zero cost still orders entries by uses, bytes and recency.
         cost, size = max(slot.entry.cost, 1e-30), max(slot.entry.nbytes, 1)
         return math.log2(slot.uses) + math.log2(cost) - math.log2(size) + slot.touched / self.half_life_s

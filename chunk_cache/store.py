@@ -1,49 +1,85 @@
-"""The one object the runtime talks to: an ordered stack of tiers behaving as one cache."""
+"""The one object the runtime talks to: an ordered stack of tiers behaving as one cache.
+
+Reads search the tiers in order; a hit in a lower tier is read layer by layer in the background
+(`fetch` hands back a `Loading` at once) and promoted to the first tier once whole. Writes go to
+the first tier now and to every lower tier behind the request, in a writer thread; each tier's
+evictions demote to the next one down the same way.
+"""
 
 from __future__ import annotations
 
+import logging
+import queue
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
+from chunk_cache.byte_tier import ByteTier
 from chunk_cache.config import ChunkCacheConfig
 from chunk_cache.entry import ChunkKV
+from chunk_cache.loading import LoadFailed, Loading
 from chunk_cache.tier import Tier, make_tier
+
+log = logging.getLogger(__name__)
 
 
 class ChunkStore:
-    """Reads search tiers in order and promote a lower hit to the first tier; writes go to the
-    first tier that accepts; each tier's evictions demote to the next one down."""
-
-    def __init__(self, tiers: Sequence[Tier]) -> None:
+    def __init__(self, tiers: Sequence[Tier], write_queue: int = 64) -> None:
         if not tiers:
             raise ValueError("a chunk store needs at least one tier")
         self.tiers = list(tiers)
-        for upper, lower in zip(self.tiers, self.tiers[1:]):
-            upper.on_evict = lower.put
+        for i, upper in enumerate(self.tiers[:-1]):
+            upper.on_evict = lambda entry, below=i + 1: self._enqueue(entry, below)
         self._lock = threading.Lock()
-        self._hits = self._misses = self._promotions = 0
+        self._counts = dict.fromkeys(("hits", "misses", "promotions", "writes_dropped"), 0)
+        self._loads = ThreadPoolExecutor(2, thread_name_prefix="kvgate-chunk-load")
+        # Bounded: a queued write holds its entry in memory; past the bound, writes are dropped.
+        self._writes: queue.Queue[tuple[ChunkKV, int] | None] = queue.Queue(write_queue)
+        self._writer = threading.Thread(target=self._write_behind, name="kvgate-chunk-write", daemon=True)
+        self._writer.start()
 
     @classmethod
     def from_config(cls, config: ChunkCacheConfig | None = None) -> ChunkStore:
         config = config or ChunkCacheConfig()
         return cls([make_tier(name, **config.tier_options(name)) for name in config.tiers])
 
-    def get(self, key: str) -> ChunkKV | None:
+    def fetch(self, key: str, model: str | None = None) -> ChunkKV | Loading | None:
+        """The entry, or a Loading that is reading it from a lower tier; None on a miss everywhere.
+        `model`: an entry computed by another model is damaged, not a hit."""
         for i, tier in enumerate(self.tiers):
+            if isinstance(tier, ByteTier):
+                opened = tier.open(key, model)
+                if opened is None:
+                    continue
+                self._count("hits")
+                return Loading(tier, *opened, self._loads, done=self._promote if i > 0 else None)
             entry = tier.get(key)
-            if entry is None:
-                continue
-            promoted = i > 0 and self.tiers[0].put(entry)
-            with self._lock:
-                self._hits += 1
-                self._promotions += promoted
-            return entry
-        with self._lock:
-            self._misses += 1
+            if entry is not None and (model is None or entry.model == model):
+                self._count("hits")
+                if i > 0:
+                    self._promote(entry)
+                return entry
+        self._count("misses")
         return None
 
+    def get(self, key: str, model: str | None = None) -> ChunkKV | None:
+        found = self.fetch(key, model)
+        if isinstance(found, Loading):
+            try:
+                return found.result()
+            except LoadFailed:
+                return None
+        return found
+
     def put(self, entry: ChunkKV) -> bool:
-        return any(tier.put(entry) for tier in self.tiers)
+        """Into the first tier that takes it now; into every tier below it in the background."""
+        for i, tier in enumerate(self.tiers):
+            if tier.put(entry):
+                if i + 1 < len(self.tiers):
+                    self._enqueue(entry, i + 1)
+                return True
+        return False
 
     def delete(self, key: str) -> bool:
         return sum(tier.delete(key) for tier in self.tiers) > 0
@@ -58,7 +94,46 @@ class ChunkStore:
     def unpin(self, key: str) -> bool:
         return sum(tier.unpin(key) for tier in self.tiers) > 0
 
-    def stats(self) -> dict[str, object]:
+    def flush(self) -> None:
+        """Wait until every write queued so far has reached its tiers."""
+        self._writes.join()
+
+    def stats(self) -> dict[str, Any]:
         with self._lock:
-            counts = {"hits": self._hits, "misses": self._misses, "promotions": self._promotions}
+            counts = dict(self._counts)
         return {**counts, "tiers": [{"tier": tier.name, **tier.stats()} for tier in self.tiers]}
+
+    def close(self) -> None:
+        self.flush()
+        self._writes.put(None)
+        self._writer.join()
+        self._loads.shutdown(wait=True)
+        for tier in self.tiers:
+            tier.close()
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self._counts[what] += 1
+
+    def _promote(self, entry: ChunkKV) -> None:
+        if self.tiers[0].put(entry):
+            self._count("promotions")
+
+    def _enqueue(self, entry: ChunkKV, below: int) -> None:
+        try:
+            self._writes.put_nowait((entry, below))
+        except queue.Full:
+            self._count("writes_dropped")
+
+    def _write_behind(self) -> None:
+        while (job := self._writes.get()) is not None:
+            entry, below = job
+            try:
+                for tier in self.tiers[below:]:
+                    if entry.key not in tier:
+                        tier.put(entry)
+            except Exception:
+                log.exception("writing chunk %s behind failed", entry.key)
+            finally:
+                self._writes.task_done()
+        self._writes.task_done()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
@@ -57,6 +58,9 @@ class Tier(ABC):
     def unpin(self, key: str) -> bool:
         return False
 
+    def close(self) -> None:  # noqa: B027 (optional: most tiers hold nothing to release)
+        """Release connections, pools, threads; the tier is not used after this."""
+
     def __len__(self) -> int:
         return len(self.keys())
 
@@ -77,6 +81,14 @@ def register_tier(name: str) -> Callable[[T], T]:
 
 
 def make_tier(name: str, **config: Any) -> Tier:
+    """Build a registered tier; a tier shipped as `chunk_cache/<name>_tier.py` registers on first use,
+    so an optional backend's dependencies are imported only when it is asked for."""
+    if name not in _TIERS:
+        try:
+            importlib.import_module(f"chunk_cache.{name}_tier")
+        except ModuleNotFoundError as e:
+            if e.name != f"chunk_cache.{name}_tier":
+                raise
     try:
         cls = _TIERS[name]
     except KeyError:

@@ -52,6 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     ttft.add_argument("--repeats", type=int, default=2, help="timings per mode and item; the fastest is kept")
     ttft.add_argument("--output", type=Path, default=Path("benchmarks/BENCHMARKS.md"))
 
+    tiers = kinds.add_parser("tiers", help="load bandwidth of each chunk cache tier, and TTFT of a blend from it")
+    musique_args(tiers, limit=3, offset=0)
+    tiers.add_argument("--ratio", type=float, default=15.0, help="blend recompute ratio, percent")
+    tiers.add_argument("--repeats", type=int, default=2, help="timings per load and prefill; the fastest is kept")
+    tiers.add_argument("--redis-url", help="an existing Redis (default: a redis-server started for the run)")
+    tiers.add_argument("--output", type=Path, default=Path("benchmarks/BENCHMARKS.md"))
+
     calibrate = sub.add_parser("calibrate", help="pick and store the model's blend recompute ratio")
     musique_args(calibrate, limit=8, offset=100)
     calibrate.add_argument("--target", type=float, default=0.95, help="the fidelity the ratio must reach")
@@ -113,7 +120,7 @@ def run(args: argparse.Namespace, settings: Settings, argv: list[str] | None) ->
         print(resolve(settings.engine_config(), progress=True))
         return 0
     command = " ".join(["kvgate", *(argv if argv is not None else sys.argv[1:])])
-    if args.command == "calibrate" or (args.command == "bench" and args.kind in ("fidelity", "ttft")):
+    if args.command == "calibrate" or (args.command == "bench" and args.kind in ("fidelity", "ttft", "tiers")):
         from benchmarks.fidelity import DataError
 
         try:
@@ -182,6 +189,21 @@ def measure(args: argparse.Namespace, settings: Settings, command: str) -> int:
             args.repeats,
             args.words,
             args.offset,
+            args.output,
+            command,
+        )
+        return 0
+    if args.command == "bench" and args.kind == "tiers":
+        from benchmarks.tiers import bench_tiers
+
+        bench_tiers(
+            settings.engine_config(),
+            args.data,
+            args.docs,
+            args.limit,
+            args.ratio / 100,
+            args.repeats,
+            args.redis_url,
             args.output,
             command,
         )

@@ -10,6 +10,7 @@ import yaml
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from chunk_cache import ChunkCacheConfig
 from runtime.config import EngineConfig
 
 
@@ -31,7 +32,12 @@ class Settings(BaseSettings):
     max_num_seqs: int = Field(16, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=16)
     threads: int = Field(0, ge=0)
-    chunk_cache_bytes: int = Field(2 << 30, ge=0)
+    chunk_cache_bytes: int = Field(2 << 30, ge=0)  # document KV in memory
+    chunk_cache_dir: Path | None = None  # None: <cache_dir>/chunks
+    chunk_cache_disk_bytes: int = Field(16 << 30, ge=0)  # 0: no disk tier
+    redis_url: str | None = None  # set: a Redis tier shared by every kvgate process using it
+    chunk_cache_redis_bytes: int = Field(4 << 30, ge=0)
+    chunk_cache_lmcache_bytes: int = Field(0, ge=0)  # > 0: an LMCache tier (needs kvgate[lmcache])
     recompute_ratio: float | None = Field(None, ge=0.0, le=1.0)
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     log_level: str = "info"
@@ -55,6 +61,21 @@ class Settings(BaseSettings):
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
+    def chunk_cache_config(self) -> ChunkCacheConfig:
+        tiers = ["memory"]
+        tiers += ["disk"] if self.chunk_cache_disk_bytes else []
+        tiers += ["redis"] if self.redis_url else []
+        tiers += ["lmcache"] if self.chunk_cache_lmcache_bytes else []
+        return ChunkCacheConfig(
+            tiers=tuple(tiers),
+            memory_bytes=self.chunk_cache_bytes,
+            disk_dir=self.chunk_cache_dir or self.cache_dir / "chunks",
+            disk_bytes=self.chunk_cache_disk_bytes,
+            redis_url=self.redis_url or "",
+            redis_bytes=self.chunk_cache_redis_bytes,
+            lmcache_bytes=self.chunk_cache_lmcache_bytes,
+        )
+
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             model=self.model,
@@ -65,6 +86,6 @@ class Settings(BaseSettings):
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             threads=self.threads,
-            chunk_cache_bytes=self.chunk_cache_bytes,
+            chunk_cache=self.chunk_cache_config(),
             recompute_ratio=self.recompute_ratio,
         )

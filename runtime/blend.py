@@ -11,6 +11,7 @@ Their new K/V overwrite the reused rows, and their queries attend over the whole
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -37,15 +38,21 @@ class BlendConfig:
     seed: int = 0  # for random selection
 
 
+class Layered(Protocol):
+    """Cached KV handed out layer by layer (a ChunkKV, or a Loading still reading from a lower tier)."""
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 @dataclass
 class Piece:
     token_ids: list[int]
-    keys: torch.Tensor | None = None  # [layers, kv_heads, T, head_dim], post-RoPE at 0..T-1
-    values: torch.Tensor | None = None
+    # Keys post-RoPE at 0..T-1, [kv_heads, T, head_dim] per layer; None: computed fresh.
+    cached: Layered | None = None
 
     @property
     def reused(self) -> bool:
-        return self.keys is not None
+        return self.cached is not None
 
 
 @dataclass
@@ -54,27 +61,20 @@ class Blended:
     reused: int  # tokens whose cached KV was kept
     recomputed: int  # reused tokens computed again
     deviation: float  # mean key deviation of reused tokens at the first check layer, relative
+    recomputed_mask: torch.Tensor  # [N] bool: the reused tokens computed again
 
 
-def assemble(model: PreTrainedModel, kv: KVCache, pieces: list[Piece]) -> torch.Tensor:
-    """Write every reused piece's KV at its offset in `kv`; return a [N] mask of reused tokens."""
-    total = sum(len(p.token_ids) for p in pieces)
-    kv.reserve(total)
-    reused = torch.zeros(total, dtype=torch.bool)
+def place(model: PreTrainedModel, kv: KVCache, layer: int, pieces: list[Piece]) -> None:
+    """Write layer `layer` of every reused piece's KV at its offset in `kv`, keys RoPE-shifted there.
+    Called per layer just before it runs, so a piece still loading is waited for one layer at a time."""
     offset = 0
     for piece in pieces:
         n = len(piece.token_ids)
-        if piece.reused:
-            layers, heads = piece.keys.shape[:2]
-            keys = piece.keys.reshape(layers * heads, n, -1)
-            shifted = shift(model, keys, offset).view_as(piece.keys) if offset else piece.keys
-            for i in range(layers):
-                kv.keys[i][:, offset : offset + n] = shifted[i]
-                kv.values[i][:, offset : offset + n] = piece.values[i]
-            reused[offset : offset + n] = True
+        if piece.cached is not None:
+            keys, values = piece.cached.layer(layer)
+            kv.keys[layer][:, offset : offset + n] = shift(model, keys, offset) if offset else keys
+            kv.values[layer][:, offset : offset + n] = values
         offset += n
-    kv.lengths = [total] * kv.num_layers
-    return reused
 
 
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float):
@@ -148,8 +148,10 @@ def first_tokens(pieces: list[Piece], k: int) -> torch.Tensor:
 def prefill(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: BlendConfig) -> Blended:
     """Fill `kv` with the prompt's KV (reused where it can be) and return the last token's logits."""
     inner = model.model
-    reused_all = assemble(model, kv, pieces)
+    reused_all = torch.cat([torch.full((len(p.token_ids),), p.reused) for p in pieces])
     total = len(reused_all)
+    kv.reserve(total)
+    kv.lengths = [total] * kv.num_layers
     ids = torch.tensor([t for p in pieces for t in p.token_ids], device=model.device)
     positions = torch.arange(total, device=model.device)
     h = inner.embed_tokens(ids)
@@ -161,6 +163,7 @@ def prefill(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: Bl
     deviation = 0.0
 
     for i, layer in enumerate(inner.layers):
+        place(model, kv, i, pieces)
         cos, sin = cos_all[sel], sin_all[sel]
         if i in checks:
             j = checks.index(i)
@@ -199,5 +202,7 @@ def prefill(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: Bl
             )
         h = finish_layer(layer, h, out.transpose(0, 1))
 
-    recomputed = int(reused_all[sel].sum())
-    return Blended(logits_of(model, h[-1]), n_reused - recomputed, recomputed, deviation)
+    computed = torch.zeros(total, dtype=torch.bool)
+    computed[sel.cpu()] = True
+    recomputed = int(reused_all[sel.cpu()].sum())
+    return Blended(logits_of(model, h[-1]), n_reused - recomputed, recomputed, deviation, reused_all & computed)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from chunk_cache import ChunkCacheConfig
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -21,7 +23,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     # 0: leave torch's default.
     threads: int = 0
-    # Bytes of document KV kept in memory (the chunk cache's first tier).
-    chunk_cache_bytes: int = 2 << 30
+    # Where document KV is kept: memory, then disk, Redis, LMCache (see chunk_cache/config.py).
+    chunk_cache: ChunkCacheConfig = ChunkCacheConfig()
     # Blend's recompute ratio; None: the calibrated one (`kvgate calibrate`), else the default.
     recompute_ratio: float | None = None

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from chunk_cache import ChunkCacheConfig, ChunkStore
+from chunk_cache import ChunkStore
 from runtime.blend import BlendConfig
 from runtime.calibration import Calibration, model_fingerprint
 from runtime.calibration import load as load_calibration
@@ -93,7 +93,7 @@ class Engine:
         c = self.config
         ratio = c.recompute_ratio if c.recompute_ratio is not None else calibration.ratio if calibration else None
         blend = BlendConfig() if ratio is None else BlendConfig(ratio=ratio)
-        store = ChunkStore.from_config(ChunkCacheConfig(memory_bytes=c.chunk_cache_bytes))
+        store = ChunkStore.from_config(c.chunk_cache)
         limit = calibration.deviation_limit if calibration and c.recompute_ratio is None else None
         return Reuser(self.model, self.tokenizer, store, self.model_fp, blend, deviation_limit=limit)
 
@@ -172,6 +172,7 @@ class Engine:
         self.stopped = True
         self.wake.set()
         self.thread.join(timeout=10)
+        self.reuser.store.close()  # writes still queued for lower tiers land first
 
     @property
     def load_stats(self) -> dict[str, int]:

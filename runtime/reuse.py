@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from chunk_cache import ChunkKV, ChunkStore, chunk_key, fingerprint
+from chunk_cache import ChunkKV, ChunkStore, LoadFailed, Loading, chunk_key, fingerprint
 from runtime.blend import BlendConfig, Piece, prefill
 from runtime.kv import KVCache
 from runtime.model import Run, forward
@@ -88,7 +88,7 @@ class Reuser:
         if remember:
             with self.lock:
                 self.known[key] = tuple(token_ids)
-        entry = self.store.get(key)
+        entry = self.store.get(key, self.model_fp)
         if entry is not None and entry.token_ids == tuple(token_ids):
             return entry, True
         kv = self.new_kv()
@@ -98,13 +98,28 @@ class Reuser:
         n = len(token_ids)
         keys = torch.stack([k[:, :n] for k in kv.keys])
         values = torch.stack([v[:, :n] for v in kv.values])
-        entry = ChunkKV(key, tuple(token_ids), keys, values, cost)
+        entry = ChunkKV(key, tuple(token_ids), keys, values, cost, self.model_fp)
         self.store.put(entry)
         return entry, False
 
+    def cached(self, token_ids: list[int], scope: str = "") -> tuple[ChunkKV | Loading, bool]:
+        """The document's KV for a blend: in memory, still loading from a lower tier, or computed
+        now; and whether it was found in the cache."""
+        found = self.store.fetch(self.key(token_ids, scope), self.model_fp)
+        if found is not None and found.token_ids == tuple(token_ids):
+            return found, True
+        return self.document(token_ids, scope)
+
     def tokens_of(self, key: str) -> tuple[int, ...] | None:
+        """A stored document's tokens: remembered, or read from its entry's header in any tier
+        (stored by another process, or before a restart); a hit there starts loading its KV."""
         with self.lock:
-            return self.known.get(key)
+            tokens = self.known.get(key)
+        if tokens is None and (found := self.store.fetch(key, self.model_fp)) is not None:
+            tokens = found.token_ids
+            with self.lock:
+                self.known[key] = tokens
+        return tokens
 
     def forget(self, key: str) -> bool:
         with self.lock:
@@ -122,7 +137,7 @@ class Reuser:
             alias = self.key(ids[:end], "prefix:" + scope)
             with self.lock:
                 found = self.prefixes.get(alias)
-            entry = self.store.get(found[0]) if found else None
+            entry = self.store.get(found[0], self.model_fp) if found else None
             if found and entry is None:  # evicted: forget the way to it too
                 with self.lock:
                     self.prefixes.pop(alias, None)
@@ -146,7 +161,7 @@ class Reuser:
         if key not in self.store:
             keys = torch.stack([k[:, :end] for k in kv.keys])
             values = torch.stack([v[:, :end] for v in kv.values])
-            self.store.put(ChunkKV(key, tuple(ids), keys, values, float(end)))
+            self.store.put(ChunkKV(key, tuple(ids), keys, values, float(end), self.model_fp))
         with self.lock:
             boundary = 0
             for p in pieces[:-1]:
@@ -166,17 +181,21 @@ class Reuser:
             return Prefilled(None, "prefix", reused=n)
         if not self.shiftable:
             return Prefilled(None, "full", note=f"rope type {rope_type(self.model)} cannot shift cached keys")
-        parts = []
-        for ids, is_doc in zip(pieces, documents):
-            if is_doc:
-                entry, _ = self.document(ids, scope)
-                parts.append(Piece(ids, entry.keys, entry.values))
-            else:
-                parts.append(Piece(ids))
         ratio = 0.0 if reuse.mode == "naive" else (reuse.ratio if reuse.ratio is not None else self.blend.ratio)
-        config = self.config(ratio, reuse.mode)
-        done = prefill(self.model, kv, parts, config)
-        note = ""
+        cached = [self.cached(ids, scope) if is_doc else (None, False) for ids, is_doc in zip(pieces, documents)]
+        parts = [Piece(ids, source) for ids, (source, _) in zip(pieces, cached)]
+        found = torch.cat([torch.full((len(ids),), hit) for ids, (_, hit) in zip(pieces, cached)])
+        notes = []
+        try:
+            done = prefill(self.model, kv, parts, self.config(ratio, reuse.mode))
+        except LoadFailed as e:
+            # A stored document turned out damaged or unreachable halfway: it is a miss after all.
+            notes.append(f"a stored document could not be read ({e}); recomputed")
+            again = [self.document(p.token_ids, scope) if p.reused else (None, False) for p in parts]
+            parts = [Piece(p.token_ids, source) for p, (source, _) in zip(parts, again)]
+            found = torch.cat([torch.full((len(p.token_ids),), hit) for p, (_, hit) in zip(parts, again)])
+            kv.truncate(0)
+            done = prefill(self.model, kv, parts, self.config(ratio, reuse.mode))
         if (
             reuse.mode == "blend"
             and reuse.ratio is None
@@ -185,10 +204,13 @@ class Reuser:
             and ratio < self.max_ratio
         ):
             # Far outside what calibration saw: redo with the larger ratio.
-            note = f"deviation {done.deviation:.3g} above the calibrated {self.deviation_limit:.3g}"
+            notes.append(f"deviation {done.deviation:.3g} above the calibrated {self.deviation_limit:.3g}")
             kv.truncate(0)
             done = prefill(self.model, kv, parts, self.config(self.max_ratio, "blend"))
-        return Prefilled(done.logits, reuse.mode, done.reused, done.recomputed, done.deviation, note)
+        # Only KV that came from the cache counts as reused; a document computed for this request is not.
+        recomputed = int((found & done.recomputed_mask).sum())
+        reused = int(found.sum()) - recomputed
+        return Prefilled(done.logits, reuse.mode, reused, recomputed, done.deviation, "; ".join(notes))
 
     def config(self, ratio: float, mode: str) -> BlendConfig:
         if mode == "naive":  # no layer runs over the reused tokens at all

@@ -2,34 +2,25 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
-import uvicorn
 
-from gateway.app import create_app
 from gateway.settings import Settings
 from runtime.engine import Engine
 from runtime.loader import LoadedModel, load
 from runtime.tokens import chat_prompt
+from tests.servers import serving
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
-def settings() -> Settings:
-    return Settings(max_num_seqs=8)
+def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    # Document KV on disk starts empty each run; the converted model stays in the user cache.
+    return Settings(max_num_seqs=8, chunk_cache_dir=tmp_path_factory.mktemp("chunks"))
 
 
 @pytest.fixture(scope="session")
@@ -46,18 +37,8 @@ def engine(settings: Settings, loaded: LoadedModel) -> Iterator[Engine]:
 
 @pytest.fixture(scope="session")
 def base_url(settings: Settings, engine: Engine) -> Iterator[str]:
-    port = free_port()
-    config = uvicorn.Config(create_app(settings, engine), host="127.0.0.1", port=port, log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serving(settings, engine) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

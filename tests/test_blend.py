@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from chunk_cache import ChunkStore, fingerprint
+from chunk_cache import ChunkStore, DiskTier, MemoryTier, fingerprint
 from runtime.blend import BlendConfig, Piece, prefill
 from runtime.documents import chat_pieces, document_ids
 from runtime.loader import LoadedModel
@@ -42,7 +42,7 @@ def blend_pieces(reuser: Reuser, pieces: list[list[int]], documents: list[bool])
     out = []
     for ids, is_doc in zip(pieces, documents):
         entry = reuser.document(ids)[0] if is_doc else None
-        out.append(Piece(ids, entry.keys, entry.values) if entry else Piece(ids))
+        out.append(Piece(ids, entry))
     return out
 
 
@@ -63,6 +63,9 @@ def test_blend_at_ratio_one_is_full_prefill(reuser: Reuser, loaded: LoadedModel)
 
 def test_naive_reuse_computes_only_the_fresh_tokens_and_moves_the_answer(reuser: Reuser, loaded: LoadedModel) -> None:
     pieces, documents = musique(loaded, 0, docs=3, words=120)
+    for ids, is_doc in zip(pieces, documents):
+        if is_doc:
+            reuser.document(ids)  # stored before: reused counts only KV found in the cache
     kv = reuser.new_kv()
     done = reuser.prefill(kv, pieces, documents, Reuse("naive"))
     assert done.recomputed == 0 and done.reused == sum(len(p) for p, d in zip(pieces, documents) if d)
@@ -159,3 +162,33 @@ def test_attention_weighted_selection_keeps_the_fresh_tokens_and_the_budget(
     doc_tokens = sum(len(p) for p, d in zip(pieces, documents) if d)
     assert done.recomputed == round(0.2 * doc_tokens)
     assert kl(full_logits(reuser, pieces), done.logits) < 2.0
+
+
+def test_documents_read_from_disk_layer_by_layer_blend_exactly_as_from_memory(
+    loaded: LoadedModel, tmp_path: Path
+) -> None:
+    def reuser_on(store: ChunkStore) -> Reuser:
+        return Reuser(loaded.model, loaded.tokenizer, store, fingerprint("test"), BlendConfig())
+
+    pieces, documents = musique(loaded, 1, docs=3, words=60)
+    warm = reuser_on(ChunkStore([MemoryTier(1 << 30), DiskTier(tmp_path, 1 << 30)]))
+    in_memory = warm.prefill(warm.new_kv(), pieces, documents, Reuse("blend", 0.15))
+    warm.store.close()  # every document now also on disk
+
+    cold = reuser_on(ChunkStore([MemoryTier(1 << 30), DiskTier(tmp_path, 1 << 30)]))  # a restarted process
+    from_disk = cold.prefill(cold.new_kv(), pieces, documents, Reuse("blend", 0.15))
+    assert torch.equal(from_disk.logits, in_memory.logits) and from_disk.reused == in_memory.reused
+    disk = cold.store.stats()["tiers"][1]
+    assert disk["hits"] == 3 and disk["bytes_read"] > 0
+
+    # Damage one document's last layer on disk: found only mid-blend, recomputed, same answer.
+    cold.store.flush()
+    for key in cold.store.tiers[0].keys():
+        cold.store.tiers[0].delete(key)
+    victim = cold.store.tiers[1].path(cold.key(pieces[2]))
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    again = cold.prefill(cold.new_kv(), pieces, documents, Reuse("blend", 0.15))
+    assert "could not be read" in again.note and torch.equal(again.logits, in_memory.logits)
+    cold.store.close()

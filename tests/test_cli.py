@@ -17,7 +17,7 @@ from chunk_cache import fingerprint
 from runtime.calibration import load as load_calibration
 from runtime.calibration import path as calibration_path
 from runtime.loader import converted_dir, default_gguf, resolve
-from tests.conftest import free_port
+from tests.servers import free_port
 
 KVGATE = str(Path(sys.executable).parent / "kvgate")  # the installed console script
 

@@ -30,6 +30,9 @@ def ask(client: openai.OpenAI, model: str, documents: list[dict], reuse: dict | 
 
 
 def test_documents_by_text_are_reused_and_reported(client, model_name) -> None:
+    first = ask(client, model_name, [{"text": d} for d in DOCS], {"reuse": "blend", "recompute_ratio": 0.2})
+    # Read for the first time: computed now, so nothing counts as reused yet.
+    assert first.headers["x-kvgate-reused-tokens"] == first.headers["x-kvgate-recomputed-tokens"] == "0"
     raw = ask(client, model_name, [{"text": d} for d in DOCS], {"reuse": "blend", "recompute_ratio": 0.2})
     reply = raw.parse()
     reused, recomputed = int(raw.headers["x-kvgate-reused-tokens"]), int(raw.headers["x-kvgate-recomputed-tokens"])

@@ -13,7 +13,7 @@ import uvicorn
 
 from gateway.app import create_app
 from runtime.engine import EngineError
-from tests.conftest import free_port
+from tests.servers import free_port
 
 
 def post(base_url: str, path: str, **kw) -> httpx.Response:

@@ -1,0 +1,232 @@
+"""`kvgate bench tiers`: how fast each chunk cache tier hands document KV back, against the limit
+of its medium measured in the same run, and the time to first token of a blend reading from it.
+
+Limits: memory (and LMCache, whose pool is in memory), a memcpy of the same bytes; disk, a
+sequential read of the entry's file (warm page cache: the machine's RAM holds it); Redis, a plain
+GET of the whole value over loopback. A load is what a blend waits for: the entry read layer by
+layer, every checksum checked, into tensors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import redis
+import torch
+
+from benchmarks.fidelity import Item, load_items, make_reuser, start
+from benchmarks.report import table, write_section
+from chunk_cache import ByteTier, ChunkKV, ChunkStore, DiskTier, Loading, MemoryTier, Tier, make_tier
+from runtime.config import EngineConfig
+from runtime.loader import load
+from runtime.reuse import Reuse, Reuser
+
+TARGET_BANDWIDTH = 0.70  # of the medium's limit
+TARGET_SPEEDUP = 3.0  # blend from disk against full prefill
+
+
+def best(f: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - began)
+    return min(times)
+
+
+@contextmanager
+def redis_server() -> Iterator[str]:
+    """A redis-server of the benchmark's own on a free loopback port."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise FileNotFoundError("redis-server is not installed (make test installs it); or pass --redis-url")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        client = redis.Redis.from_url(url)
+        for _ in range(100):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        yield url
+    finally:
+        process.kill()
+        process.wait()
+
+
+def limit_of(tier: Tier | None, key: str, size: int, repeats: int) -> float:
+    """Seconds the medium itself needs to hand over `size` bytes."""
+    if not isinstance(tier, ByteTier):  # memory, or LMCache's pool in memory
+        src, dst = bytearray(size), bytearray(size)
+        a, b = (ctypes.c_char * size).from_buffer(src), (ctypes.c_char * size).from_buffer(dst)
+        return best(lambda: ctypes.memmove(b, a, size), repeats)
+    if isinstance(tier, DiskTier):
+        buf = bytearray(size)
+
+        def read() -> None:
+            with open(tier.path(key), "rb", buffering=0) as f:
+                f.readinto(buf)
+
+        return best(read, repeats)
+    client = redis.Redis.from_url(tier.url)
+    return best(lambda: client.get(tier.prefix + key), repeats)
+
+
+def load_of(store: ChunkStore, key: str, kv: list[torch.Tensor], repeats: int) -> float:
+    """Seconds to have the entry whole and checked, in tensors shaped as the KV cache wants them."""
+
+    def once() -> None:
+        found = store.fetch(key)
+        entry = found.result() if isinstance(found, Loading) else found
+        kv[0].copy_(entry.keys)  # what a blend does with it: place it in the request's KV
+        kv[1].copy_(entry.values)
+
+    return best(once, repeats)
+
+
+def tier_stores(tmp: Path, redis_url: str | None) -> dict[str, ChunkStore]:
+    """One store per tier; below memory, a memory tier that holds nothing, so every read is the tier's."""
+    stores = {"memory": ChunkStore([MemoryTier(64 << 30)])}
+    lower: dict[str, Tier] = {"disk": DiskTier(tmp / "chunks", 64 << 30)}
+    if redis_url:
+        lower["redis"] = make_tier("redis", url=redis_url, budget_bytes=64 << 30)
+    try:
+        lower["lmcache"] = make_tier("lmcache", budget_bytes=16 << 30)
+    except ImportError as e:
+        print(f"kvgate bench tiers: no LMCache tier ({e})")
+    for name, tier in lower.items():
+        stores[name] = ChunkStore([MemoryTier(0), tier])
+    return stores
+
+
+def bench_tiers(
+    config: EngineConfig,
+    data: Path,
+    docs: int,
+    limit: int,
+    ratio: float,
+    repeats: int,
+    redis_url: str | None,
+    output: Path,
+    command: str,
+) -> None:
+    loaded = load(config)
+    data_items = load_items(loaded, data, docs, limit, True, 0, 0)
+    with tempfile.TemporaryDirectory() as tmp, redis_server() if redis_url is None else _given(redis_url) as url:
+        stores = tier_stores(Path(tmp), url)
+        reusers = {name: make_reuser(loaded) for name in stores}
+        for name, reuser in reusers.items():
+            reuser.store = stores[name]
+        entries: list[ChunkKV] = []
+        for item in data_items:
+            for ids, is_doc in zip(item.pieces, item.documents):
+                if is_doc:
+                    entries.append(reusers["memory"].document(ids)[0])
+        for store in stores.values():
+            for entry in entries:
+                store.tiers[-1].put(entry)
+        bandwidth = measure_bandwidth(stores, entries, repeats)
+        ttft = measure_ttft(reusers, data_items, ratio, repeats)
+        for store in stores.values():
+            store.close()
+    write(bandwidth, ttft, ratio, len(data_items), docs, output, command)
+
+
+@contextmanager
+def _given(url: str) -> Iterator[str]:
+    yield url
+
+
+def measure_bandwidth(
+    stores: dict[str, ChunkStore], entries: list[ChunkKV], repeats: int
+) -> dict[str, tuple[float, float]]:
+    """Per tier: GB/s of a load and GB/s of the medium's limit, summed over the entries."""
+    out = {}
+    for name, store in stores.items():
+        tier = store.tiers[-1] if name != "memory" else None
+        loads = limits = 0.0
+        nbytes = 0
+        for entry in entries:
+            size = len(entry.to_bytes()) if isinstance(tier, ByteTier) else entry.nbytes
+            kv = [torch.empty_like(entry.keys), torch.empty_like(entry.values)]
+            loads += load_of(store, entry.key, kv, repeats)
+            limits += limit_of(tier, entry.key, size, repeats)
+            nbytes += size
+        out[name] = (nbytes / loads / 1e9, nbytes / limits / 1e9)
+        print(f"{name}: load {out[name][0]:.2f} GB/s, limit {out[name][1]:.2f} GB/s", flush=True)
+    return out
+
+
+def measure_ttft(
+    reusers: dict[str, Reuser], data_items: list[Item], ratio: float, repeats: int
+) -> dict[str, tuple[float, bool]]:
+    """Per mode: mean time to first token, and whether every logit equals the in-memory blend's."""
+    seconds: dict[str, list[float]] = {"full": []}
+    exact = {name: True for name in reusers}
+    memory = reusers["memory"]
+    for n, item in enumerate(data_items):
+        seconds["full"].append(best(lambda item=item: start(memory, item, Reuse("full")), repeats))
+        reference = start(memory, item, Reuse("blend", ratio))[1]
+        for name, reuser in reusers.items():
+            runs = []
+            for _ in range(repeats):
+                began = time.perf_counter()
+                _, logits, done = start(reuser, item, Reuse("blend", ratio))
+                runs.append(time.perf_counter() - began)
+                exact[name] &= torch.equal(logits, reference) and done.reused > 0
+            seconds.setdefault(name, []).append(min(runs))
+        line = ", ".join(f"{k} {v[-1]:.2f} s" for k, v in seconds.items())
+        print(f"item {n + 1}/{len(data_items)}: {len(item.ids)} tokens; {line}", flush=True)
+    full = statistics.fmean(seconds["full"])
+    return {"full": (full, True), **{k: (statistics.fmean(seconds[k]), exact[k]) for k in reusers}}
+
+
+def write(
+    bandwidth: dict[str, tuple[float, float]],
+    ttft: dict[str, tuple[float, bool]],
+    ratio: float,
+    items: int,
+    docs: int,
+    output: Path,
+    command: str,
+) -> None:
+    full = ttft["full"][0]
+    rows = []
+    for name, (load_gbs, limit_gbs) in bandwidth.items():
+        share = load_gbs / limit_gbs
+        seconds, exact = ttft[name]
+        met = "met" if share >= TARGET_BANDWIDTH else "MISSED"
+        rows.append([
+            name, f"{load_gbs:.2f}", f"{limit_gbs:.2f}", f"{share:.0%}", met,
+            f"{seconds:.2f}", f"{full / seconds:.1f}x", "yes" if exact else "NO",
+        ])  # fmt: skip
+    header = ["tier", "load GB/s", "limit GB/s", "load / limit", f">= {TARGET_BANDWIDTH:.0%}", "blend TTFT s",
+              "vs full prefill", "same logits as memory"]  # fmt: skip
+    disk = full / ttft["disk"][0]
+    body = (
+        f"{items} MuSiQue items, {docs} passages each as documents (shuffled), blend at {ratio:.0%}; full prefill "
+        f"mean {full:.2f} s. Loads read each entry whole, layer by layer, every checksum checked, into tensors; "
+        "the blend's TTFT includes its loads, pipelined with the recompute (layer i+1 loads while layer i runs). "
+        "Every store below memory has a memory tier of 0 bytes, so every read comes from the tier itself.\n\n"
+        + table(header, rows)
+        + f"\n\nTarget: blend with KV from disk >= {TARGET_SPEEDUP:.0f}x faster than full prefill: "
+        + ("met" if disk >= TARGET_SPEEDUP else "MISSED")
+        + f" ({disk:.1f}x)."
+    )
+    write_section(output, "tiers", "Chunk cache tiers: load bandwidth and TTFT", command, body)
+    print(body)
