@@ -88,13 +88,16 @@ def limit_of(tier: Tier | None, key: str, size: int, repeats: int) -> float:
 
 
 def load_of(store: ChunkStore, key: str, kv: list[torch.Tensor], repeats: int) -> float:
-    """Seconds to have the entry whole and checked, in tensors shaped as the KV cache wants them."""
+    """Seconds until the entry is whole, checked, in tensors of this process. From memory, where
+    it already is, a load is the copy into the request's KV (what a blend does with any entry)."""
 
     def once() -> None:
         found = store.fetch(key)
-        entry = found.result() if isinstance(found, Loading) else found
-        kv[0].copy_(entry.keys)  # what a blend does with it: place it in the request's KV
-        kv[1].copy_(entry.values)
+        if isinstance(found, Loading):
+            found.result()
+        else:
+            kv[0].copy_(found.keys)
+            kv[1].copy_(found.values)
 
     return best(once, repeats)
 
@@ -220,7 +223,8 @@ def write(
     disk = full / ttft["disk"][0]
     body = (
         f"{items} MuSiQue items, {docs} passages each as documents (shuffled), blend at {ratio:.0%}; full prefill "
-        f"mean {full:.2f} s. Loads read each entry whole, layer by layer, every checksum checked, into tensors; "
+        f"mean {full:.2f} s. A load from memory is the copy into the request's KV; from any other tier, the "
+        "entry read whole, layer by layer, every checksum checked, into freshly allocated tensors. "
         "the blend's TTFT includes its loads, pipelined with the recompute (layer i+1 loads while layer i runs). "
         "Every store below memory has a memory tier of 0 bytes, so every read comes from the tier itself.\n\n"
         + table(header, rows)

@@ -48,6 +48,16 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     return fingerprint(backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items())))
 
 
+def with_kv(
+    pieces: list[list[int]], sources: list[tuple[ChunkKV | Loading, bool] | None]
+) -> tuple[list[Piece], torch.Tensor]:
+    """Blend pieces from each piece's cached KV (None: computed fresh), and a [N] mask of the
+    tokens whose KV was found in the cache."""
+    parts = [Piece(ids, source[0] if source else None) for ids, source in zip(pieces, sources)]
+    found = torch.cat([torch.full((len(ids),), bool(source and source[1])) for ids, source in zip(pieces, sources)])
+    return parts, found
+
+
 class Reuser:
     """Owns the document and prefix entries of one model in a chunk store."""
 
@@ -182,18 +192,15 @@ class Reuser:
         if not self.shiftable:
             return Prefilled(None, "full", note=f"rope type {rope_type(self.model)} cannot shift cached keys")
         ratio = 0.0 if reuse.mode == "naive" else (reuse.ratio if reuse.ratio is not None else self.blend.ratio)
-        cached = [self.cached(ids, scope) if is_doc else (None, False) for ids, is_doc in zip(pieces, documents)]
-        parts = [Piece(ids, source) for ids, (source, _) in zip(pieces, cached)]
-        found = torch.cat([torch.full((len(ids),), hit) for ids, (_, hit) in zip(pieces, cached)])
+        parts, found = with_kv(pieces, [self.cached(ids, scope) if d else None for ids, d in zip(pieces, documents)])
         notes = []
         try:
             done = prefill(self.model, kv, parts, self.config(ratio, reuse.mode))
         except LoadFailed as e:
             # A stored document turned out damaged or unreachable halfway: it is a miss after all.
             notes.append(f"a stored document could not be read ({e}); recomputed")
-            again = [self.document(p.token_ids, scope) if p.reused else (None, False) for p in parts]
-            parts = [Piece(p.token_ids, source) for p, (source, _) in zip(parts, again)]
-            found = torch.cat([torch.full((len(p.token_ids),), hit) for p, (_, hit) in zip(parts, again)])
+            fresh = [self.document(ids, scope) if d else None for ids, d in zip(pieces, documents)]
+            parts, found = with_kv(pieces, fresh)
             kv.truncate(0)
             done = prefill(self.model, kv, parts, self.config(ratio, reuse.mode))
         if (

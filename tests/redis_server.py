@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -23,23 +22,7 @@ from pathlib import Path
 import pytest
 import redis
 
-
-def free_port(cluster: bool = False) -> int:
-    """A free loopback port; for a cluster node, one whose bus port (10000 higher) is free too."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if not cluster:
-            return port
-        if port + 10000 <= 65535:
-            with socket.socket() as bus:
-                try:
-                    bus.bind(("127.0.0.1", port + 10000))
-                    return port
-                except OSError:
-                    pass
-    raise RuntimeError("no free port pair for a cluster node")
+from tests.servers import free_port
 
 
 def redis_server_binary() -> str | None:

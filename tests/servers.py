@@ -15,10 +15,22 @@ from gateway.settings import Settings
 from runtime.engine import Engine
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(cluster: bool = False) -> int:
+    """A free loopback port; for a cluster node, one whose bus port (10000 higher) is free too."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if not cluster:
+            return port
+        if port + 10000 <= 65535:
+            with socket.socket() as bus:
+                try:
+                    bus.bind(("127.0.0.1", port + 10000))
+                    return port
+                except OSError:
+                    pass
+    raise RuntimeError("no free port pair for a cluster node")
 
 
 @contextmanager

@@ -144,6 +144,8 @@ def test_a_request_deviating_beyond_calibration_gets_a_larger_ratio(loaded: Load
     calm = Reuser(loaded.model, loaded.tokenizer, store, fp, BlendConfig(ratio=0.1), deviation_limit=1e9)
     wary = Reuser(loaded.model, loaded.tokenizer, store, fp, BlendConfig(ratio=0.1), deviation_limit=0.0)
     doc_tokens = sum(len(p) for p, d in zip(pieces, documents) if d)
+    for ids in (p for p, d in zip(pieces, documents) if d):
+        calm.document(ids)  # stored before: only KV found in the cache counts
     usual = calm.prefill(calm.new_kv(), pieces, documents, Reuse("blend"))
     raised = wary.prefill(wary.new_kv(), pieces, documents, Reuse("blend"))
     assert usual.note == "" and usual.recomputed == round(0.1 * doc_tokens)
@@ -172,6 +174,8 @@ def test_documents_read_from_disk_layer_by_layer_blend_exactly_as_from_memory(
 
     pieces, documents = musique(loaded, 1, docs=3, words=60)
     warm = reuser_on(ChunkStore([MemoryTier(1 << 30), DiskTier(tmp_path, 1 << 30)]))
+    for ids in (p for p, d in zip(pieces, documents) if d):
+        warm.document(ids)
     in_memory = warm.prefill(warm.new_kv(), pieces, documents, Reuse("blend", 0.15))
     warm.store.close()  # every document now also on disk
 

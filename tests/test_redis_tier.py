@@ -23,7 +23,8 @@ from chunk_cache import (
     redis_tier,
 )
 from chunk_cache.redis_tier import RedisTier
-from tests.redis_server import RedisServer, free_port
+from tests.redis_server import RedisServer
+from tests.servers import free_port
 
 
 def chunk(key: str = "doc", tokens: int = 4, layers: int = 4, model: str = "model-a") -> ChunkKV:
