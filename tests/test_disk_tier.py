@@ -9,21 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from chunk_cache import ChunkKV, ChunkStore, DiskTier, LoadFailed, Loading, MemoryTier
-
-
-def chunk(key: str = "doc", tokens: int = 6, layers: int = 4, model: str = "model-a") -> ChunkKV:
-    shape = (layers, 2, tokens, 8)
-    return ChunkKV(key, list(range(100, 100 + tokens)), torch.randn(shape), torch.randn(shape), 1.0, model)
-
-
-def same(a: ChunkKV | None, b: ChunkKV) -> bool:
-    return (
-        a is not None
-        and (a.key, a.token_ids, a.cost, a.model) == (b.key, b.token_ids, b.cost, b.model)
-        and torch.equal(a.keys, b.keys)
-        and torch.equal(a.values, b.values)
-    )
+from chunk_cache import ChunkStore, DiskTier, LoadFailed, Loading, MemoryTier
+from tests.entries import chunk, same
 
 
 def test_round_trip_and_miss(tmp_path: Path) -> None:

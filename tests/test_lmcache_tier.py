@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import entries
+from tests.entries import same
+
 pytest.importorskip("lmcache", reason="LMCache is not installed: pip install 'kvgate[lmcache]'")
 
 from chunk_cache import ChunkKV, ChunkStore, MemoryTier, make_tier  # noqa: E402
@@ -25,19 +28,8 @@ CHUNK = 16  # tokens per LMCache memory object: small, so entries span several, 
 
 
 def chunk(key: str = "doc", tokens: int = 40, dtype: torch.dtype = torch.float32, layers: int = 4) -> ChunkKV:
-    """A random entry: [layers, 2 kv heads, tokens, 8]."""
-    shape = (layers, 2, tokens, 8)
-    ids = [random.randrange(50_000) for _ in range(tokens)]
-    return ChunkKV(key, ids, torch.randn(shape).to(dtype), torch.randn(shape).to(dtype), 1.5, "model-fp")
-
-
-def same(a: ChunkKV | None, b: ChunkKV) -> bool:
-    return (
-        a is not None
-        and (a.key, a.token_ids, a.cost, a.model) == (b.key, b.token_ids, b.cost, b.model)
-        and torch.equal(a.keys, b.keys)
-        and torch.equal(a.values, b.values)
-    )
+    """40 tokens: an entry spanning several LMCache chunks."""
+    return entries.chunk(key, tokens, layers, "model-fp", dtype)
 
 
 @pytest.fixture

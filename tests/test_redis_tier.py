@@ -3,7 +3,6 @@ damage as a miss that deletes, layer-by-layer loading, one LRU byte budget share
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,28 +22,13 @@ from chunk_cache import (
     redis_tier,
 )
 from chunk_cache.redis_tier import RedisTier
+from tests.entries import chunk, same
 from tests.redis_server import RedisServer
 from tests.servers import free_port
 
 
-def chunk(key: str = "doc", tokens: int = 4, layers: int = 4, model: str = "model-a") -> ChunkKV:
-    """A random entry: [layers, 2 kv heads, tokens, head_dim 8] float32 keys and values."""
-    shape = (layers, 2, tokens, 8)
-    ids = [random.randrange(50_000) for _ in range(tokens)]
-    return ChunkKV(key, ids, torch.randn(shape), torch.randn(shape), cost=1.5, model=model)
-
-
 def size_of(entry: ChunkKV) -> int:
     return len(entry.to_bytes())
-
-
-def same(got: ChunkKV | None, entry: ChunkKV) -> bool:
-    return (
-        got is not None
-        and (got.key, got.token_ids, got.cost, got.model) == (entry.key, entry.token_ids, entry.cost, entry.model)
-        and torch.equal(got.keys, entry.keys)
-        and torch.equal(got.values, entry.values)
-    )
 
 
 @pytest.fixture(scope="module")

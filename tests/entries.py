@@ -1,0 +1,28 @@
+"""Small random chunk entries for the tier tests, and exact comparison of two of them."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from chunk_cache import ChunkKV
+
+
+def chunk(
+    key: str = "doc", tokens: int = 4, layers: int = 4, model: str = "model-a", dtype: torch.dtype = torch.float32
+) -> ChunkKV:
+    """A random entry: [layers, 2 kv heads, tokens, head_dim 8] keys and values, cost 1.5."""
+    shape = (layers, 2, tokens, 8)
+    ids = [random.randrange(50_000) for _ in range(tokens)]
+    return ChunkKV(key, ids, torch.randn(shape).to(dtype), torch.randn(shape).to(dtype), 1.5, model)
+
+
+def same(got: ChunkKV | None, entry: ChunkKV) -> bool:
+    """Equal in every field and every bit."""
+    return (
+        got is not None
+        and (got.key, got.token_ids, got.cost, got.model) == (entry.key, entry.token_ids, entry.cost, entry.model)
+        and torch.equal(got.keys, entry.keys)
+        and torch.equal(got.values, entry.values)
+    )
