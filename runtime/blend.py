@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from runtime.kernels import gather_rows, scatter_rows, token_deviation
+from runtime.kernels import gather_rows, rope_shift, scatter_rows, token_deviation
 from runtime.kv import KVCache
 from runtime.model import finish_layer, logits_of, project, project_keys
-from runtime.rope import shift
+from runtime.rope import angles
 
 
 @dataclass(frozen=True)
@@ -64,15 +64,18 @@ class Blended:
     recomputed_mask: torch.Tensor  # [N] bool: the reused tokens computed again
 
 
-def place(model: PreTrainedModel, kv: KVCache, layer: int, pieces: list[Piece]) -> None:
-    """Write layer `layer` of every reused piece's KV at its offset in `kv`, keys RoPE-shifted there.
-    Called per layer just before it runs, so a piece still loading is waited for one layer at a time."""
+def place(kv: KVCache, layer: int, pieces: list[Piece], shifts: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+    """Write layer `layer` of every reused piece's KV at its offset in `kv`, keys RoPE-shifted there
+    (`shifts`: each piece's cos/sin, None for none). Called per layer just before it runs, so a
+    piece still loading is waited for one layer at a time."""
     offset = 0
-    for piece in pieces:
+    for piece, angle in zip(pieces, shifts):
         n = len(piece.token_ids)
         if piece.cached is not None:
             keys, values = piece.cached.layer(layer)
-            kv.keys[layer][:, offset : offset + n] = shift(model, keys, offset) if offset else keys
+            if angle is not None:
+                keys = rope_shift(keys.to(kv.keys[layer].device), *angle)
+            kv.keys[layer][:, offset : offset + n] = keys
             kv.values[layer][:, offset : offset + n] = values
         offset += n
 
@@ -152,6 +155,8 @@ def prefill(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: Bl
     total = len(reused_all)
     kv.reserve(total)
     kv.lengths = [total] * kv.num_layers
+    starts = torch.tensor([0] + [len(p.token_ids) for p in pieces[:-1]]).cumsum(0).tolist()
+    shifts = [angles(model, s, kv.keys[0].device) if p.reused and s else None for p, s in zip(pieces, starts)]
     ids = torch.tensor([t for p in pieces for t in p.token_ids], device=model.device)
     positions = torch.arange(total, device=model.device)
     h = inner.embed_tokens(ids)
@@ -163,7 +168,7 @@ def prefill(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: Bl
     deviation = 0.0
 
     for i, layer in enumerate(inner.layers):
-        place(model, kv, i, pieces)
+        place(kv, i, pieces, shifts)
         cos, sin = cos_all[sel], sin_all[sel]
         if i in checks:
             j = checks.index(i)

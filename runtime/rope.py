@@ -25,10 +25,16 @@ def can_shift(model: PreTrainedModel) -> bool:
     return rope_type(model) in SHIFTABLE
 
 
-def shift(model: PreTrainedModel, keys: torch.Tensor, delta: int) -> torch.Tensor:
-    """keys: [kv_heads, T, head_dim] cached at positions p; returns them as if cached at p + delta."""
+def angles(model: PreTrainedModel, delta: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [head_dim] (fp32) of a shift by `delta` positions."""
     if not can_shift(model):
         raise ValueError(f"rope type {rope_type(model)!r} does not allow shifting cached keys")
-    position = torch.tensor([[delta]], device=keys.device)
-    cos, sin = model.model.rotary_emb(keys[None].float(), position)  # [1, 1, head_dim], fp32
-    return rope_shift(keys, cos[0, 0], sin[0, 0])
+    position = torch.tensor([[delta]], device=device)
+    probe = torch.empty(0, device=device)  # rotary_emb reads only its device and dtype (fp32)
+    cos, sin = model.model.rotary_emb(probe, position)  # [1, 1, head_dim]
+    return cos[0, 0], sin[0, 0]
+
+
+def shift(model: PreTrainedModel, keys: torch.Tensor, delta: int) -> torch.Tensor:
+    """keys: [kv_heads, T, head_dim] cached at positions p; returns them as if cached at p + delta."""
+    return rope_shift(keys, *angles(model, delta, keys.device))
