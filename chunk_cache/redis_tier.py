@@ -177,9 +177,9 @@ class RedisTier(ByteTier):
             "cluster": int(isinstance(self._redis, RedisCluster)),
         }
 
-    def reconcile(self) -> None:
+    def reconcile(self, grace_s: float = GRACE_S) -> None:
         """Make the bookkeeping match the values: count values nobody counts (first to be evicted),
-        forget counts of values that are gone (unless used within GRACE_S: maybe still being written)."""
+        forget counts of values that are gone (unless used within grace_s: maybe still being written)."""
         pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self.prefix) + "*"
         stored = {name.decode()[len(self.prefix) :] for name in self._call("scan_iter", match=pattern, count=1000)}
         counted = {k.decode() for k in self._call("hkeys", self._sizes)}
@@ -191,7 +191,7 @@ class RedisTier(ByteTier):
                 continue
             self._script(ADOPT, key, self._call("strlen", self.value_key(key)))
         for key in counted - stored:
-            self._script(FORGET, key, time.time() - GRACE_S)
+            self._script(FORGET, key, time.time() - grace_s)
 
     def close(self) -> None:
         with self._connect_lock:

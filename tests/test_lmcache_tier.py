@@ -205,7 +205,8 @@ def test_close_is_bounded_even_when_lmcache_hangs(monkeypatch: pytest.MonkeyPatc
     assert tier.get("doc") is None and not tier.put(chunk("doc"))
     tier.close()  # twice is fine
 
-    # As LMCache's Redis connector does: a close() that never returns.
+    # A fake, to inject a failure the local CPU backend cannot produce: a close() that never
+    # returns, as LMCache's Redis connector's does.
     hanging = LMCacheTier(budget_bytes=1 << 20, chunk_size=CHUNK, close_timeout_s=0.5)
     assert hanging.put(chunk("doc"))
     monkeypatch.setattr("chunk_cache.lmcache_tier.LMCacheEngineBuilder.destroy", lambda _: time.sleep(3600))

@@ -19,7 +19,6 @@ from chunk_cache import (
     Loading,
     MemoryTier,
     make_tier,
-    redis_tier,
 )
 from chunk_cache.redis_tier import RedisTier
 from tests.entries import chunk, same
@@ -190,9 +189,7 @@ def test_an_entry_larger_than_the_whole_budget_is_refused_and_evicts_nothing(url
     assert tier.keys() == ["small"] and tier.stats()["refused"] == 1
 
 
-def test_bookkeeping_left_wrong_by_a_dead_writer_is_repaired(
-    tier: RedisTier, server: RedisServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_bookkeeping_left_wrong_by_a_dead_writer_is_repaired(tier: RedisTier, server: RedisServer) -> None:
     kept, orphan = chunk("kept"), chunk("orphan")
     assert tier.put(kept) and tier.put(chunk("gone"))
     nested = RedisTier(tier.url, budget_bytes=1 << 20, prefix=tier.prefix + "v2:")  # another deployment's
@@ -203,8 +200,7 @@ def test_bookkeeping_left_wrong_by_a_dead_writer_is_repaired(
 
     tier.reconcile()
     assert sorted(tier.keys()) == ["gone", "kept", "orphan"]  # "gone" was used just now: maybe being written
-    monkeypatch.setattr(redis_tier, "GRACE_S", 0.0)
-    tier.reconcile()
+    tier.reconcile(grace_s=0.0)
     assert sorted(tier.keys()) == ["kept", "orphan"] and tier.nbytes == size_of(kept) + size_of(orphan)
     assert nested.keys() == ["doc"]  # under the longer prefix: not ours to count
 
