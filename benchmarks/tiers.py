@@ -23,9 +23,11 @@ from pathlib import Path
 import redis
 import torch
 
-from benchmarks.fidelity import Item, load_items, make_reuser, start
+from benchmarks.fidelity import Item, load_items, start
 from benchmarks.report import table, write_section
 from chunk_cache import ByteTier, ChunkKV, ChunkStore, DiskTier, Loading, MemoryTier, Tier, make_tier
+from runtime.blend import BlendConfig
+from runtime.calibration import model_fingerprint
 from runtime.config import EngineConfig
 from runtime.loader import load
 from runtime.reuse import Reuse, Reuser
@@ -132,9 +134,8 @@ def bench_tiers(
     data_items = load_items(loaded, data, docs, limit, True, 0, 0)
     with tempfile.TemporaryDirectory() as tmp, redis_server() if redis_url is None else _given(redis_url) as url:
         stores = tier_stores(Path(tmp), url)
-        reusers = {name: make_reuser(loaded) for name in stores}
-        for name, reuser in reusers.items():
-            reuser.store = stores[name]
+        model, tokenizer, fp = loaded.model, loaded.tokenizer, model_fingerprint(loaded)
+        reusers = {name: Reuser(model, tokenizer, store, fp, BlendConfig()) for name, store in stores.items()}
         entries: list[ChunkKV] = []
         for item in data_items:
             for ids, is_doc in zip(item.pieces, item.documents):

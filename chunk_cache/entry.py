@@ -73,15 +73,8 @@ class ChunkKV:
 
     def to_bytes(self) -> bytes:
         kv = torch.stack([self.keys, self.values], 1).detach().to("cpu").contiguous()
-        metadata = {
-            "format": FORMAT,
-            "key": self.key,
-            "model": self.model,
-            "dtype": _NAMES[kv.dtype],
-            "shape": json.dumps(list(self.keys.shape)),
-            "cost": repr(self.cost),
-            "layers": json.dumps([_digest(_raw(layer)) for layer in kv]),
-        }
+        digests = tuple(_digest(_raw(layer)) for layer in kv)
+        metadata = _described(self.key, self.model, kv.dtype, tuple(self.keys.shape), self.cost, digests)
         metadata["checksum"] = _header_checksum(metadata, self.token_ids)
         ids = torch.tensor(self.token_ids, dtype=torch.int64)
         return save({"kv": kv, "token_ids": ids}, metadata=metadata)
@@ -189,10 +182,7 @@ class Header:
         if len(raw) != self.ids_stop - self.ids_start:
             raise CorruptEntry("token ids truncated")
         ids = tuple(np.frombuffer(raw, dtype="<i8").tolist())
-        meta = {
-            "format": FORMAT, "key": self.key, "model": self.model, "dtype": _NAMES[self.dtype],
-            "shape": json.dumps(list(self.shape)), "cost": repr(self.cost), "layers": json.dumps(list(self.digests)),
-        }  # fmt: skip
+        meta = _described(self.key, self.model, self.dtype, self.shape, self.cost, self.digests)
         if _header_checksum(meta, ids) != self.checksum:
             raise CorruptEntry("header checksum mismatch")
         object.__setattr__(self, "token_ids", ids)
@@ -210,6 +200,21 @@ class Header:
     def entry(self, kv: torch.Tensor) -> ChunkKV:
         """The entry whose layers have all been read into `kv` [layers, 2, kv_heads, T, head_dim]."""
         return ChunkKV(self.key, self.token_ids, kv[:, 0], kv[:, 1], self.cost, self.model)
+
+
+def _described(
+    key: str, model: str, dtype: torch.dtype, shape: tuple[int, ...], cost: float, digests: tuple[str, ...]
+) -> dict[str, str]:
+    """An entry's metadata, as stored and as the header checksum covers it."""
+    return {
+        "format": FORMAT,
+        "key": key,
+        "model": model,
+        "dtype": _NAMES[dtype],
+        "shape": json.dumps(list(shape)),
+        "cost": repr(cost),
+        "layers": json.dumps(list(digests)),
+    }
 
 
 def _raw(t: torch.Tensor) -> memoryview:
