@@ -1,0 +1,196 @@
+"""The semantic response cache: look a question up among the answers given in the same scope,
+and keep new answers, under each category's threshold, TTL and quota."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from semantic_cache.config import Category, SemanticCacheConfig
+from semantic_cache.embedder import Embedder, make_embedder
+from semantic_cache.entry import Entry
+from semantic_cache.guards import refusal
+from semantic_cache.index import Index
+from semantic_cache.policy import Classifier, threshold
+from semantic_cache.store import Store, make_store
+
+log = logging.getLogger("kvgate.semantic")
+
+
+@dataclass
+class Lookup:
+    """What a lookup found. `entry` is set on a hit; `refused` names the guard that turned the best
+    candidate above the threshold away, if one did."""
+
+    category: Category
+    vector: np.ndarray
+    threshold: float
+    entry: Entry | None = None
+    similarity: float = 0.0  # of the hit, or of the nearest candidate on a miss
+    refused: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: embed, search, guards
+
+    @property
+    def hit(self) -> bool:
+        return self.entry is not None
+
+
+class SemanticCache:
+    def __init__(self, config: SemanticCacheConfig, embedder: Embedder | None = None, store: Store | None = None):
+        self.config = config
+        self.embedder = embedder or make_embedder(config.embedder)
+        dim = self.embedder.dim
+        if store is None:
+            store = (
+                make_store("redis", url=config.redis_url, dim=dim)
+                if config.redis_url
+                else make_store("sqlite", path=config.sqlite_path, dim=dim)
+            )
+        self.store = store
+        self.classify = Classifier(config, self.embedder)
+        self.index = Index(dim, config.hnsw_m, config.hnsw_ef)
+        self.lock = threading.Lock()  # around following the change log
+        self.counts = {"hits": 0, "misses": 0, "refused": 0, "puts": 0, "evicted": 0, "errors": 0}
+        self.rebuild()
+
+    # ---- the index follows the store ----------------------------------------------------------
+
+    def rebuild(self) -> None:
+        """Index every intact, unexpired entry of the store (at start-up, or after falling behind its log)."""
+        with self.lock:
+            self.cursor = self.store.cursor()  # before the scan: a change made during it is replayed after
+            self.index.clear()
+            now = time.time()
+            for entry in self.store.entries():
+                if not entry.expired(now):
+                    self.index.add(entry.scope, entry.id, entry.vector)
+
+    def sync(self) -> None:
+        """Apply the store's changes since the last sync: writes and deletions by any process."""
+        with self.lock:
+            found = self.store.changes(self.cursor)
+            if found is not None:
+                self.cursor, changes = found
+                for op, entry_id in changes:
+                    if op == "del":
+                        self.index.remove(entry_id)
+                    elif entry_id not in self.index and (entry := self.store.get(entry_id)) is not None:
+                        self.index.add(entry.scope, entry.id, entry.vector)
+        if found is None:
+            log.info("semantic cache: fell behind the store's change log; rebuilding the index")
+            self.rebuild()
+
+    # ---- the ways in ---------------------------------------------------------------------------
+
+    def embed(self, query: str) -> np.ndarray:
+        return self.embedder.embed([query])[0]
+
+    def lookup(
+        self,
+        scope: str,
+        query: str,
+        vector: np.ndarray | None = None,
+        queued: int = 0,
+        now: float | None = None,
+    ) -> Lookup:
+        """The best cached answer for `query` in `scope` that clears the threshold and every guard.
+        A failing store is a miss."""
+        start = time.perf_counter()
+        vector = self.embed(query) if vector is None else vector
+        embedded = time.perf_counter()
+        category = self.classify(query, vector)
+        found = Lookup(category, vector, threshold(category, self.config, queued))
+        found.timings["embed"] = embedded - start
+        try:
+            self.sync()
+            self.find(found, scope, query, time.time() if now is None else now)
+        except Exception:
+            log.warning("semantic cache lookup failed; answering as a miss", exc_info=True)
+            self.counts["errors"] += 1
+            found.entry = None
+        found.timings["lookup"] = time.perf_counter() - embedded
+        self.counts["hits" if found.hit else "misses"] += 1
+        self.counts["refused"] += found.refused is not None and not found.hit
+        return found
+
+    def find(self, found: Lookup, scope: str, query: str, now: float) -> None:
+        for entry_id, similarity in self.index.search(scope, found.vector, self.config.candidates):
+            found.similarity = max(found.similarity, similarity)
+            if similarity < found.threshold:
+                break
+            entry = self.store.get(entry_id)
+            if entry is None or entry.scope != scope:  # gone (or damaged, and now deleted)
+                self.index.remove(entry_id)
+                continue
+            if entry.expired(now):
+                self.index.remove(entry_id)
+                self.store.delete([entry_id])
+                continue
+            guard = refusal(query, entry.query, self.config.guards)
+            if guard is not None:
+                found.refused = found.refused or guard
+                continue
+            self.store.touch(entry_id, now)
+            found.entry, found.similarity = entry, similarity
+            return
+
+    def put(
+        self,
+        tenant: str,
+        scope: str,
+        query: str,
+        response: dict[str, Any],
+        vector: np.ndarray | None = None,
+        category: Category | None = None,
+        now: float | None = None,
+    ) -> Entry | None:
+        """Keep an answer; None when the store failed (the answer is then simply not cached)."""
+        now = time.time() if now is None else now
+        vector = self.embed(query) if vector is None else vector
+        category = category or self.classify(query, vector)
+        entry = Entry(
+            id=uuid.uuid4().hex,
+            tenant=tenant,
+            scope=scope,
+            category=category.name,
+            query=query,
+            response=response,
+            vector=np.asarray(vector, dtype=np.float32),
+            created=now,
+            expires=now + category.ttl_s,
+            last_used=now,
+        )
+        try:
+            dropped = self.store.put(entry, category.quota, now)
+            self.sync()
+        except Exception:
+            log.warning("semantic cache write failed; the answer is not cached", exc_info=True)
+            self.counts["errors"] += 1
+            return None
+        self.counts["puts"] += 1
+        self.counts["evicted"] += len(dropped)
+        return entry
+
+    def invalidate(self, entry_id: str | None = None, category: str | None = None, tenant: str | None = None) -> int:
+        """Delete one entry, or every entry of a category and/or tenant; returns how many went."""
+        if entry_id is not None:
+            ids = [entry_id]
+        elif category is None and tenant is None:
+            raise ValueError("say which entries: an id, a category or a tenant")
+        else:
+            ids = self.store.ids(tenant=tenant, category=category)
+        gone = self.store.delete(ids)
+        self.sync()
+        return gone
+
+    def stats(self) -> dict[str, Any]:
+        return {"entries": len(self.index), "scopes": len(self.index.scopes), **self.counts}
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,81 @@
+"""The semantic cache's configuration: one frozen object, categories from the settings file."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEFAULT_CATEGORIES = Path(__file__).with_name("categories.yaml")
+
+
+@dataclass(frozen=True)
+class Category:
+    """A kind of question with its own policy.
+
+    threshold: the cosine similarity a hit needs; floor: the lowest it may be relaxed to under load;
+    ttl_s: an entry's lifetime from its write (absolute, hits do not extend it);
+    quota: entries kept, the least recently used evicted beyond it;
+    patterns: regular expressions (case-insensitive) that put a question in this category;
+    prototypes: example questions; a question not matched by any pattern goes to the category of
+    its nearest prototype."""
+
+    name: str
+    threshold: float
+    floor: float
+    ttl_s: float
+    quota: int
+    patterns: tuple[str, ...] = ()
+    prototypes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.floor <= self.threshold <= 1.0:
+            raise ValueError(f"category {self.name!r}: need 0 < floor <= threshold <= 1")
+        if self.ttl_s <= 0 or self.quota < 1:
+            raise ValueError(f"category {self.name!r}: ttl_s and quota must be positive")
+
+
+def categories(raw: list[dict[str, Any]] | None = None) -> tuple[Category, ...]:
+    """Categories from the settings (a list of mappings), or the packaged defaults."""
+    if raw is None:
+        raw = yaml.safe_load(DEFAULT_CATEGORIES.read_text())["categories"]
+    found = tuple(
+        Category(**{**c, "patterns": tuple(c.get("patterns", ())), "prototypes": tuple(c.get("prototypes", ()))})
+        for c in raw
+    )
+    names = [c.name for c in found]
+    if not found or len(set(names)) != len(names):
+        raise ValueError("semantic cache categories: at least one, with distinct names")
+    return found
+
+
+@dataclass(frozen=True)
+class SemanticCacheConfig:
+    categories: tuple[Category, ...] = field(default_factory=categories)
+    # The category of a question that matches no pattern and is near no prototype; the last one if empty.
+    default_category: str = ""
+    prototype_similarity: float = 0.35  # a prototype this close (cosine) or closer decides the category
+    # Where entries live: SQLite at sqlite_path, or Redis (shared by processes) when redis_url is set.
+    sqlite_path: Path = Path("semantic.sqlite3")
+    redis_url: str = ""
+    embedder: str = "minilm"  # or "package.module:Class"
+    guards: tuple[str, ...] = ("negation", "numbers", "entities", "scope")
+    candidates: int = 4  # nearest entries checked by the guards before giving up
+    # Under load, thresholds relax by up to relax_step (never below a category's floor); the load is
+    # the runtime's queue length over queue_long, capped at 1.
+    relax_step: float = 0.03
+    queue_long: int = 8
+    hnsw_m: int = 16
+    hnsw_ef: int = 64
+
+    def category(self, name: str) -> Category:
+        for c in self.categories:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    @property
+    def fallback(self) -> Category:
+        return self.category(self.default_category) if self.default_category else self.categories[-1]

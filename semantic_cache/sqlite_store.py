@@ -1,0 +1,120 @@
+"""Entries in one SQLite file: the default, embedded store. Processes on one machine may share the
+file (WAL mode); the change log table tells each the others' writes."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+from semantic_cache.entry import CHECKED, Entry, pack, unpack
+from semantic_cache.store import Change, Store, register_store
+
+COLUMNS = (*CHECKED, "sum", "last_used", "hits")
+LOG_KEEP = 100_000  # change-log rows kept; a reader further behind rebuilds its index
+
+SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS entries ({", ".join(f"{c} BLOB" for c in COLUMNS)}, PRIMARY KEY (id));
+CREATE INDEX IF NOT EXISTS entries_lru ON entries (category, last_used);
+CREATE INDEX IF NOT EXISTS entries_tenant ON entries (tenant);
+CREATE INDEX IF NOT EXISTS entries_expires ON entries (expires);
+CREATE TABLE IF NOT EXISTS log (seq INTEGER PRIMARY KEY AUTOINCREMENT, op TEXT NOT NULL, id TEXT NOT NULL);
+"""
+
+
+@register_store("sqlite")
+class SQLiteStore(Store):
+    def __init__(self, path: Path, dim: int) -> None:
+        self.path, self.dim = Path(path), dim
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.executescript(SCHEMA)
+        self.lock = threading.Lock()
+
+    def put(self, entry: Entry, quota: int, now: float) -> list[str]:
+        row = pack(entry)
+        values = [row[c].decode() if c not in ("vector", "response", "query") else row[c] for c in COLUMNS]
+        with self.lock, self.db:
+            self.db.execute("BEGIN IMMEDIATE")
+            self.db.execute(f"INSERT OR REPLACE INTO entries VALUES ({','.join('?' * len(COLUMNS))})", values)
+            self._log([("put", entry.id)])
+            dropped = [r[0] for r in self.db.execute("SELECT id FROM entries WHERE CAST(expires AS REAL) <= ?", (now,))]
+            dropped += [
+                r[0]
+                for r in self.db.execute(
+                    "SELECT id FROM entries WHERE category = ? AND CAST(expires AS REAL) > ? ORDER BY "
+                    "CAST(last_used AS REAL) LIMIT max(0, (SELECT count(*) FROM entries WHERE category = ?) - ?)",
+                    (entry.category, now, entry.category, quota),
+                )
+            ]
+            self._delete(dropped)
+            self.db.execute("DELETE FROM log WHERE seq <= (SELECT max(seq) FROM log) - ?", (LOG_KEEP,))
+        return dropped
+
+    def get(self, entry_id: str) -> Entry | None:
+        with self.lock:
+            cur = self.db.execute(f"SELECT {','.join(COLUMNS)} FROM entries WHERE id = ?", (entry_id,))
+            row = cur.fetchone()
+        if row is None:
+            return None
+        entry = unpack(dict(zip(COLUMNS, row, strict=True)), self.dim)
+        if entry is None:
+            self.delete([entry_id])
+        return entry
+
+    def touch(self, entry_id: str, now: float) -> None:
+        with self.lock:
+            self.db.execute(
+                "UPDATE entries SET last_used = ?, hits = CAST(hits AS INTEGER) + 1 WHERE id = ?", (repr(now), entry_id)
+            )
+
+    def delete(self, entry_ids: list[str]) -> int:
+        with self.lock, self.db:
+            self.db.execute("BEGIN IMMEDIATE")
+            return self._delete(entry_ids)
+
+    def _delete(self, entry_ids: list[str]) -> int:
+        gone = 0
+        for entry_id in entry_ids:
+            gone += self.db.execute("DELETE FROM entries WHERE id = ?", (entry_id,)).rowcount
+        self._log([("del", i) for i in entry_ids])
+        return gone
+
+    def _log(self, changes: list[Change]) -> None:
+        self.db.executemany("INSERT INTO log (op, id) VALUES (?, ?)", changes)
+
+    def ids(self, tenant: str | None = None, category: str | None = None) -> list[str]:
+        query, args = "SELECT id FROM entries WHERE 1", []
+        if tenant is not None:
+            query, args = query + " AND tenant = ?", [*args, tenant]
+        if category is not None:
+            query, args = query + " AND category = ?", [*args, category]
+        with self.lock:
+            return [r[0] for r in self.db.execute(query, args)]
+
+    def entries(self) -> Iterator[Entry]:
+        with self.lock:
+            rows = self.db.execute(f"SELECT {','.join(COLUMNS)} FROM entries").fetchall()
+        for row in rows:
+            entry = unpack(dict(zip(COLUMNS, row, strict=True)), self.dim)
+            if entry is not None:
+                yield entry
+
+    def cursor(self) -> str:
+        with self.lock:
+            return str(self.db.execute("SELECT coalesce(max(seq), 0) FROM log").fetchone()[0])
+
+    def changes(self, since: str) -> tuple[str, list[Change]] | None:
+        with self.lock:
+            first = self.db.execute("SELECT min(seq) FROM log").fetchone()[0]
+            rows = self.db.execute("SELECT seq, op, id FROM log WHERE seq > ? ORDER BY seq", (int(since),)).fetchall()
+        if first is not None and first > int(since) + 1 and int(since) > 0:
+            return None
+        return (str(rows[-1][0]) if rows else since), [(op, i) for _, op, i in rows]
+
+    def close(self) -> None:
+        with self.lock:
+            self.db.close()
