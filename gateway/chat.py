@@ -9,10 +9,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from gateway import documents
+from gateway import documents, semantic
 from gateway.errors import bad_request
 from gateway.protocol import ChatCompletionRequest
 from gateway.serving import Served, chat_logprobs, collect, response_head, reuse_headers, streamed, usage
+from runtime.engine import Result
 from runtime.sequence import Output
 from runtime.tokens import TemplateError, chat_prompt
 
@@ -24,6 +25,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     served: Served = request.app.state.served
     served.check_model(body.model)
     messages = [m.for_template(i) for i, m in enumerate(body.messages)]
+    cached = await semantic.consult(request, served, body)
+    if cached.status == "hit":
+        return semantic.replay(cached, body, response_head("chatcmpl", request, served))
     plan = None
     # Off the event loop: rendering and tokenizing a long prompt takes seconds.
     if body.documents:
@@ -44,9 +48,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             for c in choices
         ]
         chunk_head = {**head, "object": "chat.completion.chunk"}
-        return await streamed(served, body, choices, chunk_head, len(prompt), opening, render(served, body.logprobs))
+
+        async def keep(whole: Result, counted: dict[str, Any]) -> None:
+            await semantic.keep(served, cached, whole.text, whole.finish_reason, counted)
+
+        chunks = render(served, body.logprobs)
+        return await streamed(served, body, choices, chunk_head, len(prompt), opening, chunks, cached.headers, keep)
 
     done = await collect(request, served.engine, choices)
+    counted = usage(len(prompt), sum(f.completion_tokens for f in done.values()), done[0].cached_tokens)
+    await semantic.keep(served, cached, done[0].text, done[0].finish_reason, counted)
     return JSONResponse(
         {
             **head,
@@ -60,9 +71,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 }
                 for i, f in sorted(done.items())
             ],
-            "usage": usage(len(prompt), sum(f.completion_tokens for f in done.values()), done[0].cached_tokens),
+            "usage": counted,
         },
-        headers=reuse_headers(done[0]),
+        headers=reuse_headers(done[0]) | cached.headers,
     )
 
 

@@ -16,6 +16,7 @@ from runtime.engine import EngineError
 TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",

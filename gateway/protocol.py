@@ -164,10 +164,12 @@ class DocumentRef(Body):
 
 
 class ReuseOptions(Body):
-    """kvgate extension: how documents' KV is reused."""
+    """kvgate extension: how documents' KV is reused, and whether the semantic cache may answer."""
 
     reuse: Literal["full", "prefix", "naive", "blend"] = "blend"
     recompute_ratio: float | None = Field(None, ge=0.0, le=1.0)
+    # None: look up and store temperature-0 requests only; true: also others; false: never.
+    cache: bool | None = None
 
 
 class DocumentRequest(Body):

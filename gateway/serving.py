@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,7 @@ from runtime.engine import Engine, PromptTooLong, Result
 from runtime.sampling import SamplingParams, TokenLogprob
 from runtime.sequence import Output, Plan
 from runtime.tokens import TokenBytes
+from semantic_cache import SemanticCache
 
 FINGERPRINT = "kvgate-0.1"
 
@@ -41,6 +42,7 @@ class Served:
         self.name = settings.served_model_name or engine.loaded.name
         self.token_bytes = TokenBytes(self.tokenizer)
         self.created = int(time.time())
+        self.semantic = SemanticCache(settings.semantic_cache_config()) if settings.semantic_cache else None
 
     def check_model(self, model: str) -> None:
         if model != self.name:
@@ -196,9 +198,12 @@ async def streamed(
     prompt_tokens: int,
     opening: list[dict[str, Any]],
     render: Callable[[int, Output], list[dict[str, Any]]],
+    headers: dict[str, str] | None = None,
+    on_done: Callable[[Result, dict[str, Any]], Awaitable[None]] | None = None,
 ) -> StreamingResponse:
     """A streamed completion as SSE: the opening choice chunks, then each output as `render`
-    turns it into choice chunks, the usage chunk if asked for, and always [DONE]."""
+    turns it into choice chunks, the usage chunk if asked for, and always [DONE].
+    `on_done` gets the first choice, whole, and the usage once the last output is sent."""
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def event(choice: dict[str, Any]) -> str:
@@ -214,28 +219,34 @@ async def streamed(
 
     async def events() -> AsyncIterator[str]:
         completion_tokens = 0
+        whole = Result()
         try:
             for choice in opening:
                 yield event(choice)
             for index, out in [first]:
                 completion_tokens += out.completion_tokens if out.finish_reason is not None else 0
+                if index == 0:
+                    whole.add(out)
                 for choice in render(index, out):
                     yield event(choice)
             async for index, out in outputs:
                 if out.finish_reason is not None:
                     completion_tokens += out.completion_tokens
+                if index == 0:
+                    whole.add(out)
                 for choice in render(index, out):
                     yield event(choice)
+            counted = usage(prompt_tokens, completion_tokens, first[1].cached_tokens)
             if include_usage:
-                yield sse(
-                    {**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens, first[1].cached_tokens)}
-                )
+                yield sse({**head, "choices": [], "usage": counted})
+            if on_done is not None:
+                await on_done(whole, counted)
         except Exception as exc:
             yield sse_error(exc)
         yield sse("[DONE]")
 
-    headers = {"cache-control": "no-cache", "x-accel-buffering": "no", **reuse_headers(first[1])}
-    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+    sent = {"cache-control": "no-cache", "x-accel-buffering": "no", **reuse_headers(first[1]), **(headers or {})}
+    return StreamingResponse(events(), media_type="text/event-stream", headers=sent)
 
 
 def sse(payload: dict[str, Any] | str) -> str:

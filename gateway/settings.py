@@ -12,6 +12,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from chunk_cache import ChunkCacheConfig
 from runtime.config import EngineConfig
+from semantic_cache import SemanticCacheConfig
+from semantic_cache import categories as semantic_categories
+from semantic_cache.guards import GUARDS
 
 
 def user_cache_dir() -> Path:
@@ -40,6 +43,15 @@ class Settings(BaseSettings):
     chunk_cache_lmcache_bytes: int = Field(0, ge=0)  # > 0: an LMCache tier (needs kvgate[lmcache])
     recompute_ratio: float | None = Field(None, ge=0.0, le=1.0)
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    semantic_cache: bool = True  # the semantic response cache
+    semantic_cache_path: Path | None = None  # its SQLite file; None: <cache_dir>/semantic.sqlite3 (Redis if redis_url)
+    semantic_categories: list[dict[str, Any]] | None = None  # None: semantic_cache/categories.yaml
+    semantic_guards: list[str] = Field(default_factory=lambda: list(GUARDS))
+    semantic_embedder: str = "minilm"  # or "package.module:Class"
+    semantic_relax_step: float = Field(0.03, ge=0.0, le=0.5)  # how far thresholds relax under load
+    semantic_queue_long: int = Field(8, ge=1)  # queued requests at which the relaxation is whole
+    api_keys: dict[str, str] = Field(default_factory=dict)  # API key -> tenant; set: other keys get 401
+    admin_key: str | None = None  # set: admin endpoints need it as the bearer token
     log_level: str = "info"
 
     @classmethod
@@ -74,6 +86,20 @@ class Settings(BaseSettings):
             redis_url=self.redis_url or "",
             redis_bytes=self.chunk_cache_redis_bytes,
             lmcache_bytes=self.chunk_cache_lmcache_bytes,
+        )
+
+    def semantic_cache_config(self) -> SemanticCacheConfig:
+        unknown = set(self.semantic_guards) - set(GUARDS)
+        if unknown:
+            raise ValueError(f"semantic_guards: unknown guards {sorted(unknown)}; known: {sorted(GUARDS)}")
+        return SemanticCacheConfig(
+            categories=semantic_categories(self.semantic_categories),
+            sqlite_path=self.semantic_cache_path or self.cache_dir / "semantic.sqlite3",
+            redis_url=self.redis_url or "",
+            embedder=self.semantic_embedder,
+            guards=tuple(self.semantic_guards),
+            relax_step=self.semantic_relax_step,
+            queue_long=self.semantic_queue_long,
         )
 
     def engine_config(self) -> EngineConfig:

@@ -20,7 +20,9 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 @pytest.fixture(scope="session")
 def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
     # Document KV on disk starts empty each run; the converted model stays in the user cache.
-    return Settings(max_num_seqs=8, chunk_cache_dir=tmp_path_factory.mktemp("chunks"))
+    # The semantic cache is off here: these tests send the same temperature-0 requests again and
+    # compare what the model does; tests/test_semantic_gateway.py runs servers with it on.
+    return Settings(max_num_seqs=8, chunk_cache_dir=tmp_path_factory.mktemp("chunks"), semantic_cache=False)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,144 @@
+"""The semantic cache in front of chat completions: who the caller is, what scope a request's answer
+belongs to, the lookup, the replay of a hit (JSON or SSE), and keeping a new answer."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from gateway.errors import APIError
+from gateway.protocol import ChatCompletionRequest
+from gateway.serving import Served, sse, usage
+from semantic_cache import Lookup
+
+# Body fields that do not change the answer, left out of the scope. kvgate.cache is taken out below.
+UNSCOPED = {"messages", "stream", "stream_options", "user"}
+PIECE = re.compile(r"\s*\S+\s*|\s+")  # how a cached answer is cut into streamed chunks
+
+
+async def authenticate(request: Request) -> None:
+    """Sets request.state.tenant: the configured tenant of the API key, or (with no keys configured)
+    a hash of the bearer token, so that two callers never share cached answers by default."""
+    keys: dict[str, str] = request.app.state.settings.api_keys
+    token = bearer(request)
+    if keys:
+        if token not in keys:
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+        request.state.tenant = keys[token]
+    else:
+        request.state.tenant = "anon-" + hashlib.sha256(token.encode()).hexdigest()[:24]
+
+
+def bearer(request: Request) -> str:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+@dataclass
+class Consult:
+    """The semantic cache's part in one request."""
+
+    status: str = "bypass"  # hit | miss | bypass
+    store: bool = False  # keep the answer afterwards
+    tenant: str = ""
+    scope: str = ""
+    query: str = ""
+    found: Lookup | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def directives(request: Request) -> set[str]:
+    return {d.strip().lower() for d in request.headers.get("cache-control", "").split(",")}
+
+
+def scope_of(served: Served, body: ChatCompletionRequest, tenant: str) -> tuple[str, str] | None:
+    """(scope, query): the query is the last user turn's text; the scope everything else the answer
+    depends on (tenant, model, every other message, documents, tools, sampling). None without a user turn."""
+    messages = [m.for_template(i) for i, m in enumerate(body.messages)]
+    last = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+    if last is None:
+        return None
+    query = messages[last]["content"]
+    messages[last] = {**messages[last], "content": None}
+    fields = body.model_dump(exclude=UNSCOPED, exclude_none=True)
+    fields.get("kvgate", {}).pop("cache", None)
+    key = {"tenant": tenant, "model": served.name, "weights": served.engine.model_fp, "messages": messages, **fields}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest(), query
+
+
+async def consult(request: Request, served: Served, body: ChatCompletionRequest) -> Consult:
+    cache = served.semantic
+    opted = body.kvgate.cache if body.kvgate else None
+    cacheable = opted is True or (opted is None and body.temperature == 0)
+    if cache is None or not cacheable or body.n != 1 or body.logprobs:
+        return Consult(headers={"x-kvgate-cache": "bypass"})
+    found = scope_of(served, body, request.state.tenant)
+    if found is None:
+        return Consult(headers={"x-kvgate-cache": "bypass"})
+    said = directives(request)
+    out = Consult(store="no-store" not in said, tenant=request.state.tenant, scope=found[0], query=found[1])
+    if "no-cache" in said:
+        out.headers["x-kvgate-cache"] = "bypass"
+        return out
+    queued = served.engine.load_stats["waiting"]
+    out.found = lookup = await asyncio.to_thread(cache.lookup, out.scope, out.query, None, queued)
+    out.status = "hit" if lookup.hit else "miss"
+    out.headers = {"x-kvgate-cache": out.status, "x-kvgate-cache-category": lookup.category.name}
+    if lookup.entry is not None:
+        out.headers |= {"x-kvgate-similarity": f"{lookup.similarity:.4f}", "x-kvgate-cache-entry": lookup.entry.id}
+    elif lookup.refused:
+        out.headers["x-kvgate-cache-refused"] = lookup.refused
+    return out
+
+
+async def keep(served: Served, consult: Consult, content: str, finish_reason: str | None, usage_: dict) -> None:
+    """Keep a finished answer (never an error, an aborted or a tool-calling one)."""
+    if not consult.store or served.semantic is None or finish_reason not in ("stop", "length"):
+        return
+    response = {"content": content, "finish_reason": finish_reason, "usage": usage_}
+    found = consult.found
+    vector, category = (found.vector, found.category) if found else (None, None)
+    await asyncio.to_thread(
+        served.semantic.put, consult.tenant, consult.scope, consult.query, response, vector, category
+    )
+
+
+def replay(consult: Consult, body: ChatCompletionRequest, head: dict[str, Any]) -> JSONResponse | StreamingResponse:
+    """A hit, answered as the model's answer was: a chat completion, or its SSE stream."""
+    assert consult.found is not None and consult.found.entry is not None
+    stored = consult.found.entry.response
+    counted = stored.get("usage", {})
+    usage_ = usage(counted.get("prompt_tokens", 0), counted.get("completion_tokens", 0))
+    headers = dict(consult.headers)
+    if not body.stream:
+        message = {"role": "assistant", "content": stored["content"]}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": stored["finish_reason"]}
+        payload = {**head, "object": "chat.completion", "choices": [choice], "usage": usage_}
+        return JSONResponse(payload, headers=headers)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    chunk_head = {**head, "object": "chat.completion.chunk"}
+
+    def event(delta: dict[str, Any], finish_reason: str | None = None) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        chunk = {**chunk_head, "choices": [choice]}
+        return sse({**chunk, "usage": None} if include_usage else chunk)
+
+    async def events() -> AsyncIterator[str]:
+        yield event({"role": "assistant", "content": ""})
+        for piece in PIECE.findall(stored["content"]):
+            yield event({"content": piece})
+        yield event({}, stored["finish_reason"])
+        if include_usage:
+            yield sse({**chunk_head, "choices": [], "usage": usage_})
+        yield sse("[DONE]")
+
+    headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
