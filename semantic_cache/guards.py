@@ -155,10 +155,23 @@ def names(text: str) -> frozenset[str]:
 
 
 def entities(query: str, cached: str) -> bool:
-    """Every name in one question appears in the other (in any case): no swapped or added entity."""
-    qn, cn = names(query), names(cached)
-    qw, cw = _lemmas(query), _lemmas(cached)
-    return all(_stem(n) in cw or n in cw for n in qn) and all(_stem(n) in qw or n in qw for n in cn)
+    """Every name in one question appears in the other (in any case, or as its adjective: India and
+    Indian): no swapped or added entity."""
+    return _named_in(names(query), _lemmas(cached)) and _named_in(names(cached), _lemmas(query))
+
+
+def _named_in(found: frozenset[str], vocabulary: set[str]) -> bool:
+    return all(n in vocabulary or _stem(n) in vocabulary or any(_related(n, w) for w in vocabulary) for n in found)
+
+
+def _related(a: str, b: str) -> bool:
+    """One word derived from the other: they share all but the last letter of the shorter one, at least 4."""
+    shared = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        shared += 1
+    return shared >= max(4, min(len(a), len(b)) - 1)
 
 
 def _stem(w: str) -> str:

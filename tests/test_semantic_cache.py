@@ -1,0 +1,140 @@
+"""The semantic cache on its own: the real MiniLM embedder, hnswlib and a SQLite file."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from semantic_cache import Category, MiniLM, SemanticCache, SemanticCacheConfig
+from semantic_cache.policy import threshold
+
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def embedder() -> MiniLM:
+    return MiniLM()
+
+
+def make(path: Path, embedder: MiniLM, **options) -> SemanticCache:
+    return SemanticCache(SemanticCacheConfig(sqlite_path=path / "semantic.sqlite3", **options), embedder=embedder)
+
+
+@pytest.fixture
+def cache(tmp_path: Path, embedder: MiniLM) -> SemanticCache:
+    return make(tmp_path, embedder)
+
+
+def test_embeddings_are_normalised_and_batched_rows_match_single_ones(embedder: MiniLM) -> None:
+    texts = ["short", "a much longer sentence about the weather in Paris today", QUESTION]
+    batch = embedder.embed(texts)
+    assert batch.shape == (3, 384) and batch.dtype == np.float32
+    assert np.allclose(np.linalg.norm(batch, axis=1), 1.0, atol=1e-5)
+    for i, text in enumerate(texts):  # padding in a batch changes nothing
+        assert np.allclose(embedder.embed([text])[0], batch[i], atol=1e-5)
+
+
+def test_a_paraphrase_hits_and_reports_its_similarity(cache: SemanticCache) -> None:
+    cache.put("t", "s", QUESTION, {"content": "Paris"})
+    found = cache.lookup("s", "What's the capital city of France?")
+    assert found.hit and found.entry is not None and found.entry.response == {"content": "Paris"}
+    assert found.threshold <= found.similarity < 1.0
+    assert not cache.lookup("s", "How do I bake sourdough bread?").hit
+
+
+def test_another_scope_never_hits(cache: SemanticCache) -> None:
+    cache.put("tenant-a", "scope-a", QUESTION, {"content": "Paris"})
+    assert cache.lookup("scope-a", QUESTION).hit
+    assert not cache.lookup("scope-b", QUESTION).hit
+
+
+def test_a_guard_refuses_a_close_question_with_another_answer(cache: SemanticCache) -> None:
+    cache.put("t", "s", "Is coffee good for your health?", {"content": "yes, in moderation"})
+    found = cache.lookup("s", "Is coffee not good for your health?")
+    assert not found.hit and found.refused == "negation"
+    found = cache.lookup("s", "Is coffee good for your health in 2010?")
+    assert not found.hit and found.refused == "numbers"
+
+
+def test_entries_expire_after_their_ttl_however_often_they_hit(tmp_path: Path, embedder: MiniLM) -> None:
+    short = Category("all", threshold=0.85, floor=0.8, ttl_s=60, quota=100)
+    cache = make(tmp_path, embedder, categories=(short,))
+    cache.put("t", "s", QUESTION, {"content": "Paris"}, now=1000.0)
+    assert cache.lookup("s", QUESTION, now=1059.0).hit  # a hit does not extend the TTL
+    assert not cache.lookup("s", QUESTION, now=1060.0).hit
+    assert cache.store.ids() == []  # the expired entry is gone from the store too
+
+
+def test_a_category_keeps_its_quota_evicting_the_least_recently_used(tmp_path: Path, embedder: MiniLM) -> None:
+    small = Category("all", threshold=0.9, floor=0.85, ttl_s=3600, quota=2)
+    cache = make(tmp_path, embedder, categories=(small,))
+    questions = ["How do birds fly?", "Why is the sky blue?", "What is Python used for?"]
+    cache.put("t", "s", questions[0], {"content": "0"}, now=1.0)
+    cache.put("t", "s", questions[1], {"content": "1"}, now=2.0)
+    assert cache.lookup("s", questions[0], now=3.0).hit  # now the second is the least recently used
+    cache.put("t", "s", questions[2], {"content": "2"}, now=4.0)
+    assert [cache.lookup("s", q, now=5.0).hit for q in questions] == [True, False, True]
+    assert len(cache.store.ids()) == 2 and cache.stats()["evicted"] == 1
+
+
+def test_entries_survive_a_restart(tmp_path: Path, embedder: MiniLM) -> None:
+    make(tmp_path, embedder).put("t", "s", QUESTION, {"content": "Paris"})
+    again = make(tmp_path, embedder)
+    assert len(again.index) == 1
+    found = again.lookup("s", QUESTION)
+    assert found.hit and found.entry is not None and found.entry.response["content"] == "Paris"
+
+
+def test_a_damaged_entry_is_a_miss_and_is_deleted(tmp_path: Path, embedder: MiniLM) -> None:
+    cache = make(tmp_path, embedder)
+    entry = cache.put("t", "s", QUESTION, {"content": "Paris"})
+    assert entry is not None
+    with sqlite3.connect(tmp_path / "semantic.sqlite3") as db:
+        db.execute("UPDATE entries SET response = ? WHERE id = ?", (b'{"content":"Lyon"}', entry.id))
+    assert not cache.lookup("s", QUESTION).hit
+    assert cache.store.ids() == []
+
+
+def test_invalidation_by_entry_category_and_tenant(cache: SemanticCache) -> None:
+    a = cache.put("alice", "s-alice", QUESTION, {"content": "Paris"})
+    cache.put("alice", "s-alice", "How do I reverse a list in Python?", {"content": "reversed()"})
+    cache.put("bob", "s-bob", QUESTION, {"content": "Paris"})
+    assert a is not None and a.category == "factual"
+    assert cache.invalidate(category="code") == 1
+    assert cache.invalidate(tenant="bob") == 1
+    assert not cache.lookup("s-bob", QUESTION).hit and cache.lookup("s-alice", QUESTION).hit
+    assert cache.invalidate(a.id) == 1 and not cache.lookup("s-alice", QUESTION).hit
+    with pytest.raises(ValueError):
+        cache.invalidate()
+
+
+def test_the_classifier_uses_rules_then_prototypes(cache: SemanticCache) -> None:
+    def category(q: str) -> str:
+        return cache.classify(q, cache.embed(q)).name
+
+    assert category("Why does my Python function return None?") == "code"
+    assert category("What is the weather in Paris today?") == "time_sensitive"
+    assert category("What is 12 * 7?") == "math"
+    assert category("How can I become more confident?") == "advice"
+    assert category("Why do people fall in love so easily?") == "conversation"  # by prototype: no rule matches
+
+
+def test_thresholds_relax_with_the_queue_but_never_below_the_floor() -> None:
+    config = SemanticCacheConfig(relax_step=0.05, queue_long=4)
+    c = Category("c", threshold=0.9, floor=0.87, ttl_s=1, quota=1)
+    assert threshold(c, config, 0) == 0.9
+    assert threshold(c, config, 2) == pytest.approx(0.875)
+    assert threshold(c, config, 100) == pytest.approx(0.87)
+
+
+def test_a_write_from_another_cache_on_the_same_file_is_seen_without_a_restart(
+    tmp_path: Path, embedder: MiniLM
+) -> None:
+    reader, writer = make(tmp_path, embedder), make(tmp_path, embedder)
+    writer.put("t", "s", QUESTION, {"content": "Paris"})
+    assert reader.lookup("s", QUESTION).hit
+    assert writer.invalidate(tenant="t") == 1
+    assert not reader.lookup("s", QUESTION).hit and len(reader.index) == 0
