@@ -1,0 +1,114 @@
+"""A semantic hit end to end through the gateway against the model's own answer: the real engine
+behind a real uvicorn server on loopback, the openai SDK as client, side by side in one run."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import openai
+import uvicorn
+
+from benchmarks.report import table
+from gateway.app import create_app
+from gateway.settings import Settings
+from runtime.engine import Engine
+
+
+@contextmanager
+def gateway(settings: Settings) -> Iterator[tuple[str, str]]:
+    """The gateway on a free loopback port; yields its base URL and the served model's name."""
+    engine = Engine(settings.engine_config())
+    server = uvicorn.Server(uvicorn.Config(create_app(settings, engine), host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}/v1", settings.served_model_name or engine.loaded.name
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        engine.shutdown()
+
+
+def timed(client: openai.OpenAI, model: str, question: str, max_tokens: int, stream: bool) -> tuple[float, str]:
+    """Seconds to the whole answer (or, streamed, to the first content), and the x-kvgate-cache header."""
+    messages: Any = [{"role": "user", "content": question}]
+    start = time.perf_counter()
+    if not stream:
+        raw = client.chat.completions.with_raw_response.create(
+            model=model, messages=messages, max_tokens=max_tokens, temperature=0
+        )
+        raw.parse()
+        return time.perf_counter() - start, raw.headers.get("x-kvgate-cache", "")
+    with client.chat.completions.with_streaming_response.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True
+    ) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
+                break
+        return time.perf_counter() - start, response.headers.get("x-kvgate-cache", "")
+
+
+def bench_hit(base: Settings, pairs: list[tuple[str, str]], max_tokens: int, workdir: Path) -> str:
+    """Each pair (question, paraphrase): the question is a miss (the model answers it), then the same
+    question and its paraphrase are asked again; every timing is kept. Returns a markdown body."""
+    settings = base.model_copy(update={"semantic_cache": True, "semantic_cache_path": workdir / "hit.sqlite3"})
+    rows, kinds = [], {"miss": [], "hit (same question)": [], "hit (paraphrase)": []}
+    streamed = {"miss": [], "hit (same question)": []}
+    with gateway(settings) as (url, model):
+        client = openai.OpenAI(base_url=url, api_key="bench", max_retries=0, timeout=300)
+        timed(client, model, "Warm up: say hello.", 4, False)
+        for question, paraphrase in pairs:
+            seconds, status = timed(client, model, question, max_tokens, False)
+            if status != "miss":
+                continue  # asked before in this run
+            kinds["miss"].append(seconds)
+            seconds, status = timed(client, model, question, max_tokens, False)
+            if status == "hit":
+                kinds["hit (same question)"].append(seconds)
+            seconds, status = timed(client, model, paraphrase, max_tokens, False)
+            if status == "hit":
+                kinds["hit (paraphrase)"].append(seconds)
+        for question, _ in pairs:  # streamed: time to the first content, a miss then a hit
+            fresh = f"{question} Answer briefly."
+            streamed["miss"].append(timed(client, model, fresh, max_tokens, True)[0])
+            streamed["hit (same question)"].append(timed(client, model, fresh, max_tokens, True)[0])
+    model_answer = statistics.median(kinds["miss"])
+    for name, seconds in kinds.items():
+        if not seconds:
+            rows.append([name, "0", "-", "-", "-"])
+            continue
+        p50 = statistics.median(seconds)
+        rows.append(
+            [name, str(len(seconds)), f"{p50 * 1e3:.1f}", f"{max(seconds) * 1e3:.1f}", f"{model_answer / p50:.0f}x"]
+        )
+    first = statistics.median(streamed["miss"])
+    for name, seconds in streamed.items():
+        p50 = statistics.median(seconds)
+        rows.append(
+            [
+                f"streamed, first content: {name}",
+                str(len(seconds)),
+                f"{p50 * 1e3:.1f}",
+                f"{max(seconds) * 1e3:.1f}",
+                f"{first / p50:.0f}x",
+            ]
+        )
+    speedup = model_answer / statistics.median(kinds["hit (same question)"] or [model_answer])
+    verdict = "met" if speedup >= 20 else "**missed**"
+    return (
+        f"Through the gateway on loopback (openai SDK, temperature 0, max_tokens {max_tokens}); each question is first "
+        "answered by the model (miss), then asked again and as its paraphrase. Median latency; speedup = the "
+        "model's median answer time over the row's median.\n\n"
+        + table(["request", "n", "p50 ms", "max ms", "speedup vs model"], rows)
+        + f"\n\nTarget: a semantic hit >= 20x faster than the model's answer: {verdict} ({speedup:.0f}x)."
+        " A hit's time is mostly the query's embedding (MiniLM on the same 2 cores as the model)."
+    )
