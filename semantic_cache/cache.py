@@ -57,22 +57,30 @@ class SemanticCache:
         self.index = Index(dim, config.hnsw_m, config.hnsw_ef)
         self.lock = threading.Lock()  # around following the change log
         self.counts = {"hits": 0, "misses": 0, "refused": 0, "puts": 0, "evicted": 0, "errors": 0}
-        self.rebuild()
+        self.cursor: str | None = None  # the store's change log, applied up to here; None: rebuild first
+        try:
+            self.rebuild()
+        except Exception:  # a store out of reach at start-up: misses until it answers
+            log.warning("semantic cache: the store is out of reach; the index is built once it answers", exc_info=True)
 
     # ---- the index follows the store ----------------------------------------------------------
 
     def rebuild(self) -> None:
         """Index every intact, unexpired entry of the store (at start-up, or after falling behind its log)."""
         with self.lock:
-            self.cursor = self.store.cursor()  # before the scan: a change made during it is replayed after
             self.index.clear()
+            self.cursor = None
+            cursor = self.store.cursor()  # before the scan: a change made during it is replayed after
             now = time.time()
             for entry in self.store.entries():
                 if not entry.expired(now):
                     self.index.add(entry.scope, entry.id, entry.vector)
+            self.cursor = cursor
 
     def sync(self) -> None:
         """Apply the store's changes since the last sync: writes and deletions by any process."""
+        if self.cursor is None:
+            return self.rebuild()
         with self.lock:
             found = self.store.changes(self.cursor)
             if found is not None:

@@ -76,12 +76,19 @@ class RedisStore(Store):
     def __init__(self, url: str, dim: int, prefix: str = "kvgate:sem") -> None:
         if not prefix or "{" in prefix or "}" in prefix:
             raise ValueError(f"need a non-empty prefix without braces (it becomes a hash tag), got {prefix!r}")
-        self.dim = dim
+        self.url, self.dim = url, dim
         self.prefix = f"{{{prefix}}}:"
-        self.redis = connect(url)
         self.expiries, self.log = self.prefix + "expires", self.prefix + "log"
-        self._put = self.redis.register_script(PUT)
-        self._delete = self.redis.register_script(DELETE)
+        self._redis: redis.Redis | RedisCluster | None = None
+
+    @property
+    def redis(self) -> redis.Redis | RedisCluster:
+        """Connected on first use, so that a server down at start-up only makes misses until it is up."""
+        if self._redis is None:
+            self._redis = connect(self.url)
+            self._put = self._redis.register_script(PUT)
+            self._delete = self._redis.register_script(DELETE)
+        return self._redis
 
     def key(self, entry_id: str) -> str:
         return f"{self.prefix}e:{entry_id}"
@@ -107,6 +114,7 @@ class RedisStore(Store):
         ]
         for name, value in fields.items():
             args += [name, value]
+        self.redis  # noqa: B018 (connects, and registers the scripts)
         dropped = self._put(keys=keys, args=args)
         return [d.decode() for d in dropped]
 
@@ -133,7 +141,10 @@ class RedisStore(Store):
     def delete(self, entry_ids: list[str]) -> int:
         if not entry_ids:
             return 0
-        return int(self._delete(keys=[self.expiries, self.log], args=[self.prefix, LOG_KEEP, *entry_ids]))
+        client = self.redis
+        return int(
+            self._delete(keys=[self.expiries, self.log], args=[self.prefix, LOG_KEEP, *entry_ids], client=client)
+        )
 
     def ids(self, tenant: str | None = None, category: str | None = None) -> list[str]:
         if tenant is not None:
@@ -171,7 +182,8 @@ class RedisStore(Store):
         return rows[-1][0].decode(), changes
 
     def close(self) -> None:
-        self.redis.close()
+        if self._redis is not None:
+            self._redis.close()
 
 
 def _after(a: str, b: str) -> bool:

@@ -80,3 +80,13 @@ def test_redis_going_away_is_a_miss_not_an_error(embedder: MiniLM) -> None:
         assert not cache.lookup("s", QUESTION).hit
         assert cache.put("t", "s", "Why is the sky blue?", {"content": "Rayleigh"}) is None
         assert cache.stats()["errors"] == 2
+
+
+def test_a_server_down_at_start_up_means_misses_until_it_is_up(embedder: MiniLM) -> None:
+    with RedisServer() as server:
+        server.kill()
+        cache = SemanticCache(SemanticCacheConfig(redis_url=server.url), embedder=embedder)
+        assert not cache.lookup("s", QUESTION).hit
+        server.start()
+        assert cache.put("t", "s", QUESTION, {"content": "Paris"}) is not None
+        assert cache.lookup("s", QUESTION).hit
