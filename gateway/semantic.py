@@ -22,6 +22,9 @@ from semantic_cache import Lookup
 # Body fields that do not change the answer, left out of the scope. kvgate.cache is taken out below.
 UNSCOPED = {"messages", "stream", "stream_options", "user"}
 PIECE = re.compile(r"\s*\S+\s*|\s+")  # how a cached answer is cut into streamed chunks
+# The embedder reads ~256 tokens: of a longer user turn (a pasted document, then a question) only the
+# end is compared by meaning; everything before it must match exactly, as part of the scope.
+QUERY_CHARS = 800
 
 
 async def authenticate(request: Request) -> None:
@@ -66,8 +69,9 @@ def scope_of(served: Served, body: ChatCompletionRequest, tenant: str) -> tuple[
     last = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
     if last is None:
         return None
-    query = messages[last]["content"]
-    messages[last] = {**messages[last], "content": None}
+    text = messages[last]["content"]
+    query = text[-QUERY_CHARS:]
+    messages[last] = {**messages[last], "content": text[: len(text) - len(query)]}
     fields = body.model_dump(exclude=UNSCOPED, exclude_none=True)
     fields.get("kvgate", {}).pop("cache", None)
     key = {"tenant": tenant, "model": served.name, "weights": served.engine.model_fp, "messages": messages, **fields}

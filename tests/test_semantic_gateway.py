@@ -104,6 +104,16 @@ def test_different_sampling_parameters_or_earlier_turns_never_hit(url: str, mode
     assert ask(url, question, messages=earlier, model=model_name).headers["x-kvgate-cache"] == "miss"
 
 
+def test_a_long_user_turn_hits_only_with_the_same_text_before_its_end(url: str, model_name: str) -> None:
+    """Only the end of a long turn is embedded: the pasted text before it must be the same."""
+    pasted = unique("The Harbor Line opened in 1911 and runs from Pier Street to the Old Mill. ") * 20
+    other = pasted.replace("opened", "was planned", 1)  # at the start: far from the embedded end
+    question = " When did the Harbor Line open?"
+    ask(url, pasted + question, model=model_name)
+    assert ask(url, pasted + question, model=model_name).headers["x-kvgate-cache"] == "hit"
+    assert ask(url, other + question, model=model_name).headers["x-kvgate-cache"] == "miss"
+
+
 def test_only_deterministic_requests_are_stored_unless_opted_in(url: str, model_name: str) -> None:
     question = unique("Give me a tip for sleeping well.")
     assert ask(url, question, model=model_name, temperature=0.8).headers["x-kvgate-cache"] == "bypass"
