@@ -14,6 +14,7 @@ from runtime.loader import ModelNotFound
 
 # The shared evaluation data sits beside the project: ../shared/data.
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_rag_dev.jsonl"
+QQP = DATA.with_name("qqp_pairs_dev.jsonl")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,6 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     tiers.add_argument("--repeats", type=int, default=2, help="timings per load and prefill; the fastest is kept")
     tiers.add_argument("--redis-url", help="an existing Redis (default: a redis-server started for the run)")
     tiers.add_argument("--output", type=Path, default=Path("benchmarks/BENCHMARKS.md"))
+
+    semantic = kinds.add_parser("semantic", help="semantic cache: hit precision/recall, traps, lookup latency")
+    semantic.add_argument("--data", type=Path, default=QQP, help="QQP pairs jsonl (a, b, duplicate)")
+    semantic.add_argument("--limit", type=int, default=20000, help="pairs (the first rows of the data file)")
+    semantic.add_argument("--traps", type=int, default=1000, help="synthetic traps per type")
+    semantic.add_argument("--sizes", default="1000,10000,100000", help="cache sizes for the latency, entries")
+    semantic.add_argument("--queries", type=int, default=1000, help="lookups timed at each size")
+    semantic.add_argument("--output", type=Path, default=Path("benchmarks/BENCHMARKS.md"))
 
     calibrate = sub.add_parser("calibrate", help="pick and store the model's blend recompute ratio")
     musique_args(calibrate, limit=8, offset=100)
@@ -120,7 +129,9 @@ def run(args: argparse.Namespace, settings: Settings, argv: list[str] | None) ->
         print(resolve(settings.engine_config(), progress=True))
         return 0
     command = " ".join(["kvgate", *(argv if argv is not None else sys.argv[1:])])
-    if args.command == "calibrate" or (args.command == "bench" and args.kind in ("fidelity", "ttft", "tiers")):
+    if args.command == "calibrate" or (
+        args.command == "bench" and args.kind in ("fidelity", "ttft", "tiers", "semantic")
+    ):
         from benchmarks.fidelity import DataError
 
         try:
@@ -207,6 +218,16 @@ def measure(args: argparse.Namespace, settings: Settings, command: str) -> int:
             args.output,
             command,
         )
+        return 0
+    if args.command == "bench" and args.kind == "semantic":
+        from benchmarks.fidelity import DataError
+        from benchmarks.semantic import bench_semantic
+
+        try:
+            sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
+        except ValueError:
+            raise DataError(f"--sizes {args.sizes!r}: entry counts, comma-separated") from None
+        bench_semantic(args.data, args.limit, args.traps, sizes, args.queries, settings.cache_dir, args.output, command)
         return 0
     raise AssertionError(f"not a measurement: {args.command}")
 

@@ -53,6 +53,7 @@ def pack(entry: Entry) -> dict[str, bytes]:
 def unpack(fields: dict[bytes | str, Any], dim: int) -> Entry | None:
     """The entry, or None when anything is missing, malformed or fails its checksum."""
     raw = {_text(k): (v.encode() if isinstance(v, str) else v) for k, v in fields.items()}
+    # A store may hand back the unchecked numbers as numbers (SQLite columns).
     try:
         if raw["sum"].decode() != _checksum({k: raw[k] for k in CHECKED}):
             return None

@@ -12,15 +12,32 @@ from semantic_cache.entry import CHECKED, Entry, pack, unpack
 from semantic_cache.store import Change, Store, register_store
 
 COLUMNS = (*CHECKED, "sum", "last_used", "hits")
+TEXT = ("vector", "response", "query")  # kept as bytes; the other checked fields as text
 LOG_KEEP = 100_000  # change-log rows kept; a reader further behind rebuilds its index
 
+# expires_at: the checked `expires` as a number, for the expiry index. counts: entries per category,
+# kept by triggers, so that a write checks its quota without counting.
 SCHEMA = f"""
-CREATE TABLE IF NOT EXISTS entries ({", ".join(f"{c} BLOB" for c in COLUMNS)}, PRIMARY KEY (id));
+CREATE TABLE IF NOT EXISTS entries (
+  {", ".join(f"{c} {'REAL' if c == 'last_used' else 'INTEGER' if c == 'hits' else 'BLOB'}" for c in COLUMNS)},
+  expires_at REAL NOT NULL, PRIMARY KEY (id));
 CREATE INDEX IF NOT EXISTS entries_lru ON entries (category, last_used);
 CREATE INDEX IF NOT EXISTS entries_tenant ON entries (tenant);
-CREATE INDEX IF NOT EXISTS entries_expires ON entries (expires);
+CREATE INDEX IF NOT EXISTS entries_expires ON entries (expires_at);
+CREATE TABLE IF NOT EXISTS counts (category TEXT PRIMARY KEY, n INTEGER NOT NULL);
+CREATE TRIGGER IF NOT EXISTS entries_in AFTER INSERT ON entries BEGIN
+  INSERT INTO counts VALUES (new.category, 1) ON CONFLICT (category) DO UPDATE SET n = n + 1; END;
+CREATE TRIGGER IF NOT EXISTS entries_out AFTER DELETE ON entries BEGIN
+  UPDATE counts SET n = n - 1 WHERE category = old.category; END;
 CREATE TABLE IF NOT EXISTS log (seq INTEGER PRIMARY KEY AUTOINCREMENT, op TEXT NOT NULL, id TEXT NOT NULL);
 """
+INSERT = f"INSERT INTO entries VALUES ({','.join('?' * (len(COLUMNS) + 1))})"
+
+
+def row(entry: Entry) -> list[bytes | str | float | int]:
+    packed = pack(entry)
+    values: list[bytes | str | float | int] = [packed[c] if c in TEXT else packed[c].decode() for c in CHECKED]
+    return [*values, packed["sum"].decode(), entry.last_used or entry.created, entry.hits, entry.expires]
 
 
 @register_store("sqlite")
@@ -35,24 +52,29 @@ class SQLiteStore(Store):
         self.lock = threading.Lock()
 
     def put(self, entry: Entry, quota: int, now: float) -> list[str]:
-        row = pack(entry)
-        values = [row[c].decode() if c not in ("vector", "response", "query") else row[c] for c in COLUMNS]
         with self.lock, self.db:
             self.db.execute("BEGIN IMMEDIATE")
-            self.db.execute(f"INSERT OR REPLACE INTO entries VALUES ({','.join('?' * len(COLUMNS))})", values)
+            self.db.execute("DELETE FROM entries WHERE id = ?", (entry.id,))
+            self.db.execute(INSERT, row(entry))
             self._log([("put", entry.id)])
-            dropped = [r[0] for r in self.db.execute("SELECT id FROM entries WHERE CAST(expires AS REAL) <= ?", (now,))]
-            dropped += [
-                r[0]
-                for r in self.db.execute(
-                    "SELECT id FROM entries WHERE category = ? AND CAST(expires AS REAL) > ? ORDER BY "
-                    "CAST(last_used AS REAL) LIMIT max(0, (SELECT count(*) FROM entries WHERE category = ?) - ?)",
-                    (entry.category, now, entry.category, quota),
-                )
-            ]
+            dropped = [r[0] for r in self.db.execute("SELECT id FROM entries WHERE expires_at <= ?", (now,))]
             self._delete(dropped)
+            count = "SELECT coalesce(max(n), 0) FROM counts WHERE category = ?"
+            (held,) = self.db.execute(count, (entry.category,)).fetchone()
+            if held > quota:
+                over = "SELECT id FROM entries WHERE category = ? ORDER BY last_used LIMIT ?"
+                evicted = [r[0] for r in self.db.execute(over, (entry.category, held - quota))]
+                self._delete(evicted)
+                dropped += evicted
             self.db.execute("DELETE FROM log WHERE seq <= (SELECT max(seq) FROM log) - ?", (LOG_KEEP,))
         return dropped
+
+    def load(self, entries: list[Entry]) -> None:
+        """Write many entries in one transaction, without expiry or quotas (an import, or a benchmark's fill)."""
+        with self.lock, self.db:
+            self.db.execute("BEGIN IMMEDIATE")
+            self.db.executemany(INSERT, [row(e) for e in entries])
+            self._log([("put", e.id) for e in entries])
 
     def get(self, entry_id: str) -> Entry | None:
         with self.lock:
@@ -67,9 +89,7 @@ class SQLiteStore(Store):
 
     def touch(self, entry_id: str, now: float) -> None:
         with self.lock:
-            self.db.execute(
-                "UPDATE entries SET last_used = ?, hits = CAST(hits AS INTEGER) + 1 WHERE id = ?", (repr(now), entry_id)
-            )
+            self.db.execute("UPDATE entries SET last_used = ?, hits = hits + 1 WHERE id = ?", (now, entry_id))
 
     def delete(self, entry_ids: list[str]) -> int:
         with self.lock, self.db:

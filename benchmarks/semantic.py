@@ -1,0 +1,479 @@
+"""`kvgate bench semantic`: how well the semantic cache tells a paraphrase from a different question,
+on QQP question pairs (store one side, ask with the other): one global threshold against
+per-category thresholds, with and without the guards; paraphrases against typed and natural traps;
+and lookup latency through the real SemanticCache at growing sizes."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import xxhash
+
+from benchmarks.fidelity import DataError
+from benchmarks.report import table, write_section
+from benchmarks.traps import Served, pct, section, serve, traps_for
+from semantic_cache import Entry, MiniLM, SemanticCache, SemanticCacheConfig
+from semantic_cache.embedder import Embedder
+from semantic_cache.policy import Classifier
+from semantic_cache.sqlite_store import SQLiteStore
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "qqp_pairs_dev.jsonl"
+SEED = 0
+REFERENCES = {"GPTCache-like, 0.7": 0.7, "RedisVL-like, 0.9 (distance 0.1)": 0.9}
+RECALLS = (0.5, 0.6, 0.7, 0.8, 0.9)
+LAMBDAS = np.geomspace(0.01, 100.0, 161)
+NEVER = 1.01  # a threshold no cosine similarity reaches
+Pair = tuple[str, str, bool]
+Texts = tuple[list[str], np.ndarray]  # questions and their embeddings
+
+
+@dataclass
+class Half:
+    """One half of the pairs as a cache: the distinct `a` questions stored, each `b` asked."""
+
+    stored: list[str]
+    svecs: np.ndarray
+    queries: list[str]
+    qvecs: np.ndarray
+    own: np.ndarray  # each query's own `a`, as a row of `stored`
+    dup: np.ndarray  # bool: the pair is a duplicate
+    cat: np.ndarray  # the query's category, as an index into the config's categories
+    left_out: int  # queries asked verbatim as some stored question (an exact hit, not a test)
+
+
+def load_pairs(path: Path, limit: int) -> list[Pair]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such data file (the shared QQP pairs)")
+    pairs: list[Pair] = []
+    with path.open() as f:
+        for line in f:
+            if len(pairs) == limit:
+                break
+            row = json.loads(line)
+            pairs.append((row["a"], row["b"], bool(row["duplicate"])))
+    if len(pairs) < 20:
+        raise DataError(f"{path}: {len(pairs)} pairs; need at least 20")
+    return pairs
+
+
+def embed_cached(embedder: Embedder, texts: list[str], cache_dir: Path) -> np.ndarray:
+    """Embeddings of `texts`, kept in an .npy file keyed by the model and a hash of the texts."""
+    h = xxhash.xxh3_64(embedder.name.encode())
+    for text in texts:
+        h.update(text.encode() + b"\0")
+    path = cache_dir / "bench" / f"semantic-{len(texts)}-{h.hexdigest()}.npy"
+    if path.is_file():
+        return np.load(path)
+    start, parts = time.perf_counter(), []
+    for i in range(0, len(texts), 2048):
+        parts.append(embedder.embed(texts[i : i + 2048]))
+        done = i + len(parts[-1])
+        print(f"embedded {done}/{len(texts)} ({done / (time.perf_counter() - start):.0f}/s)", flush=True)
+    vectors = np.concatenate(parts) if parts else np.zeros((0, embedder.dim), np.float32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".part.npy")
+    np.save(tmp, vectors)
+    tmp.replace(path)
+    return vectors
+
+
+def make_half(pairs: list[Pair], a: np.ndarray, b: np.ndarray, rows: np.ndarray, classify: Classifier) -> Half:
+    names = [c.name for c in classify.config.categories]
+    row_of: dict[str, int] = {}
+    for r in rows:
+        row_of.setdefault(pairs[r][0], int(r))
+    stored = list(row_of)
+    slot = {text: i for i, text in enumerate(stored)}
+    asked = [int(r) for r in rows if pairs[r][1] not in slot]
+    queries = [pairs[r][1] for r in asked]
+    return Half(
+        stored=stored,
+        svecs=a[[row_of[t] for t in stored]],
+        queries=queries,
+        qvecs=b[asked],
+        own=np.array([slot[pairs[r][0]] for r in asked]),
+        dup=np.array([pairs[r][2] for r in asked], dtype=bool),
+        cat=np.array([names.index(classify(q, b[r]).name) for q, r in zip(queries, asked, strict=True)]),
+        left_out=len(rows) - len(asked),
+    )
+
+
+def correct(h: Half, s: Served) -> np.ndarray:
+    return (s.entry == h.own) & h.dup
+
+
+def rates(h: Half, s: Served, limit: np.ndarray) -> tuple[float, float, int]:
+    """Precision, recall and hits with a threshold per query."""
+    hit = s.score >= limit
+    tp = int((hit & correct(h, s)).sum())
+    return tp / max(int(hit.sum()), 1), tp / max(int(h.dup.sum()), 1), int(hit.sum())
+
+
+def curve(h: Half, s: Served) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The single-threshold curve: thresholds (descending), precision and recall at each."""
+    order = np.argsort(-s.score, kind="stable")
+    order = order[s.entry[order] >= 0]  # the guards refused every candidate: never served
+    tp = np.cumsum(correct(h, s)[order])
+    return s.score[order], tp / np.arange(1, len(order) + 1), tp / max(int(h.dup.sum()), 1)
+
+
+def best_f1(h: Half, s: Served) -> float:
+    thr, p, r = curve(h, s)
+    return float(thr[int(np.argmax(2 * p * r / np.maximum(p + r, 1e-9)))])
+
+
+def sweep(h: Half, s: Served, ncat: int) -> list[np.ndarray]:
+    """Per-category thresholds for each cost λ: in each category the threshold maximising TP − λ·FP,
+    which traces the best merged precision-recall curve on this half."""
+    ok = correct(h, s)
+    sorted_ = []
+    for c in range(ncat):
+        m = h.cat == c
+        order = np.argsort(-s.score[m], kind="stable")
+        sc, o = s.score[m][order], ok[m][order]
+        ends = np.nonzero(np.append(sc[:-1] > sc[1:], True))[0] if len(sc) else np.zeros(0, int)
+        sorted_.append((sc, np.cumsum(o), ends))
+    found = []
+    for lam in LAMBDAS:
+        thresholds = np.full(ncat, NEVER)
+        for c, (sc, tp, ends) in enumerate(sorted_):
+            if len(ends):
+                gain = tp[ends] - lam * (ends + 1 - tp[ends])
+                k = int(np.argmax(gain))
+                if gain[k] > 0:
+                    thresholds[c] = sc[ends[k]]
+        found.append(thresholds)
+    return found
+
+
+def pick(h: Half, s: Served, points: list[np.ndarray], target: float) -> int:
+    """The sweep's point of highest precision on this half among those reaching `target` recall."""
+    scored = [(*rates(h, s, t[h.cat])[:2], i) for i, t in enumerate(points)]
+    reaching = [x for x in scored if x[1] >= target]
+    return (max(reaching) if reaching else max(scored, key=lambda x: (x[1], x[0])))[2]
+
+
+def delta_ci(h: Half, s: Served, one: np.ndarray, other: np.ndarray, n: int = 500) -> tuple[float, float]:
+    """95% bootstrap interval (queries resampled) of precision(one) − precision(other)."""
+    rng = np.random.default_rng(SEED)
+    ok = correct(h, s)
+    hit1, hit2 = s.score >= one, s.score >= other
+    deltas = []
+    for _ in range(n):
+        i = rng.integers(0, len(ok), len(ok))
+        p1 = (hit1[i] & ok[i]).sum() / max(hit1[i].sum(), 1)
+        p2 = (hit2[i] & ok[i]).sum() / max(hit2[i].sum(), 1)
+        deltas.append(p1 - p2)
+    lo, hi = np.percentile(deltas, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def ms(samples: list[float]) -> str:
+    return f"{np.percentile(samples, 50) * 1e3:.2f} / {np.percentile(samples, 99) * 1e3:.2f}"
+
+
+# ---- latency through the real cache -----------------------------------------------------------
+
+NOISE = 0.6  # norm of the noise added to a real vector to make a filler entry (cosine ~0.86 to it)
+T = TypeVar("T")
+
+
+def answer(text: str) -> dict[str, Any]:
+    content = f"An answer to: {text} " + "Lorem ipsum dolor sit amet. " * 24
+    return {"content": content, "finish_reason": "stop", "usage": {"prompt_tokens": 20, "completion_tokens": 160}}
+
+
+def latency_pool(pairs: list[Pair], a: np.ndarray, b: np.ndarray, n: int) -> tuple[Texts, Texts]:
+    """`n` random pairs' `b` as the queries; every other distinct question as entries, their `a` first."""
+    chosen = np.random.default_rng(SEED).choice(len(pairs), min(n, len(pairs)), replace=False)
+    asked = {pairs[i][1] for i in chosen}
+    seen: dict[str, np.ndarray] = {}
+    firsts = [(pairs[i][0], a[i]) for i in chosen]
+    for text, vec in [
+        *firsts,
+        *((p[0], a[i]) for i, p in enumerate(pairs)),
+        *((p[1], b[i]) for i, p in enumerate(pairs)),
+    ]:
+        if text not in asked:
+            seen.setdefault(text, vec)
+    return (list(seen), np.stack(list(seen.values()))), ([pairs[i][1] for i in chosen], b[chosen])
+
+
+def fillers(pool: Texts, start: int, stop: int) -> Texts:
+    """Entries start..stop: the real questions first, then noisy copies of them (renormalised)."""
+    texts, vecs = pool
+    idx = np.arange(start, stop) % len(texts)
+    out = vecs[idx].copy()
+    copies = np.arange(start, stop) >= len(texts)
+    noise = np.random.default_rng(SEED + start).standard_normal((int(copies.sum()), vecs.shape[1]))
+    out[copies] += NOISE * noise / np.linalg.norm(noise, axis=1, keepdims=True)
+    return [texts[i] for i in idx], (out / np.linalg.norm(out, axis=1, keepdims=True)).astype(np.float32)
+
+
+def bulk_fill(cache: SemanticCache, store: SQLiteStore, texts: list[str], vecs: np.ndarray) -> None:
+    """Entries written in one transaction (`SQLiteStore.load`), then indexed by `rebuild()` as at start-up:
+    faster than one `put` each, which also sweeps expiry and checks the quota."""
+    now, entries = time.time(), []
+    for text, vec in zip(texts, vecs, strict=True):
+        cat = cache.classify(text, vec)
+        entries.append(
+            Entry(uuid.uuid4().hex, "bench", "bench", cat.name, text, answer(text), vec, now, now + cat.ttl_s, now)
+        )
+    store.load(entries)
+    cache.rebuild()
+
+
+def timed(samples: list[float], fn: Callable[[], T]) -> T:
+    start = time.perf_counter()
+    out = fn()
+    samples.append(time.perf_counter() - start)
+    return out
+
+
+def latency(embedder: Embedder, pool: Texts, asked: Texts, sizes: list[int]) -> list[list[str]]:
+    queries, qvecs = asked
+    real = queries[: max(1, len(queries) // 5)]
+    embed: list[float] = []
+    for q in real:
+        timed(embed, lambda q=q: embedder.embed([q]))
+    base, rows, have = SemanticCacheConfig(), [], 0
+    with tempfile.TemporaryDirectory() as tmp:
+        store = SQLiteStore(Path(tmp) / "semantic.sqlite3", embedder.dim)
+        config = replace(base, categories=tuple(replace(c, quota=10**9) for c in base.categories))
+        cache = SemanticCache(config, embedder=embedder, store=store)
+        for size in sorted(sizes):
+            began = time.perf_counter()
+            bulk_fill(cache, store, *fillers(pool, have, size))
+            filled, entries, given, full, puts = time.perf_counter() - began, len(cache.index), [], [], []
+            for q, v in zip(queries[:20], qvecs[:20], strict=True):  # warm-up
+                cache.lookup("bench", q, vector=v)
+            found = [timed(given, lambda q=q, v=v: cache.lookup("bench", q, vector=v)) for q, v in zip(*asked)]
+            for q in real:
+                timed(full, lambda q=q: cache.lookup("bench", q))
+            for i, v in enumerate(fillers(pool, size, size + 20)[1]):
+                timed(puts, lambda i=i, v=v: cache.put("bench", "bench", f"{real[0]} #{i}", answer(""), vector=v))
+            have = size + len(puts)
+            rows.append([f"{entries:,}", ms(given), ms(full), ms(embed), ms(puts)])
+            rows[-1] += [pct(sum(f.hit for f in found) / len(found)), f"{filled:.0f}"]
+            print(" | ".join(rows[-1]), flush=True)
+        cache.close()
+    return rows
+
+
+def latency_section(embedder: Embedder, pool: Texts, asked: Texts, sizes: list[int]) -> str:
+    rows = latency(embedder, pool, asked, sizes)
+    return (
+        "### Lookup latency\n\n"
+        "Through the real `SemanticCache` (SQLite store in a temporary directory, hnswlib M=16, ef=64). Lookup: "
+        "`cache.lookup(scope, query, vector=...)` timed whole (classification, change-log sync, index search, "
+        f"`store.get` of candidates, guards, `touch` on a hit) for {len(asked[0])} QQP `b` questions, none stored "
+        f"verbatim. Entries: the {len(pool[0])} other distinct questions of the data (the queries' own `a` "
+        f"first), then copies of them plus noise of norm {NOISE}, renormalised (cosine ~0.86 to the original). "
+        "They are written in bulk (the rows `put` writes, one transaction) and indexed by `rebuild()` as at "
+        "start-up (fill s); quotas are lifted. With embedding: real `lookup(scope, query)` calls for "
+        f"{max(1, len(asked[0]) // 5)} queries; embed alone: `embed([query])`. Put: `cache.put` of 20 new "
+        "entries with vectors. Milliseconds p50 / p99. Target: p99 at most 2 ms at 100k without embedding.\n\n"
+        + table(["entries", "lookup", "lookup with embedding", "embed alone", "put", "hits %", "fill s"], rows)
+    )
+
+
+# ---- the run ----------------------------------------------------------------------------------
+
+
+def plot(path: Path, curves: dict[str, tuple[np.ndarray, np.ndarray]], points: dict[str, tuple[float, float]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5.5))
+    for (name, (r, p)), style in zip(curves.items(), ("-", "--", "-", "--"), strict=False):
+        ax.plot(r, p, style, label=name)
+    for (name, (r, p)), marker in zip(points.items(), "osDv^P<>", strict=False):
+        ax.plot([r], [p], marker, color="black", label=name, markersize=6, fillstyle="none")
+    ax.set(xlabel="recall (duplicates served their own answer)", ylabel="precision (hits that are right)")
+    ax.set(xlim=(0, 1), ylim=(0.4, 1.0), title="Semantic cache on QQP, test half")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def equal_recall(fit: Half, test: Half, fs: Served, ts: Served, points: list[np.ndarray], targets: list[float]):
+    """At each target recall (reached on the fit half): the global threshold and the per-category
+    thresholds chosen there, both reported on the test half."""
+    thr, _, rec = curve(fit, fs)
+    _, tp, tr = curve(test, ts)
+    rows = []
+    for r in (r for r in targets if len(rec) and r <= rec[-1]):
+        g = np.full(len(test.queries), thr[np.argmax(rec >= r)])  # the highest threshold reaching r
+        c = points[pick(fit, fs, points, r)][test.cat]
+        (pg, rg, _), (pc, rc, _) = rates(test, ts, g), rates(test, ts, c)
+        oracle = float(tp[tr >= rc].max()) if (tr >= rc).any() else 0.0
+        lo, hi = delta_ci(test, ts, c, g)
+        delta = f"{100 * (pc - pg):+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+        rows.append([f"{r:.2f}", f"{g[0]:.3f}", f"{pct(pg)} / {pct(rg)}", f"{pct(pc)} / {pct(rc)}", delta])
+        rows[-1] += [pct(oracle), f"{100 * (pc - oracle):+.1f}"]
+    return rows
+
+
+def category_rows(config: SemanticCacheConfig, test: Half, ts: Served, fitted: np.ndarray, guarded: np.ndarray):
+    ok = correct(test, ts)
+    rows = []
+    for i, c in enumerate(config.categories):
+        m = test.cat == i
+        hit = ts.score[m] >= fitted[i]
+        tp = int((hit & ok[m]).sum())
+        p, r = tp / max(int(hit.sum()), 1), tp / max(int(test.dup[m].sum()), 1)
+        shown = [f"{t:.3f}" if t < NEVER else "never" for t in (fitted[i], guarded[i])]
+        rows.append([c.name, str(int(m.sum())), str(int(test.dup[m].sum())), f"{c.threshold:.2f}", *shown])
+        rows[-1].append(f"{pct(p)} / {pct(r)}")
+    return rows
+
+
+def wrong_hits(test: Half, s: Served, limit: np.ndarray) -> list[str]:
+    """Wrong hits on a non-duplicate's own `a` (labelled wrong), on another pair's `a` (unlabelled: some
+    are duplicates QQP never paired), and the precision over the labelled hits alone."""
+    hit, own = s.score >= limit, s.entry == test.own
+    right, labelled = int((hit & own & test.dup).sum()), int((hit & own).sum())
+    return [str(labelled - right), str(int((hit & ~own).sum())), pct(right / max(labelled, 1))]
+
+
+def pr_points(test: Half, s: Served, points: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    found = sorted((r, p) for p, r, _ in (rates(test, s, t[test.cat]) for t in points))
+    return np.array([r for r, _ in found]), np.array([p for _, p in found])
+
+
+Setting = tuple[np.ndarray, bool]  # a threshold per category; guards on
+
+
+def settings_for(config: SemanticCacheConfig, fit: Half, f0: Served, f1: Served, points: tuple[list, list]):
+    """The settings compared, thresholds fitted on the fit half; and the fit-half recall targeted."""
+    ncat = len(config.categories)
+    g = best_f1(fit, f0)
+    target = rates(fit, f0, np.full(len(fit.queries), g))[1]
+    chosen = pick(fit, f0, points[0], target)
+    cat0, cat1 = points[0][chosen], points[1][chosen]  # with guards: the same cost λ
+    shipped = np.array([c.threshold for c in config.categories])
+    settings: dict[str, Setting] = {
+        "categories.yaml thresholds": (shipped, False),
+        "categories.yaml thresholds + guards": (shipped, True),
+        "per-category, fitted": (cat0, False),
+        "per-category, fitted, + guards": (cat0, True),
+        "per-category, fitted with guards, + guards": (cat1, True),
+        f"global {g:.3f} (best F1 on the fit half)": (np.full(ncat, g), False),
+        f"global {g:.3f} + guards": (np.full(ncat, g), True),
+        **{name: (np.full(ncat, t), False) for name, t in REFERENCES.items()},
+    }
+    return settings, target
+
+
+def pr_section(
+    config: SemanticCacheConfig,
+    halves: tuple[Half, Half],
+    served: list[Served],
+    points: tuple[list, list],
+    settings: dict[str, Setting],
+    target: float,
+    picture: Path,
+) -> str:
+    """Precision and recall of every setting, equal-recall comparisons, the categories, and the plot."""
+    fit, test = halves
+    f0, f1, t0, t1 = served
+    accuracy, marks = [], {}
+    for name, (limits, guards) in settings.items():
+        p, r, hits = rates(test, t1 if guards else t0, limits[test.cat])
+        accuracy.append([name, pct(p), pct(r), pct(2 * p * r / max(p + r, 1e-9)), str(hits)])
+        accuracy[-1] += wrong_hits(test, t1 if guards else t0, limits[test.cat])
+        if "global" not in name:
+            marks[name] = (r, p)
+    targets = sorted({*RECALLS, round(target, 3)})
+    recall_rows = [["no", *row] for row in equal_recall(fit, test, f0, t0, points[0], targets)]
+    recall_rows += [["yes", *row] for row in equal_recall(fit, test, f1, t1, points[1], targets)]
+    (_, p0, r0), (_, p1, r1) = curve(test, t0), curve(test, t1)
+    curves = {"global threshold": (r0, p0), "global threshold + guards": (r1, p1)}
+    curves["per-category (λ sweep)"] = pr_points(test, t0, points[0])
+    curves["per-category + guards (λ sweep with guards)"] = pr_points(test, t1, points[1])
+    plot(picture, curves, marks)
+    cat0, cat1 = settings["per-category, fitted"][0], settings["per-category, fitted with guards, + guards"][0]
+    return (
+        "### Precision and recall\n\n"
+        "Wrong hits are of two kinds: the asking pair's own `a` when the pair is not a duplicate (labelled "
+        "wrong), and another pair's `a` (unlabelled; some are paraphrases QQP never paired, so the precision "
+        "is a lower bound; the last column leaves them out). "
+        "Fitted per-category thresholds: in each category the threshold maximising TP − λ·FP on the fit half, "
+        f"with the λ whose fit-half recall reaches {pct(target)}% (that of the best-F1 global threshold there) "
+        "at the best fit-half precision; fitted with guards: the same λ over the scores with guards.\n\n"
+        + table(
+            ["setting", "precision %", "recall %", "F1 %", "hits", "wrong: own `a`", "wrong: other"]
+            + ["precision, labelled hits %"],
+            accuracy,
+        )
+        + "\n\nEqual recall: for each target recall, the global threshold and the per-category thresholds that "
+        "reach it on the fit half, both on the test half. ΔP: per-category − global precision (points), 95% "
+        "bootstrap interval over test questions. The last two columns set the per-category result against "
+        "the test half's own global curve at the same test recall (a threshold chosen on the test half itself, "
+        "which favours the global one). Targets beyond the fit half's reach are left out.\n\n"
+        + table(
+            ["guards", "target recall", "global threshold", "global P / R %", "per-category P / R %", "ΔP"]
+            + ["global curve's P at that R %", "per-category − that"],
+            recall_rows,
+        )
+        + "\n\nCategories of the test half's questions, and their thresholds.\n\n"
+        + table(
+            ["category", "questions", "duplicates", "categories.yaml", "fitted", "fitted with guards"]
+            + ["fitted: P / R %"],
+            category_rows(config, test, t0, cat0, cat1),
+        )
+        + f"\n\n![precision-recall, test half]({picture.name})"
+    )
+
+
+def bench_semantic(
+    data: Path, limit: int, per_type: int, sizes: list[int], queries: int, cache_dir: Path, output: Path, command: str
+) -> None:
+    began = time.perf_counter()
+    if per_type < 1 or queries < 1 or not sizes or min(sizes) < 1:
+        raise DataError("--traps, --queries and --sizes must be at least 1")
+    pairs = load_pairs(data, limit)
+    embedder, config = MiniLM(), SemanticCacheConfig()
+    classify = Classifier(config, embedder)
+    vecs = embed_cached(embedder, [p[0] for p in pairs] + [p[1] for p in pairs], cache_dir)
+    a, b = vecs[: len(pairs)], vecs[len(pairs) :]
+    split = np.array_split(np.random.default_rng(SEED).permutation(len(pairs)), 2)
+    fit, test = (make_half(pairs, a, b, np.sort(rows), classify) for rows in split)
+    served = [serve(h.queries, h.qvecs, h.stored, h.svecs, g) for h in (fit, test) for g in (False, True)]
+    points = sweep(fit, served[0], len(config.categories)), sweep(fit, served[1], len(config.categories))
+    settings, target = settings_for(config, fit, served[0], served[1], points)
+    picture = output.parent / "semantic-pr.png"
+    picture.parent.mkdir(parents=True, exist_ok=True)
+    traps = traps_for(test, per_type, lambda texts: embed_cached(embedder, texts, cache_dir), classify)
+    body = (
+        f"{len(pairs)} QQP pairs (the first {len(pairs)} rows of `{data.name}`, {sum(p[2] for p in pairs)} "
+        f"duplicates), embedded with {embedder.name} (both sides, once; kept in the cache dir). Split at random "
+        f"(seed {SEED}) into a fit half and a test half. Each half is a cache: its distinct `a` questions are the "
+        "entries, each `b` asks (pairs whose `b` is verbatim a stored question are left out: "
+        f"{fit.left_out} fit, {test.left_out} test). Nearest entries are exact (numpy cosine), not hnswlib. A hit "
+        "is right when the entry served is the pair's own `a` and the pair is a duplicate; precision = right "
+        f"hits / hits, recall = right hits / duplicates. With guards, up to {config.candidates} nearest entries "
+        "are tried in order and the first no guard refuses is served, as `SemanticCache.find` does. Categories "
+        "come from `policy.Classifier` on the asking side. Thresholds are chosen on the fit half; every number "
+        f"below is on the test half ({len(test.queries)} questions, {int(test.dup.sum())} duplicates).\n\n"
+        + pr_section(config, (fit, test), served, points, settings, target, picture)
+        + "\n\n"
+        + section(test, served[2], served[3], traps, settings, settings["per-category, fitted"][0])
+        + "\n\n"
+        + latency_section(embedder, *latency_pool(pairs, a, b, queries), sizes)
+        + f"\n\nTook {time.perf_counter() - began:.0f} s."
+    )
+    write_section(output, "semantic", "Semantic cache: hits, traps and latency on QQP", command, body)
+    print(body, flush=True)

@@ -1,0 +1,50 @@
+"""`kvgate bench semantic` on a few hundred QQP pairs: its section and plot are written, and the
+numbers in its tables parse and make sense."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+KVGATE = str(Path(sys.executable).parent / "kvgate")
+QQP = Path(__file__).resolve().parents[2] / "shared" / "data" / "qqp_pairs_dev.jsonl"
+
+
+def rows(text: str, first: str) -> list[list[str]]:
+    return [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines() if line.startswith(f"| {first}")]
+
+
+@pytest.mark.timeout(120)
+def test_bench_semantic_writes_its_section_and_plot(tmp_path: Path) -> None:
+    if not QQP.is_file():
+        pytest.skip(f"{QQP} is missing (the shared evaluation data)")
+    out = tmp_path / "BENCHMARKS.md"
+    out.write_text("# Benchmarks\n\n<!-- bench:other -->\nkept\n<!-- /bench:other -->\n")
+    args = ["bench", "semantic", "--limit", "240", "--traps", "20", "--sizes", "100,300", "--queries", "30"]
+    env = {**os.environ, "KVGATE_CACHE_DIR": str(tmp_path / "cache")}  # embeddings cached there, not in ~/.cache
+    proc = subprocess.run([KVGATE, *args, "--output", str(out)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    assert "kept" in text and "<!-- bench:semantic -->" in text and "<!-- /bench:semantic -->" in text
+    assert "kvgate bench semantic --limit 240" in text and "(semantic-pr.png)" in text
+    assert (tmp_path / "semantic-pr.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list((tmp_path / "cache" / "bench").glob("semantic-*.npy"))  # embeddings kept for the next run
+    # Precision, recall, F1 in [0, 100]; a lower threshold never has fewer hits.
+    loose, strict = rows(text, "GPTCache-like")[0], rows(text, "RedisVL-like")[0]
+    assert all(0.0 <= float(x) <= 100.0 for x in [*loose[1:4], *strict[1:4]])
+    assert int(loose[4]) >= int(strict[4]) > 0
+    # Paraphrases and traps: every percentage parses; the guards serve no more traps than no guards.
+    plain, guarded = rows(text, "categories.yaml thresholds |")[1], rows(text, "categories.yaml thresholds + guards")[1]
+    assert all(0.0 <= float(x) <= 100.0 for x in plain[1:] + guarded[1:] if x != "-")
+    assert float(guarded[6]) <= float(plain[6])
+    # Latency at both sizes: p50 <= p99, all positive.
+    sizes = [r for r in rows(text, "") if r[0].replace(",", "").isdigit() and " / " in r[1]]
+    assert [int(r[0].replace(",", "")) for r in sizes] == [100, 300]
+    for r in sizes:
+        for cell in r[1:5]:
+            p50, p99 = (float(x) for x in cell.split(" / "))
+            assert 0.0 < p50 <= p99
