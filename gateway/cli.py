@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     semantic.add_argument("--traps", type=int, default=1000, help="synthetic traps per type")
     semantic.add_argument("--sizes", default="1000,10000,100000", help="cache sizes for the latency, entries")
     semantic.add_argument("--queries", type=int, default=1000, help="lookups timed at each size")
+    semantic.add_argument("--gateway", type=int, default=8, help="questions asked through the gateway (0: none)")
     semantic.add_argument("--output", type=Path, default=Path("benchmarks/BENCHMARKS.md"))
 
     calibrate = sub.add_parser("calibrate", help="pick and store the model's blend recompute ratio")
@@ -227,7 +228,9 @@ def measure(args: argparse.Namespace, settings: Settings, command: str) -> int:
             sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
         except ValueError:
             raise DataError(f"--sizes {args.sizes!r}: entry counts, comma-separated") from None
-        bench_semantic(args.data, args.limit, args.traps, sizes, args.queries, settings.cache_dir, args.output, command)
+        bench_semantic(
+            args.data, args.limit, args.traps, sizes, args.queries, args.gateway, settings, args.output, command
+        )
         return 0
     raise AssertionError(f"not a measurement: {args.command}")
 

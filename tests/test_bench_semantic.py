@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.semantic_hit import bench_hit
+from gateway.settings import Settings
+
 KVGATE = str(Path(sys.executable).parent / "kvgate")
 QQP = Path(__file__).resolve().parents[2] / "shared" / "data" / "qqp_pairs_dev.jsonl"
 
@@ -25,6 +28,7 @@ def test_bench_semantic_writes_its_section_and_plot(tmp_path: Path) -> None:
     out = tmp_path / "BENCHMARKS.md"
     out.write_text("# Benchmarks\n\n<!-- bench:other -->\nkept\n<!-- /bench:other -->\n")
     args = ["bench", "semantic", "--limit", "240", "--traps", "20", "--sizes", "100,300", "--queries", "30"]
+    args += ["--gateway", "0"]  # the model is not converted in this cache dir; see the test below
     env = {**os.environ, "KVGATE_CACHE_DIR": str(tmp_path / "cache")}  # embeddings cached there, not in ~/.cache
     proc = subprocess.run([KVGATE, *args, "--output", str(out)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -48,3 +52,11 @@ def test_bench_semantic_writes_its_section_and_plot(tmp_path: Path) -> None:
         for cell in r[1:5]:
             p50, p99 = (float(x) for x in cell.split(" / "))
             assert 0.0 < p50 <= p99
+
+
+def test_a_hit_through_the_gateway_is_timed_against_the_models_answer(settings: Settings, tmp_path: Path) -> None:
+    body = bench_hit(settings, [("What is the capital of France?", "What's the capital city of France?")], 8, tmp_path)
+    found = {r[0]: r for r in rows(body, "")}
+    assert found["miss"][1] == found["hit (same question)"][1] == "1"
+    speedup = float(found["hit (same question)"][4].removesuffix("x"))
+    assert speedup > 1  # a hit skips the model; the >= 20x target is for the benchmark, not a test
