@@ -358,7 +358,7 @@ def bench_semantic(
     fit, test = (make_half(pairs, a, b, np.sort(rows), classify) for rows in split)
     served = [serve(h.queries, h.qvecs, h.stored, h.svecs, g) for h in (fit, test) for g in (False, True)]
     points = sweep(fit, served[0], len(config.categories)), sweep(fit, served[1], len(config.categories))
-    settings, target = settings_for(config, fit, served[0], served[1], points)
+    compared, target = settings_for(config, fit, served[0], served[1], points)
     picture = output.parent / "semantic-pr.png"
     picture.parent.mkdir(parents=True, exist_ok=True)
     traps = traps_for(test, per_type, lambda texts: embed_cached(embedder, texts, cache_dir), classify)
@@ -373,9 +373,9 @@ def bench_semantic(
         "are tried in order and the first no guard refuses is served, as `SemanticCache.find` does. Categories "
         "come from `policy.Classifier` on the asking side. Thresholds are chosen on the fit half; every number "
         f"below is on the test half ({len(test.queries)} questions, {int(test.dup.sum())} duplicates).\n\n"
-        + pr_section(config, (fit, test), served, points, settings, target, picture)
+        + pr_section(config, (fit, test), served, points, compared, target, picture)
         + "\n\n"
-        + section(test, served[2], served[3], traps, settings, settings["per-category, fitted"][0])
+        + section(test, served[2], served[3], traps, compared, compared["per-category, fitted"][0])
         + "\n\n"
         + latency_section(embedder, *latency_pool(pairs, a, b, queries), sizes)
         + gateway_section(settings, pairs, test, asked)

@@ -25,7 +25,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     served: Served = request.app.state.served
     served.check_model(body.model)
     messages = [m.for_template(i) for i, m in enumerate(body.messages)]
-    cached = await semantic.consult(request, served, body)
+    cached = await semantic.consult(request, served, body, messages)
     if cached.status == "hit":
         return semantic.replay(cached, body, response_head("chatcmpl", request, served))
     plan = None

@@ -62,10 +62,12 @@ def directives(request: Request) -> set[str]:
     return {d.strip().lower() for d in request.headers.get("cache-control", "").split(",")}
 
 
-def scope_of(served: Served, body: ChatCompletionRequest, tenant: str) -> tuple[str, str] | None:
+def scope_of(
+    served: Served, body: ChatCompletionRequest, messages: list[dict[str, Any]], tenant: str
+) -> tuple[str, str] | None:
     """(scope, query): the query is the last user turn's text; the scope everything else the answer
     depends on (tenant, model, every other message, documents, tools, sampling). None without a user turn."""
-    messages = [m.for_template(i) for i, m in enumerate(body.messages)]
+    messages = list(messages)
     last = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
     if last is None:
         return None
@@ -78,13 +80,16 @@ def scope_of(served: Served, body: ChatCompletionRequest, tenant: str) -> tuple[
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest(), query
 
 
-async def consult(request: Request, served: Served, body: ChatCompletionRequest) -> Consult:
+async def consult(
+    request: Request, served: Served, body: ChatCompletionRequest, messages: list[dict[str, Any]]
+) -> Consult:
+    """Whether this request may be answered from the cache or stored in it, and the lookup."""
     cache = served.semantic
     opted = body.kvgate.cache if body.kvgate else None
     cacheable = opted is True or (opted is None and body.temperature == 0)
     if cache is None or not cacheable or body.n != 1 or body.logprobs:
         return Consult(headers={"x-kvgate-cache": "bypass"})
-    found = scope_of(served, body, request.state.tenant)
+    found = scope_of(served, body, messages, request.state.tenant)
     if found is None:
         return Consult(headers={"x-kvgate-cache": "bypass"})
     said = directives(request)
@@ -104,7 +109,7 @@ async def consult(request: Request, served: Served, body: ChatCompletionRequest)
 
 
 async def keep(served: Served, consult: Consult, content: str, finish_reason: str | None, usage_: dict) -> None:
-    """Keep a finished answer (never an error, an aborted or a tool-calling one)."""
+    """Keep a finished answer (not an error, nor one cut short by the client)."""
     if not consult.store or served.semantic is None or finish_reason not in ("stop", "length"):
         return
     response = {"content": content, "finish_reason": finish_reason, "usage": usage_}
