@@ -130,6 +130,19 @@ def test_thresholds_relax_with_the_queue_but_never_below_the_floor() -> None:
     assert threshold(c, config, 100) == pytest.approx(0.87)
 
 
+def test_a_long_queue_lets_a_looser_paraphrase_hit(tmp_path: Path, embedder: MiniLM) -> None:
+    category = Category("all", threshold=0.97, floor=0.9, ttl_s=3600, quota=10)
+    cache = make(tmp_path, embedder, categories=(category,), relax_step=0.07, queue_long=4)
+    cache.put("t", "s", QUESTION, {"content": "Paris"})
+    idle, busy = (
+        cache.lookup("s", "What's the capital city of France?"),
+        cache.lookup("s", "What's the capital city of France?", queued=9),
+    )
+    assert 0.9 < idle.similarity < 0.97  # between the floor and the threshold
+    assert not idle.hit and idle.threshold == 0.97
+    assert busy.hit and busy.threshold == pytest.approx(0.9)
+
+
 def test_a_write_from_another_cache_on_the_same_file_is_seen_without_a_restart(
     tmp_path: Path, embedder: MiniLM
 ) -> None:
