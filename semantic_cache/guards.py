@@ -77,16 +77,19 @@ ANTONYMS = [
 ]
 # Words that narrow or widen what is asked about.
 SCOPE = frozenset("only all every each always just exactly entire whole both alone solely per except".split())
-_UNITS = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen"
-_TEENS_TENS = "seventeen eighteen nineteen twenty".split(), "thirty forty fifty sixty seventy eighty ninety".split()
-NUMBER_WORDS = {w: str(i) for i, w in enumerate([*_UNITS.split(), *_TEENS_TENS[0]])}
-NUMBER_WORDS |= {w: str(30 + 10 * i) for i, w in enumerate(_TEENS_TENS[1])}
+_TO_TWENTY = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+    "seventeen eighteen nineteen twenty"
+).split()
+_TENS = "thirty forty fifty sixty seventy eighty ninety".split()
+NUMBER_WORDS = {w: str(i) for i, w in enumerate(_TO_TWENTY)} | {w: str(30 + 10 * i) for i, w in enumerate(_TENS)}
 NUMBER_WORDS |= {"hundred": "e2", "thousand": "e3", "million": "e6", "billion": "e9", "trillion": "e12"}
 NUMBER_WORDS |= {
     w: f"#{i + 1}" for i, w in enumerate("first second third fourth fifth sixth seventh eighth ninth tenth".split())
 }
 CALENDAR = frozenset(
-    "january february march april may june july august september october november december jan feb mar apr jun jul "
+    # Not "may": far more often "may I..." than the month (which the names guard sees as "May").
+    "january february march april june july august september october november december jan feb mar apr jun jul "
     "aug sep sept oct nov dec monday tuesday wednesday thursday friday saturday sunday today tomorrow yesterday "
     "tonight".split()
 )
