@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,7 +34,6 @@ class Lookup:
     entry: Entry | None = None
     similarity: float = 0.0  # of the hit, or of the nearest candidate on a miss
     refused: str | None = None
-    timings: dict[str, float] = field(default_factory=dict)  # seconds: embed, search, guards
 
     @property
     def hit(self) -> bool:
@@ -109,12 +108,9 @@ class SemanticCache:
     ) -> Lookup:
         """The best cached answer for `query` in `scope` that clears the threshold and every guard.
         A failing store is a miss."""
-        start = time.perf_counter()
         vector = self.embed(query) if vector is None else vector
-        embedded = time.perf_counter()
         category = self.classify(query, vector)
         found = Lookup(category, vector, threshold(category, self.config, queued))
-        found.timings["embed"] = embedded - start
         try:
             self.sync()
             self.find(found, scope, query, time.time() if now is None else now)
@@ -122,7 +118,6 @@ class SemanticCache:
             log.warning("semantic cache lookup failed; answering as a miss", exc_info=True)
             self.counts["errors"] += 1
             found.entry = None
-        found.timings["lookup"] = time.perf_counter() - embedded
         self.counts["hits" if found.hit else "misses"] += 1
         self.counts["refused"] += found.refused is not None and not found.hit
         return found
