@@ -171,6 +171,7 @@ class SemanticCache:
         )
         try:
             dropped = self.store.put(entry, category.quota, now)
+            self.index.add(scope, entry.id, entry.vector)  # so that sync need not read it back from the store
             self.sync()
         except Exception:
             log.warning("semantic cache write failed; the answer is not cached", exc_info=True)
