@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from gateway.errors import APIError
 from gateway.protocol import ChatCompletionRequest
-from gateway.serving import Served, sse, usage
+from gateway.serving import SSE_HEADERS, Served, sse, usage
 from semantic_cache import Lookup
 
 # Body fields that do not change the answer, left out of the scope. kvgate.cache is taken out below.
@@ -149,5 +149,5 @@ def replay(consult: Consult, body: ChatCompletionRequest, head: dict[str, Any]) 
             yield sse({**chunk_head, "choices": [], "usage": usage_})
         yield sse("[DONE]")
 
-    headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
+    headers |= SSE_HEADERS
     return StreamingResponse(events(), media_type="text/event-stream", headers=headers)

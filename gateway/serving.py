@@ -23,6 +23,7 @@ from runtime.tokens import TokenBytes
 from semantic_cache import SemanticCache
 
 FINGERPRINT = "kvgate-0.1"
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}  # no proxy may buffer or keep a stream
 
 
 @dataclass
@@ -245,7 +246,7 @@ async def streamed(
             yield sse_error(exc)
         yield sse("[DONE]")
 
-    sent = {"cache-control": "no-cache", "x-accel-buffering": "no", **reuse_headers(first[1]), **(headers or {})}
+    sent = {**SSE_HEADERS, **reuse_headers(first[1]), **(headers or {})}
     return StreamingResponse(events(), media_type="text/event-stream", headers=sent)
 
 
