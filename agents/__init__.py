@@ -1,1 +1,26 @@
-"""Agent programs: KV pinned across tool calls, program-level scheduling. Filled in by the agents issue."""
+"""Agent programs (Continuum): KV pinned across tool calls for a predicted time-to-live, and
+program-level FCFS (the runtime's `queue_order="program"`)."""
+
+from agents.config import AgentConfig
+from agents.costs import Costs, EngineCosts
+from agents.predictor import ANY, Predictor, Prior
+from agents.programs import Expirer, Program, Programs, context_key, tool_return
+from agents.ttl import PINS, PinPolicy, benefit, decide
+
+__all__ = [
+    "ANY",
+    "PINS",
+    "AgentConfig",
+    "Costs",
+    "EngineCosts",
+    "Expirer",
+    "PinPolicy",
+    "Predictor",
+    "Prior",
+    "Program",
+    "Programs",
+    "benefit",
+    "context_key",
+    "decide",
+    "tool_return",
+]

@@ -14,6 +14,8 @@ class ChunkCacheConfig:
     memory_bytes: int = 2 << 30
     # A use this long ago counts half as much as one now, when choosing what to evict.
     half_life_s: float = 600.0
+    # What the memory tier evicts first: "value" (hits x cost / bytes, decayed), or "lru".
+    memory_policy: str = "value"
     # None: entries stay where they were computed (the runtime's device).
     memory_device: str | None = None
     disk_dir: Path = Path.home() / ".cache" / "kvgate" / "chunks"
@@ -25,7 +27,12 @@ class ChunkCacheConfig:
     def tier_options(self, name: str) -> dict[str, Any]:
         """The keyword arguments `make_tier(name, ...)` gets."""
         if name == "memory":
-            return {"budget_bytes": self.memory_bytes, "half_life_s": self.half_life_s, "device": self.memory_device}
+            return {
+                "budget_bytes": self.memory_bytes,
+                "half_life_s": self.half_life_s,
+                "device": self.memory_device,
+                "policy": self.memory_policy,
+            }
         if name == "disk":
             return {"root": self.disk_dir, "budget_bytes": self.disk_bytes}
         if name == "redis":

@@ -75,13 +75,21 @@ class MemoryTier(Tier):
             return slot.entry
 
     def put(self, entry: ChunkKV) -> bool:
+        return self._put(entry, None)
+
+    def put_pinned(self, entry: ChunkKV, until: float) -> bool:
+        """Store and pin in one step. When only pins hold the room it needs, the pins that end
+        later than this one go, the latest first (an entry that is put without a pin never evicts one)."""
+        return self._put(entry, until)
+
+    def _put(self, entry: ChunkKV, until: float | None) -> bool:
         if self.device is not None:
             entry = entry.to(self.device)  # a copy to device is slow: keep it outside the lock
         size = entry.nbytes
         with self._lock:
             now = self.clock()
             old = self._slots.get(entry.key)
-            victims = self._victims(entry.key, self._bytes - (old.entry.nbytes if old else 0) + size, now)
+            victims = self._victims(entry.key, self._bytes - (old.entry.nbytes if old else 0) + size, now, until)
             if victims is None:
                 self._refused += 1
                 return False
@@ -95,6 +103,8 @@ class MemoryTier(Tier):
                 slot = old
             else:
                 slot = _Slot(entry, 1.0, now)
+            if until is not None:
+                slot.pinned_until = until
             self._slots[entry.key] = slot
             self._bytes += size
             self._puts += 1
@@ -104,6 +114,11 @@ class MemoryTier(Tier):
     def delete(self, key: str) -> bool:
         with self._lock:
             return self._remove(key) is not None
+
+    def take(self, key: str) -> ChunkKV | None:
+        with self._lock:
+            slot = self._remove(key)
+        return slot.entry if slot else None
 
     def pin(self, key: str, until: float) -> bool:
         """Never evict `key` while clock() < until (a later pin replaces an earlier one)."""
@@ -159,16 +174,21 @@ class MemoryTier(Tier):
         cost, size = max(slot.entry.cost, 1e-30), max(slot.entry.nbytes, 1)
         return math.log2(slot.uses) + math.log2(cost) - math.log2(size) + slot.touched / self.half_life_s
 
-    def _victims(self, key: str, needed: int, now: float) -> list[_Slot] | None:
-        """The lowest-value unpinned entries whose removal brings `needed` bytes within budget; None if impossible."""
+    def _victims(self, key: str, needed: int, now: float, until: float | None = None) -> list[_Slot] | None:
+        """The entries whose removal brings `needed` bytes within budget, None if impossible: the
+        lowest-value unpinned ones; then, for a put pinned `until`, pins ending later, latest first."""
         excess = needed - self.budget_bytes
         if excess <= 0:
             return []
-        candidates = [s for k, s in self._slots.items() if k != key and s.pinned_until <= now]
+        others = [s for k, s in self._slots.items() if k != key]
+        candidates = sorted((s for s in others if s.pinned_until <= now), key=self._priority)
+        if until is not None:
+            later = (s for s in others if s.pinned_until > max(now, until))
+            candidates += sorted(later, key=lambda s: s.pinned_until, reverse=True)
         if sum(s.entry.nbytes for s in candidates) < excess:
             return None
         victims = []
-        for slot in sorted(candidates, key=self._priority):
+        for slot in candidates:
             victims.append(slot)
             excess -= slot.entry.nbytes
             if excess <= 0:

@@ -72,10 +72,11 @@ class ChunkStore:
                 return None
         return found
 
-    def put(self, entry: ChunkKV) -> bool:
-        """Into the first tier that takes it now; into every tier below it in the background."""
+    def put(self, entry: ChunkKV, until: float | None = None) -> bool:
+        """Into the first tier that takes it now; into every tier below it in the background.
+        `until`: pin it in the first tier until then (on that tier's clock)."""
         for i, tier in enumerate(self.tiers):
-            if tier.put(entry):
+            if tier.put(entry) if until is None or i else tier.put_pinned(entry, until):
                 if i + 1 < len(self.tiers):
                     self._enqueue(entry, i + 1)
                 return True
@@ -93,6 +94,16 @@ class ChunkStore:
 
     def unpin(self, key: str) -> bool:
         return sum(tier.unpin(key) for tier in self.tiers) > 0
+
+    def demote(self, key: str) -> bool:
+        """Move an entry out of the first tier into the ones below (its pin is over, and memory is
+        for what comes next); with no tier below, it only loses its pin."""
+        if len(self.tiers) == 1:
+            return self.tiers[0].unpin(key)
+        entry = self.tiers[0].take(key)
+        if entry is not None:
+            self._enqueue(entry, 1)
+        return entry is not None
 
     def flush(self) -> None:
         """Wait until every write queued so far has reached its tiers."""

@@ -58,6 +58,16 @@ class Tier(ABC):
     def unpin(self, key: str) -> bool:
         return False
 
+    def put_pinned(self, entry: ChunkKV, until: float) -> bool:
+        """put, then pin; a tier that pins may also make room by evicting pins that end later."""
+        return self.put(entry) and self.pin(entry.key, until)
+
+    def take(self, key: str) -> ChunkKV | None:
+        """Remove an entry and hand it back (to move it to another tier)."""
+        entry = self.get(key)
+        self.delete(key)
+        return entry
+
     def close(self) -> None:  # noqa: B027 (optional: most tiers hold nothing to release)
         """Release connections, pools, threads; the tier is not used after this."""
 

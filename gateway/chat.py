@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from gateway import documents, semantic
+from gateway import documents, programs, semantic
 from gateway.errors import bad_request
 from gateway.protocol import ChatCompletionRequest
 from gateway.serving import Served, chat_logprobs, collect, response_head, reuse_headers, streamed, usage
@@ -40,8 +40,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             )
         except TemplateError as exc:
             raise bad_request(str(exc), "messages", "invalid_messages") from exc
-    choices = served.choices([prompt], body, body.max_new_tokens, body.logprobs_k, "messages", plan)
+    turn = programs.begin(request, served, body, messages, len(prompt))
+    choices = served.choices([prompt], body, body.max_new_tokens, body.logprobs_k, "messages", plan, turn)
     head = response_head("chatcmpl", request, served)
+    sent = cached.headers | programs.headers(turn)
     if body.stream:
         opening = [
             {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -50,12 +52,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         chunk_head = {**head, "object": "chat.completion.chunk"}
 
         async def keep(whole: Result, counted: dict[str, Any]) -> None:
+            programs.end(request, served, turn)
             await semantic.keep(served, cached, whole.text, whole.finish_reason, counted)
 
         chunks = render(served, body.logprobs)
-        return await streamed(served, body, choices, chunk_head, len(prompt), opening, chunks, cached.headers, keep)
+        return await streamed(served, body, choices, chunk_head, len(prompt), opening, chunks, sent, keep)
 
-    done = await collect(request, served.engine, choices)
+    try:
+        done = await collect(request, served.engine, choices)
+    finally:
+        programs.end(request, served, turn)
     counted = usage(len(prompt), sum(f.completion_tokens for f in done.values()), done[0].cached_tokens)
     await semantic.keep(served, cached, done[0].text, done[0].finish_reason, counted)
     return JSONResponse(
@@ -73,7 +79,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             ],
             "usage": counted,
         },
-        headers=reuse_headers(done[0]) | cached.headers,
+        headers=reuse_headers(done[0]) | sent,
     )
 
 

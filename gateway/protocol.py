@@ -164,12 +164,15 @@ class DocumentRef(Body):
 
 
 class ReuseOptions(Body):
-    """kvgate extension: how documents' KV is reused, and whether the semantic cache may answer."""
+    """kvgate extension: how documents' KV is reused, whether the semantic cache may answer, and
+    which agent program the request belongs to."""
 
     reuse: Literal["full", "prefix", "naive", "blend"] = "blend"
     recompute_ratio: float | None = Field(None, ge=0.0, le=1.0)
     # None: look up and store temperature-0 requests only; true: also others; false: never.
     cache: bool | None = None
+    # The agent program this request is a turn of (or the x-kvgate-program-id header).
+    program_id: str | None = None
 
 
 class DocumentRequest(Body):

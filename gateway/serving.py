@@ -7,18 +7,19 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from agents import EngineCosts, Expirer, Programs
 from gateway.errors import APIError, bad_request, internal
 from gateway.protocol import Sampling
 from gateway.settings import Settings
 from runtime.engine import Engine, PromptTooLong, Result
 from runtime.sampling import SamplingParams, TokenLogprob
-from runtime.sequence import Output, Plan
+from runtime.sequence import Output, Plan, Turn
 from runtime.tokens import TokenBytes
 from semantic_cache import SemanticCache
 
@@ -32,6 +33,7 @@ class Choice:
     prompt_ids: list[int]
     params: SamplingParams
     plan: Plan | None = None
+    turn: Turn | None = None
 
 
 class Served:
@@ -44,6 +46,9 @@ class Served:
         self.token_bytes = TokenBytes(self.tokenizer)
         self.created = int(time.time())
         self.semantic = SemanticCache(settings.semantic_cache_config()) if settings.semantic_cache else None
+        config = settings.agent_config()
+        self.programs = Programs(config, engine.reuser.store, EngineCosts(engine, config.reload_bytes_per_s))
+        self.expirer = Expirer(self.programs)
 
     def check_model(self, model: str) -> None:
         if model != self.name:
@@ -62,7 +67,10 @@ class Served:
         logprobs: int | None,
         param: str,
         plan: Plan | None = None,
+        turn: Turn | None = None,
     ) -> list[Choice]:
+        """The engine's work for a request: n choices per prompt. Only the first choice of a
+        program's turn keeps its context for the next turn."""
         choices = []
         for p, ids in enumerate(prompts):
             try:
@@ -74,7 +82,8 @@ class Served:
             for i in range(body.n):
                 index = p * body.n + i
                 params = body.sampling_params(limit, logprobs, len(self.tokenizer), index)
-                choices.append(Choice(index, ids, params, plan))
+                keep = turn if index == 0 or turn is None else replace(turn, keep="", pin_s=0.0)
+                choices.append(Choice(index, ids, params, plan, keep))
         return choices
 
 
@@ -84,7 +93,7 @@ async def run(engine: Engine, choices: list[Choice]) -> AsyncIterator[tuple[int,
 
     async def pump(choice: Choice) -> None:
         try:
-            async for out in engine.generate(choice.prompt_ids, choice.params, choice.plan):
+            async for out in engine.generate(choice.prompt_ids, choice.params, choice.plan, choice.turn):
                 await merged.put((choice.index, out))
         except Exception as exc:
             await merged.put((choice.index, exc))

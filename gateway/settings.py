@@ -10,6 +10,7 @@ import yaml
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from agents import AgentConfig, PinPolicy, Prior
 from chunk_cache import ChunkCacheConfig
 from runtime.config import EngineConfig
 from semantic_cache import SemanticCacheConfig
@@ -50,6 +51,13 @@ class Settings(BaseSettings):
     semantic_embedder: str = "minilm"  # or "package.module:Class"
     semantic_relax_step: float = Field(0.03, ge=0.0, le=0.5)  # how far thresholds relax under load
     semantic_queue_long: int = Field(8, ge=1)  # queued requests at which the relaxation is whole
+    chunk_cache_policy: Literal["value", "lru"] = "value"  # what the memory tier evicts first (pins aside)
+    agent_pins: Literal["off", "fixed", "decide"] = "decide"  # how long a program's KV stays pinned
+    agent_fixed_ttl_s: float = Field(10.0, ge=0.0)  # the TTL of agent_pins: fixed
+    agent_max_ttl_s: float = Field(300.0, ge=0.0)
+    agent_memory_weight: float = Field(1.0, ge=0.0)  # seconds of compute one second of all memory is worth
+    agent_tool_prior_s: float = Field(2.0, gt=0.0)  # median tool duration before any is observed
+    queue_order: Literal["fcfs", "program"] = "program"  # the runtime's admission queue
     api_keys: dict[str, str] = Field(default_factory=dict)  # API key -> tenant; set: other keys get 401
     admin_key: str | None = None  # set: admin endpoints need it as the bearer token
     log_level: str = "info"
@@ -81,6 +89,7 @@ class Settings(BaseSettings):
         return ChunkCacheConfig(
             tiers=tuple(tiers),
             memory_bytes=self.chunk_cache_bytes,
+            memory_policy=self.chunk_cache_policy,
             disk_dir=self.chunk_cache_dir or self.cache_dir / "chunks",
             disk_bytes=self.chunk_cache_disk_bytes,
             redis_url=self.redis_url or "",
@@ -114,4 +123,9 @@ class Settings(BaseSettings):
             threads=self.threads,
             chunk_cache=self.chunk_cache_config(),
             recompute_ratio=self.recompute_ratio,
+            queue_order=self.queue_order,
         )
+
+    def agent_config(self) -> AgentConfig:
+        pins = PinPolicy(self.agent_pins, self.agent_fixed_ttl_s, self.agent_max_ttl_s, self.agent_memory_weight)
+        return AgentConfig(pins=pins, prior=Prior(median_s=self.agent_tool_prior_s))

@@ -25,5 +25,7 @@ class EngineConfig:
     threads: int = 0
     # Where document KV is kept: memory, then disk, Redis, LMCache (see chunk_cache/config.py).
     chunk_cache: ChunkCacheConfig = ChunkCacheConfig()
+    # The admission queue: "fcfs", or "program" (by the program's first arrival, pinned programs first).
+    queue_order: str = "fcfs"
     # Blend's recompute ratio; None: the calibrated one (`kvgate calibrate`), else the default.
     recompute_ratio: float | None = None

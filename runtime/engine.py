@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from runtime.model import Run, forward
 from runtime.reuse import Reuser
 from runtime.sampling import SamplingParams, TokenLogprob, choose, logprob_of, penalise
 from runtime.scheduler import Scheduler
-from runtime.sequence import Output, Plan, Sequence
+from runtime.sequence import Output, Plan, Sequence, Turn
 
 log = logging.getLogger("kvgate.engine")
 
@@ -79,7 +80,9 @@ class Engine:
         self.model_fp = model_fingerprint(self.loaded)
         self.calibration = load_calibration(calibration_path(config.cache_dir, self.model_fp))
         self.reuser = self.make_reuser(self.calibration)
-        self.scheduler = Scheduler(config.max_num_seqs, max(config.max_num_batched_tokens, config.max_num_seqs))
+        budget = max(config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(config.max_num_seqs, budget, config.queue_order)
+        self.prefill_s_per_token: float | None = None  # measured: a moving average over prefill steps
         self.callbacks: dict[int, Callback] = {}
         self.inbox: list[tuple[Sequence | int | Future, Callback | None]] = []
         self.lock = threading.Lock()
@@ -115,11 +118,17 @@ class Engine:
             )
 
     def submit(
-        self, prompt_ids: list[int], params: SamplingParams, callback: Callback, plan: Plan | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        callback: Callback,
+        plan: Plan | None = None,
+        turn: Turn | None = None,
     ) -> int:
         self.check(len(prompt_ids), params.max_tokens)
         kv = KVCache(*self.kv_shape, self.model.dtype, self.config.device, self.max_model_len)
-        seq = Sequence(list(prompt_ids), params, kv, self.loaded.eos_token_ids, self.max_model_len, plan=plan)
+        eos = self.loaded.eos_token_ids
+        seq = Sequence(list(prompt_ids), params, kv, eos, self.max_model_len, plan=plan, turn=turn)
         with self.lock:
             self.inbox.append((seq, callback))
         self.wake.set()
@@ -139,11 +148,15 @@ class Engine:
         return future
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, plan: Plan | None = None
+        self, prompt_ids: list[int], params: SamplingParams, plan: Plan | None = None, turn: Turn | None = None
     ) -> AsyncIterator[Output]:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[Output | BaseException] = asyncio.Queue()
-        seq_id = self.submit(prompt_ids, params, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o), plan)
+
+        def put(item: Output | BaseException) -> None:
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+
+        seq_id = self.submit(prompt_ids, params, put, plan, turn)
         done = False
         try:
             while not done:
@@ -177,6 +190,14 @@ class Engine:
     @property
     def load_stats(self) -> dict[str, int]:
         return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running)}
+
+    def prefill_s(self, tokens: int) -> float:
+        """Seconds to prefill `tokens`, as measured so far (before any measurement: a CPU's rate)."""
+        return tokens * (self.prefill_s_per_token or 1 / 300)
+
+    def queue_s(self) -> float:
+        """Seconds the prompts waiting now take to prefill: a new request waits about that long."""
+        return self.prefill_s(self.scheduler.waiting_tokens)
 
     # ---- the engine thread ---------------------------------------------------------------
 
@@ -214,7 +235,7 @@ class Engine:
     def step(self) -> None:
         batch = []
         for seq, tokens in self.scheduler.schedule():
-            if seq.plan is None or seq.planned:
+            if seq.planned or (seq.plan is None and (seq.turn is None or not seq.turn.resume)):
                 batch.append((seq, tokens))
                 continue
             try:
@@ -228,6 +249,7 @@ class Engine:
             batch.append((seq, seq.next_run(len(tokens))))
         if not batch:
             return
+        start = time.perf_counter()
         try:
             logits = forward(self.model, [Run(seq.kv, tokens, seq.computed) for seq, tokens in batch])
         except Exception as exc:  # a failed step ends its requests, never the engine
@@ -235,6 +257,7 @@ class Engine:
                 self.fail(seq, exc)
             return
         self.steps += 1
+        self.measure(time.perf_counter() - start, batch)
         for (seq, _), row in zip(batch, logits):
             if seq.prefilling:
                 continue
@@ -245,10 +268,24 @@ class Engine:
             except Exception as exc:  # e.g. a NaN distribution: only this sequence ends
                 self.fail(seq, exc)
 
+    def measure(self, seconds: float, batch: list[tuple[Sequence, list[int]]]) -> None:
+        tokens = sum(len(t) for _, t in batch)
+        if tokens >= 64:  # mostly prefill: decode steps would skew the per-token rate
+            rate = seconds / tokens
+            old = self.prefill_s_per_token
+            self.prefill_s_per_token = rate if old is None else 0.8 * old + 0.2 * rate
+
     def reuse(self, seq: Sequence) -> torch.Tensor | None:
-        """Start the KV of a prompt with documents as its plan says; the first token's logits
-        when the whole prompt is done, else None (the rest is prefilled in the usual steps)."""
+        """Start the KV of a prompt with documents as its plan says, or from its program's stored
+        context; the first token's logits when the whole prompt is done, else None (the rest is
+        prefilled in the usual steps)."""
         plan = seq.plan
+        if plan is None:
+            assert seq.turn is not None
+            seq.planned = True
+            seq.cached_tokens = self.reuser.resume(seq.kv, seq.prompt_ids, seq.turn.resume)
+            seq.reuse = "program" if seq.cached_tokens else ""
+            return None
         done = self.reuser.prefill(seq.kv, plan.pieces, plan.documents, plan.reuse, plan.scope)
         seq.planned = True
         seq.cached_tokens, seq.recomputed_tokens = done.reused, done.recomputed
@@ -262,10 +299,22 @@ class Engine:
         seq.add(token, logprob, self.tokenizer)
         callback = self.callbacks[seq.id]
         if seq.finish_reason is not None:
+            self.keep(seq)
             self.finish(seq)
         out = seq.take_output()
         if out is not None:
             self.deliver(seq, callback, out)
+
+    def keep(self, seq: Sequence) -> None:
+        """A finished turn of a program: store its whole context for the next turn."""
+        turn = seq.turn
+        if turn is None or not turn.keep:
+            return
+        until = time.monotonic() + turn.pin_s if turn.pin_s > 0 else None
+        try:
+            self.reuser.keep(seq.kv, seq.all_ids, turn.keep, self.prefill_s(len(seq.kv)), until)
+        except Exception:  # the answer stands; the next turn computes its prompt again
+            log.exception("request %d: keeping its context failed", seq.id)
 
     def fail(self, seq: Sequence, exc: Exception) -> None:
         log.exception("request %d failed", seq.id, exc_info=exc)

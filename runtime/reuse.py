@@ -58,6 +58,16 @@ def with_kv(
     return parts, found
 
 
+def copy_prefix(kv: KVCache, entry: ChunkKV, n: int) -> int:
+    """Copy the entry's first `n` tokens into the empty `kv`."""
+    kv.reserve(n)
+    for i in range(kv.num_layers):
+        kv.keys[i][:, :n] = entry.keys[i][:, :n]
+        kv.values[i][:, :n] = entry.values[i][:, :n]
+    kv.lengths = [n] * kv.num_layers
+    return n
+
+
 class Reuser:
     """Owns the document and prefix entries of one model in a chunk store."""
 
@@ -153,12 +163,7 @@ class Reuser:
                     self.prefixes.pop(alias, None)
             if entry is None or entry.token_ids[:end] != tuple(ids[:end]):
                 continue
-            kv.reserve(end)
-            for i in range(kv.num_layers):
-                kv.keys[i][:, :end] = entry.keys[i][:, :end]
-                kv.values[i][:, :end] = entry.values[i][:, :end]
-            kv.lengths = [end] * kv.num_layers
-            return end
+            return copy_prefix(kv, entry, end)
         return 0
 
     def store_prefix(self, kv: KVCache, pieces: list[list[int]], scope: str = "") -> None:
@@ -177,6 +182,30 @@ class Reuser:
             for p in pieces[:-1]:
                 boundary += len(p)
                 self.prefixes[self.key(ids[:boundary], "prefix:" + scope)] = (key, boundary)
+
+    # ---- agent programs ---------------------------------------------------------------
+
+    def resume(self, kv: KVCache, prompt_ids: list[int], key: str) -> int:
+        """Copy into the empty `kv` the part of a program's stored context (prompt and output of
+        its previous turn) that this prompt begins with, token for token; return its length.
+        The last prompt token is always left to compute: its logits start the answer."""
+        entry = self.store.get(key, self.model_fp) if key else None
+        if entry is None:
+            return 0
+        n = min(entry.tokens, len(prompt_ids) - 1)
+        same = torch.tensor(entry.token_ids[:n]) == torch.tensor(prompt_ids[:n])
+        if not bool(same.all()):
+            n = int((~same).nonzero()[0])
+        return copy_prefix(kv, entry, n) if n else 0
+
+    def keep(self, kv: KVCache, token_ids: list[int], key: str, cost: float, until: float | None) -> bool:
+        """Store the KV of `token_ids` (a whole turn: prompt and output) under `key`, pinned until `until`."""
+        n = min(len(kv), len(token_ids))
+        if n == 0:
+            return False
+        keys = torch.stack([k[:, :n] for k in kv.keys])
+        values = torch.stack([v[:, :n] for v in kv.values])
+        return self.store.put(ChunkKV(key, tuple(token_ids[:n]), keys, values, cost, self.model_fp), until)
 
     # ---- the modes ----------------------------------------------------------------------
 

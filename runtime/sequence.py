@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -24,6 +25,19 @@ class Plan:
     documents: list[bool]
     reuse: Reuse = Reuse()
     scope: str = ""
+
+
+@dataclass(frozen=True)
+class Turn:
+    """A turn of an agent program: where program FCFS queues it, the stored context it continues,
+    and the key to keep its own context under when it ends, pinned for `pin_s` seconds."""
+
+    program: str
+    arrival: float  # the program's first arrival (time.monotonic)
+    pinned: bool = False  # the context it continues is pinned in memory: program FCFS admits it first
+    resume: str = ""
+    keep: str = ""
+    pin_s: float = 0.0
 
 
 class Status(Enum):
@@ -64,7 +78,9 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     plan: Plan | None = None
-    planned: bool = False  # the plan's reuse has run
+    turn: Turn | None = None
+    planned: bool = False  # the plan's (or the turn's) reuse has run
+    arrival: float = field(default_factory=time.monotonic)
     cached_tokens: int = 0
     recomputed_tokens: int = 0
     reuse: str = ""

@@ -1,0 +1,106 @@
+"""How long a tool takes: per tool, the empirical distribution of observed durations (the next
+turn's arrival minus the previous turn's end), blended with a lognormal prior that stands in for
+the observations not made yet."""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+ANY = "*"  # every tool pooled: the guess for a call whose tool is not known yet
+
+
+@dataclass(frozen=True)
+class Prior:
+    median_s: float = 2.0
+    sigma: float = 1.0  # of the log duration
+    weight: float = 4.0  # pseudo-observations: real ones outweigh it once there are a few
+
+    def cdf(self, t: float) -> float:
+        if t <= 0:
+            return 0.0
+        return 0.5 * (1 + math.erf((math.log(t) - math.log(self.median_s)) / (self.sigma * math.sqrt(2))))
+
+    def quantile(self, p: float) -> float:
+        return self.median_s * math.exp(self.sigma * math.sqrt(2) * _erfinv(2 * p - 1))
+
+
+def _erfinv(y: float) -> float:
+    """Inverse error function: Winitzki's approximation, polished by two Newton steps."""
+    a = 0.147
+    ln = math.log(1 - y * y)
+    first = 2 / (math.pi * a) + ln / 2
+    x = math.copysign(math.sqrt(math.sqrt(first * first - ln / a) - first), y)
+    for _ in range(2):
+        x -= (math.erf(x) - y) / (2 / math.sqrt(math.pi) * math.exp(-x * x))
+    return x
+
+
+# The prior's quantiles offered as TTL candidates, so that a tool seen rarely still has choices.
+PRIOR_LEVELS = tuple(i / 20 for i in range(1, 20)) + (0.99,)
+
+
+class Durations:
+    """One tool's durations: the last `window` observations, sorted, and the prior."""
+
+    def __init__(self, prior: Prior, window: int = 512) -> None:
+        self.prior, self.window = prior, window
+        self.recent: deque[float] = deque()
+        self.sorted: list[float] = []
+
+    def observe(self, seconds: float) -> None:
+        if not seconds >= 0 or math.isinf(seconds):
+            return
+        if len(self.recent) == self.window:
+            del self.sorted[bisect.bisect_left(self.sorted, self.recent.popleft())]
+        self.recent.append(seconds)
+        bisect.insort(self.sorted, seconds)
+
+    def __len__(self) -> int:
+        return len(self.sorted)
+
+    def cdf(self, t: float) -> float:
+        """P(duration <= t)."""
+        seen = bisect.bisect_right(self.sorted, t)
+        w = self.prior.weight
+        return (seen + w * self.prior.cdf(t)) / (len(self.sorted) + w)
+
+    def candidates(self) -> list[float]:
+        """Where P(duration <= t) can jump: every observation, and the prior's quantiles."""
+        return sorted({*self.sorted, *(self.prior.quantile(p) for p in PRIOR_LEVELS)})
+
+
+class Predictor:
+    """Durations per tool name, learnt as the program turns come back; thread-safe."""
+
+    def __init__(self, prior: Prior = Prior(), window: int = 512) -> None:
+        self.prior, self.window = prior, window
+        self.tools: dict[str, Durations] = {}
+        self.lock = threading.Lock()
+
+    def observe(self, tools: Iterable[str], seconds: float) -> None:
+        """A turn that called `tools` (run together) came back after `seconds`."""
+        with self.lock:
+            for tool in {*tools, ANY}:
+                self._of(tool).observe(seconds)
+
+    def distribution(self, tools: Iterable[str]) -> tuple[list[float], list[float]]:
+        """For calls to `tools` made together (empty: not known): candidate waits t, ascending,
+        and P(every call has returned within t) at each, taking the tools as independent."""
+        with self.lock:
+            of = [self._of(t) for t in set(tools) or {ANY}]
+            ts = sorted({t for d in of for t in d.candidates()})
+            return ts, [math.prod(d.cdf(t) for d in of) for t in ts]
+
+    def observed(self, tool: str) -> int:
+        with self.lock:
+            return len(self.tools[tool]) if tool in self.tools else 0
+
+    def _of(self, tool: str) -> Durations:
+        if tool not in self.tools:
+            self.tools[tool] = Durations(self.prior, self.window)
+        return self.tools[tool]

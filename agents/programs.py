@@ -1,0 +1,190 @@
+"""Agent programs (Continuum): which turns belong together, the KV each keeps for the next, and
+how long that KV stays pinned while the program waits for its tools.
+
+A turn starts with `begin`: a request that returns tool results tells how long those tools took
+(its arrival minus the previous turn's end); the turn gets the key of the program's stored context
+to continue from, a key to keep its own under, and the TTL to pin it for. `end` records the turn's
+end; `expire` demotes pins whose time is up to a lower tier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from agents.config import AgentConfig
+from agents.costs import Costs
+from agents.predictor import Predictor
+from agents.ttl import decide
+from chunk_cache import ChunkStore
+from runtime.sequence import Turn
+
+
+@dataclass
+class Program:
+    id: str
+    scope: str
+    arrival: float  # the first turn's arrival: program FCFS orders every later turn by it
+    seen: float
+    turns: int = 0
+    context: str = ""  # chunk key of the latest stored context
+    ended: float | None = None  # when the latest turn ended
+    tools: tuple[str, ...] = ()  # the tools of its latest tool call
+    pinned_until: float = -math.inf
+
+
+def tool_return(messages: list[dict[str, Any]]) -> tuple[str, ...] | None:
+    """The tools whose results end these messages (OpenAI format: an assistant turn with
+    `tool_calls`, then `tool` messages); () when the names are not given; None: not a tool return."""
+    end = len(messages)
+    while end and messages[end - 1].get("role") in ("tool", "function"):
+        end -= 1
+    results = messages[end:]
+    if not results:
+        return None
+    names = [m["name"] for m in results if isinstance(m.get("name"), str)]
+    if end and messages[end - 1].get("role") == "assistant":
+        for call in messages[end - 1].get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("name"), str):
+                names.append(function["name"])
+    return tuple(sorted(set(names)))
+
+
+def context_key(scope: str, program: str, turn: int) -> str:
+    h = hashlib.sha256()
+    for part in ("kvgate.program.v1", scope, program, str(turn)):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()
+
+
+class Programs:
+    """The registry of live programs and their pins; thread-safe."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        store: ChunkStore,
+        costs: Costs,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config, self.store, self.costs, self.clock = config, store, costs, clock
+        self.predictor = Predictor(config.prior)
+        self.programs: dict[tuple[str, str], Program] = {}
+        self.deadlines: list[tuple[float, str, str]] = []  # (pinned until, scope, program id)
+        self.ended = self.returned = 0  # turns ended; turns that came back with tool results
+        self.lock = threading.Lock()
+        self.wake = threading.Event()  # a new deadline: the expiry thread looks again
+
+    def begin(self, program_id: str | None, scope: str, messages: list[dict[str, Any]], prompt_tokens: int) -> Turn:
+        now = self.clock()
+        if program_id is None:  # its own program: nothing comes after it
+            return Turn(uuid.uuid4().hex, now)
+        tools = tool_return(messages)
+        with self.lock:
+            p = self.programs.get((scope, program_id))
+            if p is None:
+                p = self.programs[(scope, program_id)] = Program(program_id, scope, now, now)
+            if tools is not None and p.ended is not None:
+                self.predictor.observe(tools or p.tools, now - p.ended)
+                self.returned += 1
+            p.tools = tools or p.tools
+            p.seen = now
+            p.turns += 1
+            pinned = p.pinned_until > now and p.context in self.store.tiers[0]
+            ttl = self.ttl(p.tools, prompt_tokens)
+            return Turn(p.id, p.arrival, pinned, p.context, context_key(scope, p.id, p.turns), ttl)
+
+    def ttl(self, tools: tuple[str, ...], tokens: int) -> float:
+        """The pin for the context this turn leaves (`tokens` long), if it ends in a call to `tools`."""
+        c = self.costs
+        nbytes = tokens * c.bytes_per_token
+        reload = c.reload_s(nbytes)
+        prefill = c.prefill_s(tokens)
+        saved = (prefill if reload is None else min(prefill, reload)) + c.queue_s()
+        waits, p_back = self.predictor.distribution(tools)
+        p_next = (self.returned + 1) / (self.ended + 2)  # that a tool call, not the end, comes next
+        held = nbytes / max(c.memory_bytes, 1)
+        return decide(self.config.pins, waits, [p_next * p for p in p_back], saved, held)
+
+    def end(self, scope: str, turn: Turn) -> None:
+        """The turn's response is complete: its context (if the engine kept it) replaces the
+        program's previous one, and stays pinned for the turn's TTL."""
+        now = self.clock()
+        kept = bool(turn.keep) and turn.keep in self.store
+        with self.lock:
+            self.ended += 1
+            p = self.programs.get((scope, turn.program))
+            if p is None or not turn.keep:
+                return
+            p.ended, p.seen = now, now
+            if not kept:
+                return
+            if p.context and p.context != turn.keep:
+                self.store.delete(p.context)
+            p.context = turn.keep
+            p.pinned_until = now + turn.pin_s if turn.pin_s > 0 else -math.inf
+            if turn.pin_s > 0:
+                heapq.heappush(self.deadlines, (p.pinned_until, p.scope, p.id))
+                self.wake.set()
+
+    def expire(self) -> float | None:
+        """Demote the pins whose time is up, forget idle programs; the next deadline, if any."""
+        now = self.clock()
+        due = []
+        with self.lock:
+            while self.deadlines and self.deadlines[0][0] <= now:
+                _, scope, pid = heapq.heappop(self.deadlines)
+                p = self.programs.get((scope, pid))
+                if p is not None and p.pinned_until <= now and p.pinned_until > -math.inf:
+                    p.pinned_until = -math.inf
+                    due.append(p.context)
+            for key, p in list(self.programs.items()):
+                if now - p.seen > self.config.idle_s:
+                    del self.programs[key]
+            following = self.deadlines[0][0] if self.deadlines else None
+        for key in due:
+            self.store.demote(key)
+        return following
+
+    def stats(self) -> dict[str, Any]:
+        now = self.clock()
+        with self.lock:
+            tools = {t: self.predictor.observed(t) for t in self.predictor.tools}
+            return {
+                "programs": len(self.programs),
+                "pinned": sum(p.pinned_until > now for p in self.programs.values()),
+                "turns_ended": self.ended,
+                "tool_returns": self.returned,
+                "observed": tools,
+            }
+
+
+class Expirer:
+    """A thread that calls `programs.expire()` at each pin's deadline."""
+
+    def __init__(self, programs: Programs, idle_poll_s: float = 5.0) -> None:
+        self.programs, self.idle_poll_s = programs, idle_poll_s
+        self.stopped = False
+        self.thread = threading.Thread(target=self.run, name="kvgate-pin-expiry", daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        wake = self.programs.wake
+        while not self.stopped:
+            wake.clear()
+            following = self.programs.expire()
+            wait = self.idle_poll_s if following is None else max(0.0, following - self.programs.clock())
+            wake.wait(min(wait, self.idle_poll_s))
+
+    def close(self) -> None:
+        self.stopped = True
+        self.programs.wake.set()
+        self.thread.join(timeout=5)

@@ -1,0 +1,51 @@
+"""Agent programs at the gateway: the program id of a request (header `x-kvgate-program-id` or
+body `kvgate.program_id`), its turn in the program, and the headers that report the turn."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from fastapi import Request
+
+from gateway.errors import bad_request
+from gateway.protocol import ChatCompletionRequest
+from gateway.serving import Served
+from runtime.sequence import Turn
+
+HEADER = "x-kvgate-program-id"
+PROGRAM_ID = re.compile(r"^[A-Za-z0-9._:/@+=-]{1,256}$")
+
+
+def program_of(request: Request, body: ChatCompletionRequest) -> str | None:
+    header = request.headers.get(HEADER)
+    given = body.kvgate.program_id if body.kvgate else None
+    if header is not None and given is not None and header != given:
+        raise bad_request(f"the {HEADER} header and kvgate.program_id differ", "kvgate.program_id")
+    program = header if header is not None else given
+    if program is not None and not PROGRAM_ID.match(program):
+        raise bad_request(
+            "a program id is 1 to 256 letters, digits or ._:/@+=- characters", "kvgate.program_id", "invalid_value"
+        )
+    return program
+
+
+def begin(
+    request: Request, served: Served, body: ChatCompletionRequest, messages: list[dict[str, Any]], tokens: int
+) -> Turn | None:
+    """The request's turn in its program; None for a request without a program id."""
+    program = program_of(request, body)
+    if program is None or served.programs is None:
+        return None
+    return served.programs.begin(program, request.state.tenant, messages, tokens)
+
+
+def end(request: Request, served: Served, turn: Turn | None) -> None:
+    if turn is not None and served.programs is not None:
+        served.programs.end(request.state.tenant, turn)
+
+
+def headers(turn: Turn | None) -> dict[str, str]:
+    if turn is None:
+        return {}
+    return {HEADER: turn.program, "x-kvgate-pin-ttl": f"{turn.pin_s:.3f}"}

@@ -1,0 +1,135 @@
+"""Agent programs through the gateway: a real uvicorn server, the real model, the openai SDK."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from chunk_cache import ChunkCacheConfig, ChunkStore, DiskTier, MemoryTier
+from gateway.settings import Settings
+from runtime.engine import Engine
+from tests.servers import serving
+
+SYSTEM = "You are a coding agent. Use the tools you are given, one call at a time."
+TASK = "Find where the configuration file is read and report its path."
+TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.fixture(scope="module")
+def url(engine: Engine) -> Iterator[str]:
+    settings = Settings(max_num_seqs=4, semantic_cache=False, agent_pins="fixed", agent_fixed_ttl_s=60)
+    with serving(settings, engine) as base:
+        yield base
+
+
+def client(url: str, key: str = "agent-key") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def turn(url: str, messages: list, program: str | None, key: str = "agent-key", **kw):
+    headers = {"x-kvgate-program-id": program} if program else None
+    return client(url, key).chat.completions.with_raw_response.create(
+        model="SmolLM2-135M-Instruct",
+        messages=messages,
+        tools=TOOLS,
+        max_tokens=8,
+        temperature=0,
+        extra_headers=headers,
+        **kw,
+    )
+
+
+def after_tool_call(first: list, answer: str, result: str) -> list:
+    call = {"id": "call-1", "type": "function", "function": {"name": "search", "arguments": '{"q": "config"}'}}
+    return [
+        *first,
+        {"role": "assistant", "content": answer, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call-1", "content": result},
+    ]
+
+
+def test_a_second_turn_within_the_ttl_reuses_the_whole_previous_context(url: str) -> None:
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
+    raw = turn(url, first, "program-reuse")
+    one = raw.parse()
+    assert raw.headers["x-kvgate-program-id"] == "program-reuse"
+    assert float(raw.headers["x-kvgate-pin-ttl"]) == 60
+    assert raw.headers["x-kvgate-reused-tokens"] == "0"
+
+    messages = after_tool_call(first, one.choices[0].message.content, "config.py:12: open('settings.yaml')")
+    raw = turn(url, messages, "program-reuse")
+    two = raw.parse()
+    # Everything the first turn computed: its prompt, and its answer but the last token (whose KV
+    # is computed only when it is fed back).
+    assert int(raw.headers["x-kvgate-reused-tokens"]) == one.usage.prompt_tokens + one.usage.completion_tokens - 1
+    assert two.usage.prompt_tokens_details.cached_tokens == int(raw.headers["x-kvgate-reused-tokens"])
+    assert raw.headers["x-kvgate-reuse"] == "program"
+    # Exact prefix reuse is the full prefill's answer.
+    truth = turn(url, messages, None).parse()
+    assert two.choices[0].message.content == truth.choices[0].message.content
+
+
+def test_another_tenant_never_continues_a_program_of_the_same_name(url: str) -> None:
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "List the files."}]
+    one = turn(url, first, "shared-name", key="tenant-a").parse()
+    messages = after_tool_call(first, one.choices[0].message.content, "a.py b.py")
+    raw = turn(url, messages, "shared-name", key="tenant-b")
+    assert raw.headers["x-kvgate-reused-tokens"] == "0"
+
+
+def test_the_program_id_may_come_in_the_body(url: str) -> None:
+    first = [{"role": "user", "content": "Count the tests."}]
+    raw = turn(url, first, None, extra_body={"kvgate": {"program_id": "from-body"}})
+    assert raw.headers["x-kvgate-program-id"] == "from-body"
+    raw = turn(url, first, None)
+    assert "x-kvgate-program-id" not in raw.headers
+
+
+@pytest.mark.parametrize(
+    ("headers", "body"),
+    [
+        ({"x-kvgate-program-id": "bad id with spaces"}, {}),
+        ({"x-kvgate-program-id": "a"}, {"kvgate": {"program_id": "b"}}),
+        ({}, {"kvgate": {"program_id": "x" * 257}}),
+    ],
+)
+def test_a_bad_program_id_is_a_400(url: str, headers: dict, body: dict) -> None:
+    payload = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], **body}
+    r = httpx.post(f"{url}/v1/chat/completions", json=payload, headers=headers, timeout=60)
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_pin_holds_until_its_ttl_then_the_context_moves_to_disk(engine: Engine, tmp_path: Path) -> None:
+    """A server of its own whose chunk store has a disk tier below memory."""
+    store = ChunkStore.from_config(
+        ChunkCacheConfig(tiers=("memory", "disk"), memory_bytes=1 << 30, disk_dir=tmp_path, disk_bytes=1 << 30)
+    )
+    shared, engine.reuser.store = engine.reuser.store, store
+    settings = Settings(max_num_seqs=4, semantic_cache=False, agent_pins="fixed", agent_fixed_ttl_s=1.5)
+    try:
+        with serving(settings, engine) as base:
+            messages = [{"role": "user", "content": "Run the tests."}]
+            raw = turn(base, messages, "program-ttl", key="ttl-key")
+            memory, disk = store.tiers
+            assert isinstance(memory, MemoryTier) and isinstance(disk, DiskTier)
+            kept = memory.keys()  # the store is new: the turn's context is all it holds
+            assert len(kept) == 1 and memory.stats()["pinned"] == 1
+            deadline = time.monotonic() + 1.5
+            time.sleep(1.0)
+            assert kept[0] in memory and memory.stats()["pinned"] == 1  # still pinned, still in memory
+            while kept[0] in memory:
+                assert time.monotonic() < deadline + 3, "the pin was not demoted after its TTL"
+                time.sleep(0.05)
+            assert time.monotonic() >= deadline - 0.1
+            store.flush()
+            assert kept[0] in disk
+            assert raw.headers["x-kvgate-pin-ttl"] == "1.500"
+    finally:
+        engine.reuser.store = shared
+        store.close()
