@@ -13,6 +13,7 @@ from chunk_cache import (
     ChunkKV,
     ChunkStore,
     CorruptEntry,
+    DiskTier,
     MemoryTier,
     Tier,
     chunk_key,
@@ -333,6 +334,51 @@ def test_store_pins_where_the_entry_is() -> None:
     assert store.pin("doc", until=clock.now + 5) and not store.pin("absent", until=clock.now + 5)
     assert store.stats()["tiers"][0]["pinned"] == 1
     assert store.unpin("doc") and store.stats()["tiers"][0]["pinned"] == 0
+
+
+def test_a_new_pin_takes_the_room_of_the_pins_that_end_latest() -> None:
+    clock = Clock()
+    tier = MemoryTier(budget_bytes=3 * chunk().nbytes, clock=clock)
+    for key, ttl in (("soon", 5), ("late", 50), ("middle", 20)):
+        assert tier.put_pinned(chunk(key), until=clock.now + ttl)
+    assert not tier.put(chunk("unpinned"))  # an entry without a pin never evicts one
+    assert tier.put_pinned(chunk("new"), until=clock.now + 10)
+    assert set(tier.keys()) == {"soon", "middle", "new"}
+    assert tier.stats()["pinned"] == 3
+
+
+def test_a_new_pin_never_evicts_a_pin_that_ends_sooner() -> None:
+    clock = Clock()
+    tier = MemoryTier(budget_bytes=2 * chunk().nbytes, clock=clock)
+    tier.put_pinned(chunk("a"), until=clock.now + 5)
+    tier.put_pinned(chunk("b"), until=clock.now + 8)
+    assert not tier.put_pinned(chunk("c"), until=clock.now + 30)
+    assert set(tier.keys()) == {"a", "b"}
+
+
+def test_demote_moves_an_entry_from_memory_to_the_tier_below(tmp_path) -> None:
+    clock = Clock()
+    memory = MemoryTier(budget_bytes=1 << 20, clock=clock)
+    disk = DiskTier(tmp_path, budget_bytes=1 << 20)
+    store = ChunkStore([memory, disk])
+    try:
+        entry = chunk("agent-context")
+        assert store.put(entry, until=clock.now + 5)
+        assert memory.stats()["pinned"] == 1
+        assert store.demote("agent-context")
+        store.flush()
+        assert "agent-context" not in memory and "agent-context" in disk
+        assert torch.equal(store.get("agent-context").keys, entry.keys)  # and a hit promotes it again
+    finally:
+        store.close()
+
+
+def test_demote_with_no_tier_below_only_unpins() -> None:
+    clock = Clock()
+    store = ChunkStore([MemoryTier(budget_bytes=1 << 20, clock=clock)])
+    store.put(chunk("doc"), until=clock.now + 5)
+    assert store.demote("doc")
+    assert "doc" in store and store.stats()["tiers"][0]["pinned"] == 0
 
 
 def replay(policy: str, trace: list[tuple[str, int]], budget: int) -> float:

@@ -15,12 +15,12 @@ import httpx
 import pytest
 import redis
 import torch
-from tests.redis_server import RedisServer
 
 from chunk_cache import ChunkKV, DiskTier
 from gateway.settings import Settings
 from runtime.engine import Engine
 from runtime.loader import LoadedModel
+from tests.redis_server import RedisServer
 from tests.servers import free_port, serving
 
 DOCS = [

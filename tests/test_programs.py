@@ -1,0 +1,138 @@
+"""The program registry: turns of one program, durations observed, contexts kept, pins expiring."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from agents import AgentConfig, PinPolicy, Programs, tool_return
+from chunk_cache import ChunkKV, ChunkStore, MemoryTier
+from runtime.sequence import Turn
+from tests.test_chunk_cache import Clock
+
+CALL = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "search", "arguments": {}}}]}
+RESULT = {"role": "tool", "content": "found it"}
+
+
+@dataclass
+class FixedCosts:
+    """Costs as numbers (the engine measures them in the gateway)."""
+
+    bytes_per_token: int = 100
+    memory_bytes: int = 100_000
+    prefill_per_token_s: float = 0.01
+    waiting_s: float = 0.0
+
+    def prefill_s(self, tokens: int) -> float:
+        return tokens * self.prefill_per_token_s
+
+    def queue_s(self) -> float:
+        return self.waiting_s
+
+    def reload_s(self, nbytes: int) -> float | None:
+        return None
+
+
+def keep(store: ChunkStore, turn: Turn, tokens: int, now: float) -> None:
+    """What the engine does when a turn ends: store its context under turn.keep, pinned."""
+    kv = torch.zeros(1, 1, tokens, 1)
+    store.put(ChunkKV(turn.keep, list(range(tokens)), kv, kv), now + turn.pin_s if turn.pin_s else None)
+
+
+FIXED = PinPolicy("fixed", fixed_ttl_s=10.0)
+
+
+def make(pins: PinPolicy = FIXED) -> tuple[Programs, ChunkStore, Clock]:
+    clock = Clock()
+    store = ChunkStore([MemoryTier(budget_bytes=1 << 20, clock=clock)])
+    return Programs(AgentConfig(pins=pins), store, FixedCosts(), clock=clock), store, clock
+
+
+def test_tool_results_are_read_from_openai_messages() -> None:
+    assert tool_return([{"role": "user", "content": "hi"}]) is None
+    assert tool_return([CALL, RESULT]) == ("search",)
+    assert tool_return([{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}]) == ()
+
+
+def test_a_tool_return_tells_how_long_the_tool_took() -> None:
+    programs, store, clock = make()
+    first = programs.begin("p", "tenant", [{"role": "user", "content": "go"}], 100)
+    clock.now += 2.0
+    programs.end("tenant", first)
+    clock.now += 3.5  # the tool runs
+    programs.begin("p", "tenant", [CALL, RESULT], 150)
+    waits, p = programs.predictor.distribution(["search"])
+    assert programs.predictor.observed("search") == 1
+    assert 3.5 in waits
+
+
+def test_turns_of_a_program_continue_its_latest_context_and_keep_the_first_arrival() -> None:
+    programs, store, clock = make()
+    first = programs.begin("p", "tenant", [{"role": "user", "content": "go"}], 100)
+    assert first.resume == "" and first.keep and first.pin_s == 10.0
+    keep(store, first, 100, clock.now)
+    programs.end("tenant", first)
+    clock.now += 1.0
+    second = programs.begin("p", "tenant", [CALL, RESULT], 150)
+    assert second.resume == first.keep and second.keep != first.keep
+    assert second.arrival == first.arrival and second.pinned
+    keep(store, second, 150, clock.now)
+    programs.end("tenant", second)
+    assert first.keep not in store and second.keep in store  # the older context is superseded
+
+
+def test_a_request_without_a_program_id_is_a_program_of_its_own() -> None:
+    programs, _, _ = make()
+    a = programs.begin(None, "tenant", [], 10)
+    b = programs.begin(None, "tenant", [], 10)
+    assert a.program != b.program and not a.keep and not a.resume
+
+
+def test_the_same_program_id_of_two_tenants_is_two_programs() -> None:
+    programs, store, clock = make()
+    mine = programs.begin("p", "alice", [], 10)
+    keep(store, mine, 10, clock.now)
+    programs.end("alice", mine)
+    theirs = programs.begin("p", "bob", [CALL, RESULT], 20)
+    assert theirs.resume == "" and theirs.keep != mine.keep
+
+
+def test_a_pin_holds_until_its_ttl_and_is_then_demoted() -> None:
+    programs, store, clock = make()
+    turn = programs.begin("p", "tenant", [], 100)
+    keep(store, turn, 100, clock.now)
+    programs.end("tenant", turn)
+    memory = store.tiers[0]
+    clock.now += 9.9
+    assert programs.expire() is not None and memory.stats()["pinned"] == 1
+    clock.now += 0.2
+    assert programs.expire() is None
+    assert memory.stats()["pinned"] == 0 and programs.stats()["pinned"] == 0
+    assert turn.keep in store  # no tier below memory: demoted means unpinned, not dropped
+    nxt = programs.begin("p", "tenant", [CALL, RESULT], 150)
+    assert not nxt.pinned and nxt.resume == turn.keep
+
+
+def test_no_pin_when_it_is_not_worth_its_memory() -> None:
+    programs, _, _ = make(PinPolicy("decide", memory_weight=1000.0))
+    assert programs.begin("p", "tenant", [], 900).pin_s == 0.0
+
+
+def test_decided_pins_cover_the_observed_durations_when_memory_is_cheap() -> None:
+    programs, store, clock = make(PinPolicy("decide"))
+    for i in range(40):  # programs whose search calls take 4 s
+        turn = programs.begin(f"p{i}", "t", [], 100)
+        programs.end("t", turn)
+        clock.now += 4.0
+        programs.end("t", programs.begin(f"p{i}", "t", [CALL, RESULT], 100))
+    ttl = programs.begin("p0", "t", [CALL, RESULT], 100).pin_s
+    assert 4.0 <= ttl < 6.0
+
+
+def test_idle_programs_are_forgotten() -> None:
+    programs, _, clock = make()
+    programs.begin("p", "tenant", [], 10)
+    clock.now += programs.config.idle_s + 1
+    programs.expire()
+    assert programs.stats()["programs"] == 0
