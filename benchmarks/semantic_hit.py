@@ -4,38 +4,15 @@ behind a real uvicorn server on loopback, the openai SDK as client, side by side
 from __future__ import annotations
 
 import statistics
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import openai
-import uvicorn
 
 from benchmarks.report import table
-from gateway.app import create_app
+from benchmarks.server import gateway
 from gateway.settings import Settings
-from runtime.engine import Engine
-
-
-@contextmanager
-def gateway(settings: Settings) -> Iterator[tuple[str, str]]:
-    """The gateway on a free loopback port; yields its base URL and the served model's name."""
-    engine = Engine(settings.engine_config())
-    server = uvicorn.Server(uvicorn.Config(create_app(settings, engine), host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}/v1", settings.served_model_name or engine.loaded.name
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        engine.shutdown()
 
 
 def timed(

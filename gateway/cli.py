@@ -69,6 +69,17 @@ def main(argv: list[str] | None = None) -> int:
     semantic.add_argument("--gateway", type=int, default=8, help="questions asked through the gateway (0: none)")
     semantic.add_argument("--output", type=Path, default=Path("benchmarks/BENCHMARKS.md"))
 
+    agents = kinds.add_parser("agents", help="agent programs: JCT of TTL pins and program FCFS, live and simulated")
+    agents.add_argument("--programs", type=int, default=10, help="programs run live through the gateway")
+    agents.add_argument("--rate", type=float, default=0.125, help="program arrivals per second (Poisson)")
+    agents.add_argument("--memory-mb", type=int, default=160, help="the KV memory tier's budget, MiB")
+    agents.add_argument("--fixed-ttl", type=float, default=4.0, help="the TTL of the fixed-TTL policy, seconds")
+    agents.add_argument("--output-tokens", type=int, default=16, help="tokens each turn generates")
+    agents.add_argument("--seed", type=int, default=0)
+    agents.add_argument("--data", type=Path, default=DATA, help="MuSiQue jsonl: the text of prompts and tool results")
+    agents.add_argument("--sim-programs", type=int, default=300, help="programs in the simulator (0: no simulation)")
+    agents.add_argument("--output", type=Path, default=Path("benchmarks/BENCHMARKS.md"))
+
     calibrate = sub.add_parser("calibrate", help="pick and store the model's blend recompute ratio")
     musique_args(calibrate, limit=8, offset=100)
     calibrate.add_argument("--target", type=float, default=0.95, help="the fidelity the ratio must reach")
@@ -140,6 +151,23 @@ def run(args: argparse.Namespace, settings: Settings, argv: list[str] | None) ->
         except DataError as exc:
             print(f"kvgate: error: {exc}", file=sys.stderr)
             return 2
+    if args.command == "bench" and args.kind == "agents":
+        from benchmarks.agents import bench_agents
+
+        bench_agents(
+            settings,
+            args.programs,
+            args.rate,
+            args.memory_mb,
+            args.fixed_ttl,
+            args.output_tokens,
+            args.seed,
+            args.data,
+            args.sim_programs,
+            args.output,
+            command,
+        )
+        return 0
     if args.command == "bench":
         from benchmarks.prefill import bench_prefill
 
