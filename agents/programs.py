@@ -119,6 +119,7 @@ class Programs:
         program's previous one, and stays pinned for the turn's TTL."""
         now = self.clock()
         kept = bool(turn.keep) and turn.keep in self.store
+        stale = ""
         with self.lock:
             self.ended += 1
             p = self.programs.get((scope, turn.program))
@@ -127,13 +128,14 @@ class Programs:
             p.ended, p.seen = now, now
             if not kept:
                 return
-            if p.context and p.context != turn.keep:
-                self.store.delete(p.context)
-            p.context = turn.keep
+            if p.context != turn.keep:
+                stale, p.context = p.context, turn.keep
             p.pinned_until = now + turn.pin_s if turn.pin_s > 0 else -math.inf
             if turn.pin_s > 0:
                 heapq.heappush(self.deadlines, (p.pinned_until, p.scope, p.id))
                 self.wake.set()
+        if stale:
+            self.store.delete(stale)
 
     def expire(self) -> float | None:
         """Demote the pins whose time is up, forget idle programs; the next deadline, if any."""

@@ -52,7 +52,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         chunk_head = {**head, "object": "chat.completion.chunk"}
 
         async def keep(whole: Result, counted: dict[str, Any]) -> None:
-            programs.end(request, served, turn)
+            await programs.end(request, served, turn)
             await semantic.keep(served, cached, whole.text, whole.finish_reason, counted)
 
         chunks = render(served, body.logprobs)
@@ -61,7 +61,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     try:
         done = await collect(request, served.engine, choices)
     finally:
-        programs.end(request, served, turn)
+        await programs.end(request, served, turn)
     counted = usage(len(prompt), sum(f.completion_tokens for f in done.values()), done[0].cached_tokens)
     await semantic.keep(served, cached, done[0].text, done[0].finish_reason, counted)
     return JSONResponse(

@@ -3,6 +3,7 @@ body `kvgate.program_id`), its turn in the program, and the headers that report 
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Any
 
@@ -35,14 +36,15 @@ def begin(
 ) -> Turn | None:
     """The request's turn in its program; None for a request without a program id."""
     program = program_of(request, body)
-    if program is None or served.programs is None:
+    if program is None:
         return None
     return served.programs.begin(program, request.state.tenant, messages, tokens)
 
 
-def end(request: Request, served: Served, turn: Turn | None) -> None:
-    if turn is not None and served.programs is not None:
-        served.programs.end(request.state.tenant, turn)
+async def end(request: Request, served: Served, turn: Turn | None) -> None:
+    """The turn is over (its context kept or not); off the event loop, as a lower tier may be remote."""
+    if turn is not None:
+        await asyncio.to_thread(served.programs.end, request.state.tenant, turn)
 
 
 def headers(turn: Turn | None) -> dict[str, str]:
