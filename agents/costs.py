@@ -39,7 +39,8 @@ class EngineCosts:
         return self.engine.prefill_s(tokens)
 
     def queue_s(self) -> float:
-        return self.engine.queue_s()
+        # Only program FCFS lets a pinned program's turn pass the queue.
+        return self.engine.queue_s() if self.engine.scheduler.order == "program" else 0.0
 
     def reload_s(self, nbytes: int) -> float | None:
         return nbytes / self.reload_bytes_per_s if self.lower else None

@@ -74,12 +74,20 @@ class Durations:
         return sorted({*self.sorted, *(self.prior.quantile(p) for p in PRIOR_LEVELS)})
 
 
+def cdf_at(waits: list[float], p: list[float], t: float) -> float:
+    """A step distribution given at ascending `waits`, read at t."""
+    i = bisect.bisect_right(waits, t)
+    return p[i - 1] if i else 0.0
+
+
 class Predictor:
     """Durations per tool name, learnt as the program turns come back; thread-safe."""
 
     def __init__(self, prior: Prior = Prior(), window: int = 512) -> None:
         self.prior, self.window = prior, window
         self.tools: dict[str, Durations] = {}
+        # How often a call to one set of tools followed a call to another, in the same program.
+        self.follows: dict[tuple[str, ...], dict[tuple[str, ...], int]] = {}
         self.lock = threading.Lock()
 
     def observe(self, tools: Iterable[str], seconds: float) -> None:
@@ -87,6 +95,23 @@ class Predictor:
         with self.lock:
             for tool in {*tools, ANY}:
                 self._of(tool).observe(seconds)
+
+    def called(self, before: tuple[str, ...], now: tuple[str, ...]) -> None:
+        """A program called `now` after `before` (its previous call)."""
+        with self.lock:
+            counts = self.follows.setdefault(before, {})
+            counts[now] = counts.get(now, 0) + 1
+
+    def after(self, before: tuple[str, ...]) -> tuple[list[float], list[float]]:
+        """The wait for a program's next call, not yet made, whose previous call was to `before`: a
+        mixture over the calls seen to follow it, and (weighted as one of them) every tool pooled."""
+        with self.lock:
+            counts = dict(self.follows.get(before, {}))
+        parts = [(self.distribution(tools), n) for tools, n in counts.items()] + [(self.distribution(()), 1)]
+        waits = sorted({t for (ts, _), _ in parts for t in ts})
+        total = sum(n for _, n in parts)
+        p = [sum(n * cdf_at(ts, ps, t) for (ts, ps), n in parts) / total for t in waits]
+        return waits, p
 
     def distribution(self, tools: Iterable[str]) -> tuple[list[float], list[float]]:
         """For calls to `tools` made together (empty: not known): candidate waits t, ascending,

@@ -36,7 +36,7 @@ class Program:
     turns: int = 0
     context: str = ""  # chunk key of the latest stored context
     ended: float | None = None  # when the latest turn ended
-    tools: tuple[str, ...] = ()  # the tools of its latest tool call
+    tools: tuple[str, ...] = ()  # the tools of its latest tool call (): none yet
     pinned_until: float = -math.inf
 
 
@@ -93,23 +93,26 @@ class Programs:
             if p is None:
                 p = self.programs[(scope, program_id)] = Program(program_id, scope, now, now)
             if tools is not None and p.ended is not None:
-                self.predictor.observe(tools or p.tools, now - p.ended)
+                self.predictor.observe(tools, now - p.ended)
+                self.predictor.called(p.tools, tools)
                 self.returned += 1
-            p.tools = tools or p.tools
+                p.tools = tools
             p.seen = now
             p.turns += 1
             pinned = p.pinned_until > now and p.context in self.store.tiers[0]
             ttl = self.ttl(p.tools, prompt_tokens)
             return Turn(p.id, p.arrival, pinned, p.context, context_key(scope, p.id, p.turns), ttl)
 
-    def ttl(self, tools: tuple[str, ...], tokens: int) -> float:
-        """The pin for the context this turn leaves (`tokens` long), if it ends in a call to `tools`."""
+    def ttl(self, last: tuple[str, ...], tokens: int) -> float:
+        """The pin for the context this turn leaves (`tokens` long): which tool the turn will call
+        is not known until the next request shows it, so the wait is predicted from the calls seen
+        to follow the program's last one (`last`)."""
         c = self.costs
         nbytes = tokens * c.bytes_per_token
         reload = c.reload_s(nbytes)
         prefill = c.prefill_s(tokens)
         saved = (prefill if reload is None else min(prefill, reload)) + c.queue_s()
-        waits, p_back = self.predictor.distribution(tools)
+        waits, p_back = self.predictor.after(last)
         p_next = (self.returned + 1) / (self.ended + 2)  # that a tool call, not the end, comes next
         held = nbytes / max(c.memory_bytes, 1)
         return decide(self.config.pins, waits, [p_next * p for p in p_back], saved, held)

@@ -19,8 +19,11 @@ from benchmarks.agent_workload import ProgramSpec, generate
 from benchmarks.report import table, write_section
 from benchmarks.server import gateway
 from gateway.settings import Settings
+from runtime.engine import Engine
 from runtime.loader import LoadedModel, load
 
+# (arrivals per second, KV memory MiB): an engine busy but keeping up, and one overloaded.
+SIMULATED = [(0.2, 192), (0.25, 128)]
 POLICIES = [(pins, queue) for pins in ("off", "fixed", "decide") for queue in ("fcfs", "program")]
 
 
@@ -162,19 +165,15 @@ def bench_agents(
     if sim_programs:
         from benchmarks.agents_sim import bench_sim, measure, report
 
-        costs = measure_costs(loaded, measure)
-        body += "\n\n" + report(bench_sim(costs, programs=sim_programs, seed=seed), costs)
+        engine = Engine(base.engine_config(), loaded)
+        try:
+            costs = measure(engine)
+        finally:
+            engine.shutdown()
+        for rate, mib in SIMULATED:
+            rows = bench_sim(costs, sim_programs, rate, mib << 20, fixed_ttl_s, seed, output_tokens)
+            body += "\n\n" + report(rows, costs, sim_programs, rate, mib << 20, fixed_ttl_s)
     write_section(output, "agents", "Agent programs: TTL pins and program FCFS", command, body)
     print(body)
     return runs
 
-
-def measure_costs(loaded: LoadedModel, measure: Any) -> Any:
-    from runtime.config import EngineConfig
-    from runtime.engine import Engine
-
-    engine = Engine(EngineConfig(), loaded)
-    try:
-        return measure(engine)
-    finally:
-        engine.shutdown()

@@ -285,6 +285,8 @@ class Engine:
             seq.planned = True
             seq.cached_tokens = self.reuser.resume(seq.kv, seq.prompt_ids, seq.turn.resume)
             seq.reuse = "program" if seq.cached_tokens else ""
+            if seq.turn.keep:  # the KV now lives in the sequence: the stored copy would count twice
+                self.reuser.store.delete(seq.turn.resume)
             return None
         done = self.reuser.prefill(seq.kv, plan.pieces, plan.documents, plan.reuse, plan.scope)
         seq.planned = True

@@ -80,3 +80,17 @@ def test_the_window_keeps_the_latest_observations() -> None:
     waits, p = predictor.distribution(["tool"])
     assert dict(zip(waits, p))[9.0] == 1.0
     assert max(q for t, q in zip(waits, p) if t < 9.0) == 0.0
+
+
+def test_the_next_call_is_predicted_from_the_calls_seen_to_follow_the_last_one() -> None:
+    predictor = Predictor(Prior(weight=0.0))
+    for _ in range(30):  # programs that search, then run the tests
+        predictor.called((), ("search",))
+        predictor.observe(["search"], 1.0)
+        predictor.called(("search",), ("run_tests",))
+        predictor.observe(["run_tests"], 8.0)
+    waits, p = predictor.after(("search",))
+    back = dict(zip(waits, p))
+    assert back[1.0] < 0.05 and back[8.0] == 1.0  # after a search comes a slow test run
+    waits, p = predictor.after(())
+    assert dict(zip(waits, p))[1.0] > 0.9  # a program's first call is a quick search
