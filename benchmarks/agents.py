@@ -171,8 +171,8 @@ def bench_agents(
         finally:
             engine.shutdown()
         for rate, mib in SIMULATED:
-            rows = bench_sim(costs, sim_programs, rate, mib << 20, fixed_ttl_s, seed, output_tokens)
-            body += "\n\n" + report(rows, costs, sim_programs, rate, mib << 20, fixed_ttl_s)
+            simulated = bench_sim(costs, sim_programs, rate, mib << 20, fixed_ttl_s, seed, output_tokens)
+            body += "\n\n" + report(simulated, costs, sim_programs, rate, mib << 20, fixed_ttl_s)
     write_section(output, "agents", "Agent programs: TTL pins and program FCFS", command, body)
     print(body)
     return runs
