@@ -176,4 +176,3 @@ def bench_agents(
     write_section(output, "agents", "Agent programs: TTL pins and program FCFS", command, body)
     print(body)
     return runs
-
