@@ -14,7 +14,7 @@ class Costs(Protocol):
     def prefill_s(self, tokens: int) -> float: ...
 
     def queue_s(self) -> float:
-        """How long a request arriving now would wait to be admitted."""
+        """The queueing a pinned program's turn arriving now would pass (0 where it cannot pass)."""
         ...
 
     def reload_s(self, nbytes: int) -> float | None:
@@ -28,9 +28,7 @@ class EngineCosts:
 
     def __init__(self, engine: Engine, reload_bytes_per_s: float = 1e9) -> None:
         self.engine, self.reload_bytes_per_s = engine, reload_bytes_per_s
-        layers, kv_heads, head_dim = engine.kv_shape
-        item = engine.model.dtype.itemsize
-        self.bytes_per_token = 2 * layers * kv_heads * head_dim * item
+        self.bytes_per_token = engine.kv_bytes_per_token
         tiers = engine.reuser.store.tiers
         self.memory_bytes = tiers[0].budget
         self.lower = len(tiers) > 1
@@ -39,8 +37,7 @@ class EngineCosts:
         return self.engine.prefill_s(tokens)
 
     def queue_s(self) -> float:
-        # Only program FCFS lets a pinned program's turn pass the queue.
-        return self.engine.queue_s() if self.engine.scheduler.order == "program" else 0.0
+        return self.engine.prefill_s(self.engine.scheduler.passable_tokens)
 
     def reload_s(self, nbytes: int) -> float | None:
         return nbytes / self.reload_bytes_per_s if self.lower else None

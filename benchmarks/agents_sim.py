@@ -97,9 +97,7 @@ def measure(
         ys.append(seconds)
     fit = np.linalg.lstsq(np.array(xs, dtype=float), np.array(ys), rcond=None)[0]
     step_s, per_token, per_seq = (max(float(c), 0.0) for c in fit)
-    layers, kv_heads, head_dim = engine.kv_shape
-    nbytes = 2 * layers * kv_heads * head_dim * engine.model.dtype.itemsize
-    return StepCosts(step_s, per_token, per_seq, nbytes)
+    return StepCosts(step_s, per_token, per_seq, engine.kv_bytes_per_token)
 
 
 class Clock:
@@ -136,7 +134,7 @@ class SimSeq:
 
 class SimCosts:
     """`agents.costs.Costs` for the simulated engine: prefill at the measured rate, the queue from
-    the scheduler's waiting prompt tokens, no tier below memory."""
+    the scheduler's passable prompt tokens, no tier below memory."""
 
     def __init__(self, costs: StepCosts, memory_bytes: int, scheduler: Scheduler) -> None:
         self.costs, self.scheduler = costs, scheduler
@@ -146,7 +144,7 @@ class SimCosts:
         return tokens * self.costs.prefill_s_per_token
 
     def queue_s(self) -> float:
-        return self.prefill_s(self.scheduler.waiting_tokens)
+        return self.prefill_s(self.scheduler.passable_tokens)
 
     def reload_s(self, nbytes: int) -> float | None:
         return None

@@ -76,7 +76,8 @@ class ChunkStore:
         """Into the first tier that takes it now; into every tier below it in the background.
         `until`: pin it in the first tier until then (on that tier's clock)."""
         for i, tier in enumerate(self.tiers):
-            if tier.put(entry) if until is None or i else tier.put_pinned(entry, until):
+            taken = tier.put(entry) if until is None or i else tier.put_pinned(entry, until)
+            if taken:
                 if i + 1 < len(self.tiers):
                     self._enqueue(entry, i + 1)
                 return True

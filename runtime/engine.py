@@ -195,9 +195,10 @@ class Engine:
         """Seconds to prefill `tokens`, as measured so far (before any measurement: a CPU's rate)."""
         return tokens * (self.prefill_s_per_token or 1 / 300)
 
-    def queue_s(self) -> float:
-        """Seconds the prompts waiting now take to prefill: a new request waits about that long."""
-        return self.prefill_s(self.scheduler.waiting_tokens)
+    @property
+    def kv_bytes_per_token(self) -> int:
+        layers, kv_heads, head_dim = self.kv_shape
+        return 2 * layers * kv_heads * head_dim * self.model.dtype.itemsize
 
     # ---- the engine thread ---------------------------------------------------------------
 

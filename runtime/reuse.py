@@ -68,6 +68,14 @@ def copy_prefix(kv: KVCache, entry: ChunkKV, n: int) -> int:
     return n
 
 
+def snapshot(kv: KVCache, key: str, token_ids: list[int], cost: float, model: str) -> ChunkKV:
+    """An entry holding a copy of the KV of `kv`'s first len(token_ids) tokens."""
+    n = len(token_ids)
+    keys = torch.stack([k[:, :n] for k in kv.keys])
+    values = torch.stack([v[:, :n] for v in kv.values])
+    return ChunkKV(key, tuple(token_ids), keys, values, cost, model)
+
+
 class Reuser:
     """Owns the document and prefix entries of one model in a chunk store."""
 
@@ -115,10 +123,7 @@ class Reuser:
         start = time.perf_counter()
         forward(self.model, [Run(kv, token_ids, 0)])
         cost = time.perf_counter() - start
-        n = len(token_ids)
-        keys = torch.stack([k[:, :n] for k in kv.keys])
-        values = torch.stack([v[:, :n] for v in kv.values])
-        entry = ChunkKV(key, tuple(token_ids), keys, values, cost, self.model_fp)
+        entry = snapshot(kv, key, token_ids, cost, self.model_fp)
         self.store.put(entry)
         return entry, False
 
@@ -174,9 +179,7 @@ class Reuser:
             return
         key = self.key(ids, "prefix:" + scope)
         if key not in self.store:
-            keys = torch.stack([k[:, :end] for k in kv.keys])
-            values = torch.stack([v[:, :end] for v in kv.values])
-            self.store.put(ChunkKV(key, tuple(ids), keys, values, float(end), self.model_fp))
+            self.store.put(snapshot(kv, key, ids, float(end), self.model_fp))
         with self.lock:
             boundary = 0
             for p in pieces[:-1]:
@@ -203,9 +206,7 @@ class Reuser:
         n = min(len(kv), len(token_ids))
         if n == 0:
             return False
-        keys = torch.stack([k[:, :n] for k in kv.keys])
-        values = torch.stack([v[:, :n] for v in kv.values])
-        return self.store.put(ChunkKV(key, tuple(token_ids[:n]), keys, values, cost, self.model_fp), until)
+        return self.store.put(snapshot(kv, key, token_ids[:n], cost, self.model_fp), until)
 
     # ---- the modes ----------------------------------------------------------------------
 

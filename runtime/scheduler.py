@@ -47,6 +47,12 @@ class Scheduler:
             self.waiting_tokens -= len(seq.prompt_ids)
         seq.status = Status.FINISHED
 
+    @property
+    def passable_tokens(self) -> int:
+        """Waiting prompt tokens that a turn whose program is pinned is admitted ahead of
+        (program FCFS only; FCFS admits it behind them all)."""
+        return self.waiting_tokens if self.order == "program" else 0
+
     def admit(self) -> Sequence:
         i = 0 if self.order == "fcfs" else min(range(len(self.waiting)), key=lambda j: rank(self.waiting[j]))
         seq = self.waiting.pop(i)
