@@ -1,5 +1,5 @@
-"""Admin endpoints: the semantic cache's state, and invalidation by entry, category or tenant.
-They need `admin_key` as the bearer token; without one configured they are closed."""
+"""Admin endpoints: API keys (create, list, revoke), and the semantic cache's state and invalidation
+by entry, category or tenant. They need `admin_key` as the bearer token; without one they are closed."""
 
 from __future__ import annotations
 
@@ -8,9 +8,12 @@ import hmac
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
+from pydantic import Field
 
 from gateway.errors import APIError
-from gateway.semantic import bearer
+from gateway.keys import Keys, bearer
+from gateway.limits import Limits
+from gateway.protocol import Body
 from gateway.serving import Served
 from semantic_cache import SemanticCache
 
@@ -27,6 +30,36 @@ async def admin_only(request: Request) -> None:
 
 
 router = APIRouter(prefix="/admin/semantic-cache", dependencies=[Depends(admin_only)])
+keys_router = APIRouter(prefix="/admin/keys", dependencies=[Depends(admin_only)])
+
+
+class KeyRequest(Body):
+    tenant: str = Field(min_length=1, max_length=256)
+    models: list[str] = Field(default_factory=list)  # empty: every model
+    rpm: int | None = Field(None, ge=1)
+    tpm: int | None = Field(None, ge=1)
+
+
+@keys_router.post("")
+async def create_key(body: KeyRequest, request: Request) -> dict[str, Any]:
+    """A new key, shown once: only its hash is kept."""
+    keys: Keys = request.app.state.keys
+    token, key = await keys.create(body.tenant, body.models, Limits(body.rpm, body.tpm))
+    return {**key.card(), "key": token}
+
+
+@keys_router.get("")
+async def list_keys(request: Request) -> dict[str, Any]:
+    keys: Keys = request.app.state.keys
+    return {"object": "list", "data": [k.card() for k in await keys.all()]}
+
+
+@keys_router.delete("/{key_id}")
+async def revoke_key(key_id: str, request: Request) -> dict[str, Any]:
+    keys: Keys = request.app.state.keys
+    if not await keys.revoke(key_id):
+        raise APIError(404, f"no created key with id {key_id!r}", "key_id", "key_not_found")
+    return {"id": key_id, "object": "api_key", "deleted": True}
 
 
 def cache_of(request: Request) -> SemanticCache:

@@ -6,16 +6,24 @@ import json
 import logging
 import re
 import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI
+from fastapi.responses import Response
+from prometheus_client.core import GaugeMetricFamily, Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway import admin, chat, completions, documents, errors
+from gateway import admin, chat, completions, documents, errors, proxy
 from gateway.errors import APIError, internal
-from gateway.semantic import authenticate
+from gateway.keys import Keys, authenticate
+from gateway.limits import limiter as make_limiter
+from gateway.metrics import CONTENT_TYPE, Metrics, Observe, counter, gauge, tier_metrics
+from gateway.proxy import Front
 from gateway.serving import Served
 from gateway.settings import Settings
+from gateway.upstreams import Upstream
 from runtime.engine import Engine
 
 log = logging.getLogger("kvgate")
@@ -24,7 +32,8 @@ _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
 class RequestId:
-    """Every response carries x-request-id: the client's own when it sent a sane one.
+    """Every response carries x-request-id: the client's own when it sent a sane one, and the headers
+    a dependency left in request.state.response_headers (rate limits).
 
     It is the outermost middleware, so it also turns an unhandled exception into the 500 (Starlette's
     own error middleware sits outside it and would answer without the id)."""
@@ -45,7 +54,12 @@ class RequestId:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                headers = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                given = {name for name, _ in headers}
+                for name, value in scope["state"].get("response_headers", {}).items():
+                    if name.encode() not in given:
+                        headers.append((name.encode(), value.encode()))
+                message["headers"] = headers
             await send(message)
 
         try:
@@ -103,18 +117,77 @@ async def send_json(send: Send, error: APIError) -> None:
     """An error response, sent from a middleware (below the app's exception handlers)."""
     body = json.dumps(error.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.encode(), v.encode()) for k, v in error.headers.items()]
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
-def create_app(settings: Settings, engine: Engine) -> FastAPI:
-    app = FastAPI(title="kvgate", version="0.1.0")
-    app.state.settings = settings
-    app.state.served = served = Served(settings, engine)
+def create_app(settings: Settings, engine: Engine | None, workers: tuple[Upstream, ...] = ()) -> FastAPI:
+    """The gateway over the in-process runtime `engine`, or, without one, over upstreams (proxy mode:
+    the configured ones, or `workers`, this front's runtime worker processes)."""
+    metrics = Metrics()
+    keys = Keys(settings.api_keys, settings.redis_url, settings.keys_required, settings.limits())
+    limiter = make_limiter(settings.redis_url)
+    front = Front(settings, settings.proxy_config(workers)) if engine is None else None
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if front is not None:
+            await front.close()
+        await keys.close()
+        await limiter.close()
+
+    app = FastAPI(title="kvgate", version="0.1.0", lifespan=lifespan)
+    app.state.settings, app.state.metrics, app.state.keys, app.state.limiter = settings, metrics, keys, limiter
     errors.install(app)
-    for router in (chat.router, completions.router, documents.router):
-        app.include_router(router, dependencies=[Depends(authenticate)])
+    authenticated = [Depends(authenticate)]
+    if front is not None:
+        app.state.front = front
+        app.include_router(proxy.router, dependencies=authenticated)
+        metrics.watch(lambda: gate_metrics(front))
+    else:
+        assert engine is not None
+        app.state.served = served = Served(settings, engine)
+        for router in (chat.router, completions.router, documents.router):
+            app.include_router(router, dependencies=authenticated)
+        models_routes(app, served)
+        metrics.watch(lambda: engine_metrics(served))
     app.include_router(admin.router)
+    app.include_router(admin.keys_router)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        """Liveness: the process serves (and its engine thread runs)."""
+        if engine is not None and not engine.thread.is_alive():
+            raise APIError(503, "the engine thread has stopped", code="engine_down")
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> dict[str, Any]:
+        """Readiness: the model is loaded and serving, or the upstreams answer."""
+        if engine is not None:
+            if not engine.thread.is_alive():
+                raise APIError(503, "the engine thread has stopped", code="engine_down")
+            return {"status": "ready", "model": served.name, **engine.load_stats}
+        assert front is not None
+        found = await front.pool.reachable()
+        if not any(found.values()):
+            raise APIError(503, f"no upstream is reachable: {sorted(found)}", code="upstreams_down")
+        return {"status": "ready", "upstreams": found}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.text(), media_type=CONTENT_TYPE)
+
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(Observe, metrics=metrics)
+    app.add_middleware(RequestId)  # outermost: even a 413 carries the id
+    return app
+
+
+def models_routes(app: FastAPI, served: Served) -> None:
+    engine = served.engine
 
     def card() -> dict[str, Any]:
         return {
@@ -135,12 +208,25 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
         served.check_model(model)
         return card()
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        if not engine.thread.is_alive():
-            raise APIError(503, "the engine thread has stopped", code="engine_down")
-        return {"status": "ok", "model": served.name, **engine.load_stats}
 
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
-    app.add_middleware(RequestId)  # outermost: even a 413 carries the id
-    return app
+def engine_metrics(served: Served) -> Iterator[Metric]:
+    engine = served.engine
+    yield from tier_metrics(engine.reuser.store.stats()["tiers"])
+    load = engine.load_stats
+    yield gauge("kvgate_requests_waiting", "sequences waiting for the engine", load["waiting"])
+    yield gauge("kvgate_requests_running", "sequences the engine is running", load["running"])
+    programs = served.programs.stats()
+    yield gauge("kvgate_programs", "agent programs seen recently", programs["programs"])
+    yield gauge("kvgate_pinned_programs", "agent programs whose context is pinned", programs["pinned"])
+    yield counter("kvgate_program_turns", "agent turns ended", programs["turns_ended"])
+    yield counter("kvgate_tool_returns", "agent turns that followed a tool call", programs["tool_returns"])
+
+
+def gate_metrics(front: Front) -> Iterator[Metric]:
+    busy = GaugeMetricFamily("kvgate_upstream_in_flight", "requests sent to an upstream", labels=["upstream"])
+    waiting = GaugeMetricFamily("kvgate_upstream_waiting", "requests waiting for an upstream", labels=["upstream"])
+    for name, gate in front.pool.gates.items():
+        busy.add_metric([name], gate.busy)
+        waiting.add_metric([name], len(gate.waiting))
+    yield busy
+    yield waiting

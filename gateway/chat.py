@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 
 from gateway import documents, programs, semantic
 from gateway.errors import bad_request
+from gateway.keys import allow_model, spend
 from gateway.protocol import ChatCompletionRequest
 from gateway.serving import Served, chat_logprobs, collect, response_head, reuse_headers, streamed, usage
 from runtime.engine import Result
@@ -25,13 +26,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     served: Served = request.app.state.served
     served.check_model(body.model)
     messages = [m.for_template(i) for i, m in enumerate(body.messages)]
-    cached = await semantic.consult(request, served, body, messages)
+    allow_model(request, body.model)
+    queued = served.engine.load_stats["waiting"]
+    cached = await semantic.consult(request, served.semantic, served.identity, queued, body, messages)
     if cached.status == "hit":
         return semantic.replay(cached, body, response_head("chatcmpl", request, served))
     plan = None
     # Off the event loop: rendering and tokenizing a long prompt takes seconds.
     if body.documents:
-        plan = await asyncio.to_thread(documents.plan, served, body, messages)
+        plan = await asyncio.to_thread(documents.plan, served, body, messages, documents.scope_of(request))
         prompt = [t for piece in plan.pieces for t in piece]
     else:
         try:
@@ -53,7 +56,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 
         async def keep(whole: Result, counted: dict[str, Any]) -> None:
             await programs.end(request, served, turn)
-            await semantic.keep(served, cached, whole.text, whole.finish_reason, counted)
+            await spend(request, counted["total_tokens"])
+            await semantic.keep(served.semantic, cached, whole.text, whole.finish_reason, counted)
 
         chunks = render(served, body.logprobs)
         return await streamed(served, body, choices, chunk_head, len(prompt), opening, chunks, sent, keep)
@@ -63,7 +67,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     finally:
         await programs.end(request, served, turn)
     counted = usage(len(prompt), sum(f.completion_tokens for f in done.values()), done[0].cached_tokens)
-    await semantic.keep(served, cached, done[0].text, done[0].finish_reason, counted)
+    await spend(request, counted["total_tokens"])
+    await semantic.keep(served.semantic, cached, done[0].text, done[0].finish_reason, counted)
     return JSONResponse(
         {
             **head,

@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int)
     serve.add_argument("--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     serve.add_argument("--served-model-name")
+    serve.add_argument("--workers", type=int, help="runtime worker processes behind this front (0: in-process)")
 
     convert = sub.add_parser("convert", help="convert the model once to the safetensors cache")
     convert.add_argument("--model")
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     calibrate.add_argument("--report", type=Path, help="also write the curve as a section of this BENCHMARKS.md")
 
     args = parser.parse_args(argv)
-    flags = {k: getattr(args, k, None) for k in ("host", "port", "model", "served_model_name")}
+    flags = {k: getattr(args, k, None) for k in ("host", "port", "model", "served_model_name", "workers")}
     try:
         settings = Settings.load(args.config, **flags)
         return run(args, settings, argv)
@@ -264,17 +265,28 @@ def measure(args: argparse.Namespace, settings: Settings, command: str) -> int:
 
 
 def serve_forever(settings: Settings) -> int:
+    """In-process runtime; or a front over upstreams (proxy mode) or over runtime workers."""
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.workers import running
     from runtime.engine import Engine
     from runtime.loader import resolve
 
+    def serve(app: object) -> None:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)  # type: ignore[arg-type]
+
+    if settings.upstreams and not settings.workers:
+        serve(create_app(settings, None))
+        return 0
     resolve(settings.engine_config(), progress=True)  # convert once, with a progress bar, before loading
+    if settings.workers:
+        with running(settings, settings.workers) as workers:
+            serve(create_app(settings, None, workers))
+        return 0
     engine = Engine(settings.engine_config())
-    app = create_app(settings, engine)
     try:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+        serve(create_app(settings, engine))
     finally:
         engine.shutdown()
     return 0

@@ -10,8 +10,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from gateway.errors import bad_request
+from gateway.keys import allow_model, spend
 from gateway.protocol import CompletionRequest
 from gateway.serving import Served, collect, completion_logprobs, response_head, reuse_headers, streamed, usage
+from runtime.engine import Result
 from runtime.sequence import Output
 from runtime.tokens import text_prompt
 
@@ -21,6 +23,7 @@ router = APIRouter()
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Any:
     served: Served = request.app.state.served
+    allow_model(request, body.model)
     served.check_model(body.model)
     # Off the event loop: tokenizing a long prompt takes seconds.
     prompts = await asyncio.to_thread(token_ids, served, body)
@@ -37,9 +40,16 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             {"index": i, "text": text, "logprobs": None, "finish_reason": None} for i, text in echo.items() if text
         ]
         chunk_head = {**head, "object": "text_completion"}
-        return await streamed(served, body, choices, chunk_head, prompt_tokens, opening, render(served, body.logprobs))
+        chunks = render(served, body.logprobs)
+
+        async def count(_: Result, counted: dict[str, Any]) -> None:
+            await spend(request, counted["total_tokens"])
+
+        return await streamed(served, body, choices, chunk_head, prompt_tokens, opening, chunks, on_done=count)
 
     done = await collect(request, served.engine, choices)
+    counted = usage(prompt_tokens, sum(f.completion_tokens for f in done.values()))
+    await spend(request, counted["total_tokens"])
     return JSONResponse(
         {
             **head,
@@ -55,7 +65,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                 }
                 for i, f in sorted(done.items())
             ],
-            "usage": usage(prompt_tokens, sum(f.completion_tokens for f in done.values())),
+            "usage": counted,
         },
         headers=reuse_headers(done[0]),
     )

@@ -14,10 +14,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from gateway.errors import APIError
 from gateway.protocol import ChatCompletionRequest
-from gateway.serving import SSE_HEADERS, Served, sse, usage
-from semantic_cache import Lookup
+from gateway.serving import SSE_HEADERS, sse, usage
+from semantic_cache import Lookup, SemanticCache
 
 # Body fields that do not change the answer, left out of the scope. kvgate.cache is taken out below.
 UNSCOPED = {"messages", "stream", "stream_options", "user"}
@@ -25,24 +24,6 @@ PIECE = re.compile(r"\s*\S+\s*|\s+")  # how a cached answer is cut into streamed
 # The embedder reads ~256 tokens: of a longer user turn (a pasted document, then a question) only the
 # end is compared by meaning; everything before it must match exactly, as part of the scope.
 QUERY_CHARS = 800
-
-
-async def authenticate(request: Request) -> None:
-    """Sets request.state.tenant: the configured tenant of the API key, or (with no keys configured)
-    a hash of the bearer token, so that two callers never share cached answers by default."""
-    keys: dict[str, str] = request.app.state.settings.api_keys
-    token = bearer(request)
-    if keys:
-        if token not in keys:
-            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
-        request.state.tenant = keys[token]
-    else:
-        request.state.tenant = "anon-" + hashlib.sha256(token.encode()).hexdigest()[:24]
-
-
-def bearer(request: Request) -> str:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else ""
 
 
 @dataclass
@@ -63,10 +44,11 @@ def directives(request: Request) -> set[str]:
 
 
 def scope_of(
-    served: Served, body: ChatCompletionRequest, messages: list[dict[str, Any]], tenant: str
+    identity: dict[str, str], body: ChatCompletionRequest, messages: list[dict[str, Any]], tenant: str
 ) -> tuple[str, str] | None:
     """(scope, query): the query is the last user turn's text; the scope everything else the answer
-    depends on (tenant, model, every other message, documents, tools, sampling). None without a user turn."""
+    depends on (tenant, the model's identity, every other message, documents, tools, sampling).
+    None without a user turn."""
     messages = list(messages)
     last = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
     if last is None:
@@ -76,20 +58,25 @@ def scope_of(
     messages[last] = {**messages[last], "content": text[: len(text) - len(query)]}
     fields = body.model_dump(exclude=UNSCOPED, exclude_none=True)
     fields.get("kvgate", {}).pop("cache", None)
-    key = {"tenant": tenant, "model": served.name, "weights": served.engine.model_fp, "messages": messages, **fields}
+    key = {"tenant": tenant, **identity, "messages": messages, **fields}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest(), query
 
 
 async def consult(
-    request: Request, served: Served, body: ChatCompletionRequest, messages: list[dict[str, Any]]
+    request: Request,
+    cache: SemanticCache | None,
+    identity: dict[str, str],
+    queued: int,
+    body: ChatCompletionRequest,
+    messages: list[dict[str, Any]],
 ) -> Consult:
-    """Whether this request may be answered from the cache or stored in it, and the lookup."""
-    cache = served.semantic
+    """Whether this request may be answered from the cache or stored in it, and the lookup.
+    `identity` names what answers (model and weights, or upstreams); `queued` is the load it is under."""
     opted = body.kvgate.cache if body.kvgate else None
     cacheable = opted is True or (opted is None and body.temperature == 0)
     if cache is None or not cacheable or body.n != 1 or body.logprobs:
         return Consult(headers={"x-kvgate-cache": "bypass"})
-    found = scope_of(served, body, messages, request.state.tenant)
+    found = scope_of(identity, body, messages, request.state.tenant)
     if found is None:
         return Consult(headers={"x-kvgate-cache": "bypass"})
     said = directives(request)
@@ -97,7 +84,6 @@ async def consult(
     if "no-cache" in said:
         out.headers["x-kvgate-cache"] = "bypass"
         return out
-    queued = served.engine.load_stats["waiting"]
     out.found = lookup = await asyncio.to_thread(cache.lookup, out.scope, out.query, None, queued)
     out.status = "hit" if lookup.hit else "miss"
     out.headers = {"x-kvgate-cache": out.status, "x-kvgate-cache-category": lookup.category.name}
@@ -108,16 +94,16 @@ async def consult(
     return out
 
 
-async def keep(served: Served, consult: Consult, content: str, finish_reason: str | None, usage_: dict) -> None:
+async def keep(
+    cache: SemanticCache | None, consult: Consult, content: str, finish_reason: str | None, usage_: dict
+) -> None:
     """Keep a finished answer (not an error, nor one cut short by the client)."""
-    if not consult.store or served.semantic is None or finish_reason not in ("stop", "length"):
+    if not consult.store or cache is None or finish_reason not in ("stop", "length"):
         return
     response = {"content": content, "finish_reason": finish_reason, "usage": usage_}
     found = consult.found
     vector, category = (found.vector, found.category) if found else (None, None)
-    await asyncio.to_thread(
-        served.semantic.put, consult.tenant, consult.scope, consult.query, response, vector, category
-    )
+    await asyncio.to_thread(cache.put, consult.tenant, consult.scope, consult.query, response, vector, category)
 
 
 def replay(consult: Consult, body: ChatCompletionRequest, head: dict[str, Any]) -> JSONResponse | StreamingResponse:

@@ -49,6 +49,8 @@ class Served:
         config = settings.agent_config()
         self.programs = Programs(config, engine.reuser.store, EngineCosts(engine, config.reload_bytes_per_s))
         self.expirer = Expirer(self.programs)
+        self.identity = {"model": self.name, "weights": engine.model_fp}  # what answers, for the semantic cache
+        self.tenant_kv = settings.tenant_scoped_kv
 
     def check_model(self, model: str) -> None:
         if model != self.name:

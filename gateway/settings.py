@@ -7,11 +7,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from agents import AgentConfig, PinPolicy, Prior
 from chunk_cache import ChunkCacheConfig
+from gateway.limits import Limits
+from gateway.upstreams import ProxyConfig, Upstream
 from runtime.config import EngineConfig
 from semantic_cache import SemanticCacheConfig
 from semantic_cache import categories as semantic_categories
@@ -20,6 +22,16 @@ from semantic_cache.guards import GUARDS
 
 def user_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvgate"
+
+
+class UpstreamSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str | None = None  # default: upstream-<index>
+    base_url: str  # up to /v1 excluded: http://host:port
+    models: list[str] | dict[str, str] = Field(default_factory=lambda: ["*"])
+    api_key: str | None = None
+    max_in_flight: int = Field(64, ge=1)
 
 
 class Settings(BaseSettings):
@@ -58,8 +70,22 @@ class Settings(BaseSettings):
     agent_memory_weight: float = Field(1.0, ge=0.0)  # seconds of compute one second of all memory is worth
     agent_tool_prior_s: float = Field(2.0, gt=0.0)  # median tool duration before any is observed
     queue_order: Literal["fcfs", "program"] = "program"  # the runtime's admission queue
-    api_keys: dict[str, str] = Field(default_factory=dict)  # API key -> tenant; set: other keys get 401
+    # API key (or "sha256:<hex>" of it) -> tenant, or {tenant, models, rpm, tpm}; more keys via POST /admin/keys.
+    api_keys: dict[str, str | dict[str, Any]] = Field(default_factory=dict)
+    require_api_key: bool | None = None  # None: required when api_keys is set; false: unknown keys are anonymous
+    rate_limit_rpm: int | None = Field(None, ge=1)  # requests per minute of a key (or caller) without its own
+    rate_limit_tpm: int | None = Field(None, ge=1)  # tokens per minute, likewise
+    tenant_scoped_kv: bool = True  # document and prefix KV shared only within a tenant
     admin_key: str | None = None  # set: admin endpoints need it as the bearer token
+    # Proxy mode: [{name, base_url, models: [names] or {name: upstream name}, api_key, max_in_flight}].
+    upstreams: list[UpstreamSettings] = Field(default_factory=list)
+    workers: int = Field(0, ge=0)  # > 0: this process fronts N runtime worker processes
+    proxy_retries: int = Field(2, ge=0)
+    proxy_backoff_s: float = Field(0.1, ge=0.0)
+    proxy_connect_timeout_s: float = Field(5.0, gt=0.0)
+    proxy_first_byte_timeout_s: float = Field(60.0, gt=0.0)
+    proxy_read_timeout_s: float = Field(300.0, gt=0.0)
+    spill_at: int = Field(4, ge=1)  # requests in flight at the preferred worker from which one spills over
     log_level: str = "info"
 
     @classmethod
@@ -129,3 +155,27 @@ class Settings(BaseSettings):
     def agent_config(self) -> AgentConfig:
         pins = PinPolicy(self.agent_pins, self.agent_fixed_ttl_s, self.agent_max_ttl_s, self.agent_memory_weight)
         return AgentConfig(pins=pins, prior=Prior(median_s=self.agent_tool_prior_s))
+
+    @property
+    def keys_required(self) -> bool:
+        return bool(self.api_keys) if self.require_api_key is None else self.require_api_key
+
+    def limits(self) -> Limits:
+        return Limits(self.rate_limit_rpm, self.rate_limit_tpm)
+
+    def proxy_config(self, workers: tuple[Upstream, ...] = ()) -> ProxyConfig:
+        """The upstreams of proxy mode: the configured ones, or this front's runtime workers."""
+        upstreams = list(workers)
+        for i, u in enumerate(self.upstreams):
+            models = dict(zip(u.models, u.models)) if isinstance(u.models, list) else dict(u.models)
+            base_url = u.base_url.rstrip("/").removesuffix("/v1")
+            upstreams.append(Upstream(u.name or f"upstream-{i}", base_url, models, u.api_key, u.max_in_flight))
+        return ProxyConfig(
+            tuple(upstreams),
+            retries=self.proxy_retries,
+            backoff_s=self.proxy_backoff_s,
+            connect_timeout_s=self.proxy_connect_timeout_s,
+            first_byte_timeout_s=self.proxy_first_byte_timeout_s,
+            read_timeout_s=self.proxy_read_timeout_s,
+            spill_at=self.spill_at,
+        )

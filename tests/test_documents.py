@@ -15,6 +15,8 @@ DOCS = [
     "Thomas Nabbes was an English dramatist. He was educated at Exeter College, Oxford, and came to London about 1630.",
     "Exeter College is one of the constituent colleges of the University of Oxford, founded in 1314.",
 ]
+# Documents are their tenant's: requests sent with httpx carry the key the chat client uses.
+AS_CLIENT = {"authorization": "Bearer unused"}
 
 
 def ask(client: openai.OpenAI, model: str, documents: list[dict], reuse: dict | None = None, **kw):
@@ -52,10 +54,14 @@ def test_blend_at_ratio_one_answers_as_full_prefill(client, model_name) -> None:
 
 
 def test_a_stored_document_cited_by_id_answers_as_its_text(client, model_name, base_url) -> None:
-    stored = [httpx.post(f"{base_url}/v1/documents", json={"text": d}, timeout=60).json() for d in DOCS]
+    stored = [
+        httpx.post(f"{base_url}/v1/documents", json={"text": d}, headers=AS_CLIENT, timeout=60).json() for d in DOCS
+    ]
     assert all(s["id"].startswith("doc-") and s["tokens"] > 0 and s["cached"] for s in stored)
-    shown = httpx.get(f"{base_url}/v1/documents/{stored[0]['id']}").json()
+    shown = httpx.get(f"{base_url}/v1/documents/{stored[0]['id']}", headers=AS_CLIENT).json()
     assert shown == stored[0]
+    other = httpx.get(f"{base_url}/v1/documents/{stored[0]['id']}", headers={"authorization": "Bearer other"})
+    assert other.status_code == 404  # another tenant does not see it
 
     by_id = ask(client, model_name, [{"id": s["id"]} for s in stored]).parse()
     by_text = ask(client, model_name, [{"text": d} for d in DOCS]).parse()
@@ -82,7 +88,7 @@ def test_streaming_with_documents_carries_the_reuse_headers(client, model_name, 
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=120) as r:
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=AS_CLIENT, timeout=120) as r:
         assert r.status_code == 200
         reused = int(r.headers["x-kvgate-reused-tokens"])
         events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]

@@ -1,0 +1,140 @@
+"""`GET /metrics` in Prometheus text: snake_case names in base units, `_total` on counters. Request
+counts, latency and time to first token come from a middleware; tokens and reuse from the routes;
+cache tiers, pins and queues are read from their owners at scrape time (nothing on the hot path)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+disable_created_metrics()  # the *_created series double the output and say little
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
+
+
+class Metrics:
+    """One registry per app, so that several apps in one process (tests) do not collide."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("kvgate_requests", "HTTP requests", ["route", "method", "status"], registry=r)
+        self.latency = Histogram(
+            "kvgate_request_duration_seconds", "request latency", ["route"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.ttft = Histogram(
+            "kvgate_time_to_first_token_seconds",
+            "streamed responses: time to the first event",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("kvgate_prompt_tokens", "prompt tokens", ["model"], registry=r)
+        self.completion_tokens = Counter("kvgate_completion_tokens", "completion tokens", ["model"], registry=r)
+        self.lookups = Counter(
+            "kvgate_cache_lookups", "cache lookups by layer and result", ["layer", "result"], registry=r
+        )
+        self.reused = Counter(
+            "kvgate_reused_prompt_tokens", "prompt tokens whose KV was reused, by how", ["mode"], registry=r
+        )
+        self.recomputed = Counter(
+            "kvgate_recomputed_prompt_tokens", "reused prompt tokens computed again (blend)", registry=r
+        )
+        self.recompute_ratio = Histogram(
+            "kvgate_recompute_ratio",
+            "per request with reused KV: recomputed / reused tokens",
+            buckets=RATIO_BUCKETS,
+            registry=r,
+        )
+
+    def usage(self, model: str, counted: dict[str, Any]) -> None:
+        self.prompt_tokens.labels(model).inc(counted.get("prompt_tokens") or 0)
+        self.completion_tokens.labels(model).inc(counted.get("completion_tokens") or 0)
+
+    def reuse(self, mode: str, reused: int, recomputed: int) -> None:
+        if reused <= 0:
+            return
+        self.reused.labels(mode.split(";")[0] or "unknown").inc(reused)
+        self.recomputed.inc(recomputed)
+        self.recompute_ratio.observe(recomputed / reused)
+
+    def watch(self, read: Callable[[], Iterator[Metric]]) -> None:
+        """Add metrics read at scrape time."""
+        self.registry.register(Reader(read))
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class Reader(Collector):
+    def __init__(self, read: Callable[[], Iterator[Metric]]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[Metric]:
+        return self.read()
+
+
+def gauge(name: str, doc: str, value: float, labels: dict[str, str] | None = None) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=list(labels or {}))
+    family.add_metric(list((labels or {}).values()), value)
+    return family
+
+
+def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def tier_metrics(tiers: list[dict[str, Any]]) -> Iterator[Metric]:
+    """The chunk store's tiers: document KV hits, misses, entries and bytes per tier."""
+    names = {
+        "hits": ("kvgate_document_kv_hits", "document KV found in a tier", CounterMetricFamily),
+        "misses": ("kvgate_document_kv_misses", "document KV not found in a tier", CounterMetricFamily),
+        "evictions": ("kvgate_document_kv_evictions", "entries evicted from a tier", CounterMetricFamily),
+        "entries": ("kvgate_document_kv_entries", "entries held by a tier", GaugeMetricFamily),
+        "bytes": ("kvgate_document_kv_bytes", "bytes held by a tier", GaugeMetricFamily),
+        "pinned": ("kvgate_pinned_entries", "entries pinned in a tier", GaugeMetricFamily),
+    }
+    for stat, (name, doc, kind) in names.items():
+        family = kind(name, doc, labels=["tier"])
+        for tier in tiers:
+            if stat in tier:
+                family.add_metric([tier["tier"]], tier[stat])
+        yield family
+
+
+class Observe:
+    """The middleware: requests by route and status, latency, and first-event time of streams."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = time.perf_counter()
+        status, streamed, first = 500, False, None
+
+        async def sent(message: Message) -> None:
+            nonlocal status, streamed, first
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = dict(message.get("headers", []))
+                streamed = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+            elif message["type"] == "http.response.body" and first is None and message.get("body"):
+                first = time.perf_counter() - started
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sent)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.requests.labels(route, scope["method"], str(status)).inc()
+            self.metrics.latency.labels(route).observe(time.perf_counter() - started)
+            if streamed and first is not None:
+                self.metrics.ttft.labels(route).observe(first)

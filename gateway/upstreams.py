@@ -1,0 +1,165 @@
+"""Upstreams: OpenAI-compatible servers kvgate forwards to (vLLM, SGLang, a hosted API, or its own
+runtime workers). One pooled httpx client; retries with backoff on connect errors, 5xx and 429 until
+the first byte of a response arrives; then the next upstream serving the model."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import httpx
+
+from gateway.admission import Gate
+from gateway.errors import APIError
+from gateway.routing import Ring
+
+log = logging.getLogger("kvgate.proxy")
+RETRYABLE = {429, 500, 502, 503, 504}
+
+
+@dataclass(frozen=True)
+class Upstream:
+    name: str
+    base_url: str
+    models: dict[str, str]  # the name clients use -> the upstream's name for it; "*" passes any name
+    api_key: str | None = None  # sent as the bearer token; None: no authorization header
+    max_in_flight: int = 64  # beyond this, requests wait at the gateway in program order
+    worker: bool = False  # one of kvgate's own runtime workers: routed by cache affinity
+
+    def serves(self, model: str) -> bool:
+        return model in self.models or "*" in self.models
+
+    def model_name(self, model: str) -> str:
+        return self.models.get(model, model)
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    upstreams: tuple[Upstream, ...]
+    retries: int = 2  # per upstream, after the first try
+    backoff_s: float = 0.1  # doubled each retry, with jitter; a 429's Retry-After is honoured up to max_backoff_s
+    max_backoff_s: float = 2.0
+    connect_timeout_s: float = 5.0
+    first_byte_timeout_s: float = 60.0  # until the response's first body bytes (a prefill may be long)
+    read_timeout_s: float = 300.0  # between two reads of a streamed body
+    spill_at: int = 4  # in-flight requests at the preferred worker from which a request spills over
+
+
+@dataclass
+class Opened:
+    """An upstream's answer whose status and headers and first body bytes have arrived."""
+
+    upstream: Upstream
+    response: httpx.Response
+    first: bytes
+    chunks: object = field(repr=False)  # the rest of the body, an async iterator of bytes
+
+    async def close(self) -> None:
+        await self.response.aclose()
+
+
+def retry_after(value: str | None) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None  # an HTTP date: not worth parsing for a wait capped at seconds
+
+
+class Pool:
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.upstreams = {u.name: u for u in config.upstreams}
+        self.gates = {u.name: Gate(u.max_in_flight) for u in config.upstreams}
+        self.ring = Ring([u.name for u in config.upstreams if u.worker])
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=60)
+        timeout = httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s, pool=None)
+        self.client = httpx.AsyncClient(limits=limits, timeout=timeout, http2=False, trust_env=False)
+
+    def models(self) -> list[str]:
+        return sorted({m for u in self.config.upstreams for m in u.models if m != "*"})
+
+    def candidates(self, model: str | None, affinity: Sequence[str] = ()) -> list[Upstream]:
+        """Upstreams serving `model` (None: any), best first: workers by cache affinity, then the others
+        in the order configured."""
+        serving = [u for u in self.config.upstreams if model is None or u.serves(model)]
+        workers = {u.name for u in serving if u.worker}
+        if not workers:
+            return serving
+        ordered = self.ring.order(affinity, lambda name: self.gates[name].load, self.config.spill_at)
+        return [self.upstreams[n] for n in ordered if n in workers] + [u for u in serving if not u.worker]
+
+    async def open(
+        self,
+        order: Sequence[Upstream],
+        path: str,
+        body: Callable[[Upstream], bytes],
+        headers: Callable[[Upstream], dict[str, str]],
+        method: str = "POST",
+    ) -> Opened:
+        """POST to the first upstream that answers; an error status not worth retrying (or the last
+        upstream's last) is returned as the answer. Raises APIError 502/504 when none answered at all."""
+        if not order:
+            raise APIError(404, "no upstream serves this model", "model", "model_not_found")
+        failure = APIError(502, "no upstream answered", code="upstream_unreachable")
+        for upstream in order:
+            for attempt in range(self.config.retries + 1):
+                last = upstream is order[-1] and attempt == self.config.retries
+                wait = self.delay(attempt)
+                try:
+                    opened = await self.send(upstream, method, path, body(upstream), headers(upstream))
+                except (httpx.TimeoutException, TimeoutError):
+                    failure = APIError(504, f"upstream {upstream.name} timed out", code="upstream_timeout")
+                    log.warning("upstream %s: timed out (try %d)", upstream.name, attempt + 1)
+                except httpx.TransportError as exc:
+                    failure = APIError(502, f"upstream {upstream.name} is unreachable", code="upstream_unreachable")
+                    log.warning("upstream %s: %s (try %d)", upstream.name, type(exc).__name__, attempt + 1)
+                else:
+                    status = opened.response.status_code
+                    if status not in RETRYABLE or last:
+                        return opened
+                    await opened.close()
+                    log.warning("upstream %s: status %d (try %d)", upstream.name, status, attempt + 1)
+                    after = retry_after(opened.response.headers.get("retry-after"))
+                    if after is not None and after > self.config.max_backoff_s:
+                        break  # its limit lifts too late: the next upstream now
+                    wait = max(wait, after or 0.0)
+                if attempt < self.config.retries:  # the next upstream is tried at once
+                    await asyncio.sleep(wait)
+        raise failure
+
+    def delay(self, attempt: int) -> float:
+        return min(self.config.backoff_s * 2**attempt, self.config.max_backoff_s) * random.uniform(0.5, 1.0)
+
+    async def send(self, upstream: Upstream, method: str, path: str, body: bytes, headers: dict[str, str]) -> Opened:
+        sent = {**headers, "content-type": "application/json", "accept-encoding": "identity"}
+        if upstream.api_key:
+            sent["authorization"] = f"Bearer {upstream.api_key}"
+        url = upstream.base_url + path
+        request = self.client.build_request(method, url, content=body or None, headers=sent)
+        response = await asyncio.wait_for(self.client.send(request, stream=True), self.config.first_byte_timeout_s)
+        chunks = response.aiter_raw()
+        try:
+            first = await asyncio.wait_for(anext(chunks, b""), self.config.first_byte_timeout_s)
+        except BaseException:
+            await response.aclose()
+            raise
+        return Opened(upstream, response, first, chunks)
+
+    async def reachable(self, timeout_s: float = 2.0) -> dict[str, bool]:
+        """Whether each upstream answers `GET /v1/models` (any status: the server is up)."""
+
+        async def probe(u: Upstream) -> bool:
+            try:
+                await self.client.get(u.base_url + "/v1/models", timeout=timeout_s)
+                return True
+            except httpx.HTTPError:
+                return False
+
+        found = await asyncio.gather(*(probe(u) for u in self.config.upstreams))
+        return dict(zip(self.upstreams, found))
+
+    async def close(self) -> None:
+        await self.client.aclose()

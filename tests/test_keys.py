@@ -1,0 +1,127 @@
+"""API keys, tenants and rate limits: keys from the settings file or created through the admin API
+(kept in a real Redis, hashed), the models a key may use, requests and tokens per minute."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from gateway.settings import Settings
+from tests.redis_server import RedisServer
+from tests.servers import serving
+
+HASHED = "sk-only-its-hash-is-in-the-file"
+KEYS = {
+    "sk-alpha": "alpha",
+    "sk-beta": {"tenant": "beta", "models": ["some-other-model"]},
+    "sha256:" + hashlib.sha256(HASHED.encode()).hexdigest(): {"tenant": "gamma", "rpm": 2},
+    "sk-thrifty": {"tenant": "delta", "tpm": 10},
+}
+ADMIN = "sk-admin"
+HELLO = [{"role": "user", "content": "Say hi."}]
+
+
+@pytest.fixture(scope="module")
+def redis() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+def keyed(settings: Settings, **more) -> Settings:
+    return settings.model_copy(update={"api_keys": KEYS, "admin_key": ADMIN, **more})
+
+
+@pytest.fixture(scope="module")
+def url(settings, engine) -> Iterator[str]:
+    with serving(keyed(settings), engine) as base:
+        yield base
+
+
+def ask(url: str, key: str | None, model: str, **body) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    payload = {"model": model, "messages": HELLO, "max_tokens": 2, "temperature": 0, **body}
+    return httpx.post(url + "/v1/chat/completions", json=payload, headers=headers, timeout=60)
+
+
+def test_a_missing_or_wrong_key_is_401(url, model_name):
+    for key in (None, "sk-wrong"):
+        r = ask(url, key, model_name)
+        assert r.status_code == 401
+        assert r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="sk-wrong", max_retries=0).models.list()
+
+
+def test_a_key_limited_to_other_models_gets_403_and_an_unknown_model_404(url, model_name):
+    r = ask(url, "sk-beta", model_name)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "model_not_allowed"
+    r = ask(url, "sk-alpha", "no-such-model")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_requests_per_minute_get_a_429_with_retry_after(url, model_name):
+    """The key in the settings file as its hash only; two requests a minute."""
+    first, second, third = (ask(url, HASHED, model_name) for _ in range(3))
+    assert [first.status_code, second.status_code] == [200, 200]
+    assert second.headers["x-ratelimit-remaining-requests"] == "0"
+    assert third.status_code == 429
+    assert third.json()["error"]["type"] == "rate_limit_error"
+    assert int(third.headers["retry-after"]) >= 1
+    assert third.headers["x-ratelimit-limit-requests"] == "2"
+    assert third.headers["x-ratelimit-remaining-requests"] == "0"
+    assert "x-ratelimit-reset-requests" in third.headers
+    assert "x-ratelimit-remaining-requests" not in ask(url, "sk-alpha", model_name).headers  # alpha: no limits
+
+
+def test_tokens_per_minute_refuse_the_next_request(url, model_name):
+    first = ask(url, "sk-thrifty", model_name)
+    assert first.status_code == 200 and first.json()["usage"]["total_tokens"] > 10
+    r = ask(url, "sk-thrifty", model_name)
+    assert r.status_code == 429
+    assert r.headers["x-ratelimit-remaining-tokens"] == "0"
+
+
+def test_documents_belong_to_their_tenant(url, model_name):
+    stored = httpx.post(
+        url + "/v1/documents", json={"text": "Alpha's private notes."}, headers={"authorization": "Bearer sk-alpha"}
+    ).json()
+    cite = {"documents": [{"id": stored["id"]}]}
+    assert ask(url, "sk-alpha", model_name, **cite).status_code == 200
+    other = httpx.get(url + f"/v1/documents/{stored['id']}", headers={"authorization": "Bearer sk-beta"})
+    assert other.status_code == 404
+
+
+def test_admin_endpoints_need_the_admin_key(url):
+    assert httpx.get(url + "/admin/keys").status_code == 401
+    r = httpx.get(url + "/admin/keys", headers={"authorization": "Bearer sk-alpha"})
+    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+    listed = httpx.get(url + "/admin/keys", headers={"authorization": f"Bearer {ADMIN}"}).json()["data"]
+    assert {k["tenant"] for k in listed} == {"alpha", "beta", "gamma", "delta"}
+    assert all("key" not in k for k in listed)
+
+
+def test_keys_created_through_the_admin_api_live_hashed_in_redis(settings, engine, redis, model_name):
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    shared = keyed(settings, redis_url=redis.url)
+    with serving(shared, engine) as one, serving(shared, engine) as two:
+        made = httpx.post(
+            one + "/admin/keys", json={"tenant": "epsilon", "models": [model_name], "rpm": 3}, headers=admin
+        )
+        assert made.status_code == 200
+        key = made.json()["key"]
+        assert ask(one, key, model_name).status_code == 200
+        assert ask(two, key, model_name).status_code == 200  # another process finds it in Redis
+        assert ask(two, key, model_name).status_code == 200
+        r = ask(one, key, model_name)
+        assert r.status_code == 429  # the limit is counted in Redis, across both
+        stored = redis.client().keys("kvgate:key:*")
+        assert stored and all(key.encode() not in name for name in stored)
+        assert all(key.encode() not in redis.client().get(name) for name in stored)
+        key_id = made.json()["id"]
+        assert httpx.delete(one + f"/admin/keys/{key_id}", headers=admin).status_code == 200
+        assert ask(one, key, model_name).status_code == 401
+        assert httpx.delete(one + f"/admin/keys/{key_id}", headers=admin).status_code == 404

@@ -1,0 +1,250 @@
+"""gateway.limits: rpm and tpm per API key, in one process (on a clock the tests move) and shared
+through a real redis-server by several limiters, as several gateway processes would share it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from gateway.limits import WINDOW_S, Limits, MemoryLimiter, RedisLimiter, Verdict, duration, limiter
+from tests.redis_server import RedisServer
+
+START = 1000 * WINDOW_S + 10.0  # 10 s into a fixed window
+REQUEST_HEADERS = {"x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests"}
+TOKEN_HEADERS = {"x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens"}
+
+
+class Clock:
+    def __init__(self, now: float = START) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def url(server: RedisServer) -> str:
+    with server.client() as raw:
+        raw.flushall()
+    return server.url
+
+
+# --- in one process -----------------------------------------------------------------------------
+
+
+def test_rpm_refuses_the_request_past_it_and_counts_no_refused_one() -> None:
+    async def run() -> None:
+        limits = MemoryLimiter(Clock())
+        for remaining in (2, 1, 0):
+            verdict = await limits.admit("k", Limits(rpm=3))
+            assert verdict.allowed and verdict.retry_after_s == 0
+            assert verdict.headers["x-ratelimit-remaining-requests"] == str(remaining)
+        for _ in range(3):
+            refused = await limits.admit("k", Limits(rpm=3))
+            assert not refused.allowed and refused.headers["x-ratelimit-remaining-requests"] == "0"
+            # Three requests 10 s into the window: at 20 s into the next, 2/3 of them still count.
+            assert refused.retry_after_s == pytest.approx(70, abs=0.002)
+        assert (await limits.admit("other", Limits(rpm=3))).allowed  # budgets are per key
+
+    asyncio.run(run())
+
+
+def test_the_window_rolls_and_a_retry_after_retry_after_fits() -> None:
+    async def run() -> None:
+        clock = Clock()
+        limits = MemoryLimiter(clock)
+        for _ in range(3):
+            await limits.admit("k", Limits(rpm=3))
+        refused = await limits.admit("k", Limits(rpm=3))
+        clock.now = START + refused.retry_after_s - 0.01
+        assert not (await limits.admit("k", Limits(rpm=3))).allowed
+        clock.now = START + refused.retry_after_s
+        assert (await limits.admit("k", Limits(rpm=3))).allowed
+        assert not (await limits.admit("k", Limits(rpm=3))).allowed
+        clock.now += 2 * WINDOW_S  # both windows have passed: the whole budget is back
+        verdict = await limits.admit("k", Limits(rpm=3))
+        assert verdict.allowed and verdict.headers["x-ratelimit-remaining-requests"] == "2"
+
+    asyncio.run(run())
+
+
+def test_tpm_refuses_the_next_request_once_spent_tokens_reach_it() -> None:
+    async def run() -> None:
+        clock = Clock()
+        limits = MemoryLimiter(clock)
+        tpm = Limits(tpm=100)
+        assert (await limits.admit("k", tpm)).allowed
+        await limits.spend("k", tpm, 60)
+        verdict = await limits.admit("k", tpm)
+        assert verdict.allowed and verdict.headers["x-ratelimit-remaining-tokens"] == "40"
+        await limits.spend("k", tpm, 50)  # the response went over: the next request is refused
+        refused = await limits.admit("k", tpm)
+        assert not refused.allowed and refused.headers["x-ratelimit-remaining-tokens"] == "0"
+        # 110 tokens 10 s into the window: 100/110 of them still count 50 + 60/11 s later.
+        assert refused.retry_after_s == pytest.approx(50 + 60 / 11, abs=0.002)
+        clock.now += refused.retry_after_s
+        assert (await limits.admit("k", tpm)).allowed
+        await limits.spend("k", Limits(rpm=5), 10**6)  # no tpm: tokens are not counted
+        assert (await limits.admit("k", Limits(rpm=5))).allowed
+
+    asyncio.run(run())
+
+
+def test_headers_name_only_the_limits_set_and_unlimited_is_always_allowed() -> None:
+    async def run() -> None:
+        limits = MemoryLimiter(Clock())
+        both = await limits.admit("a", Limits(rpm=10, tpm=1000))
+        assert set(both.headers) == REQUEST_HEADERS | TOKEN_HEADERS
+        assert both.headers["x-ratelimit-limit-requests"] == "10" and both.headers["x-ratelimit-limit-tokens"] == "1000"
+        assert both.headers["x-ratelimit-reset-requests"] == "1m50s"  # until nothing is counted
+        assert both.headers["x-ratelimit-reset-tokens"] == "0s"  # no tokens spent
+        assert set((await limits.admit("b", Limits(rpm=10))).headers) == REQUEST_HEADERS
+        assert set((await limits.admit("c", Limits(tpm=10))).headers) == TOKEN_HEADERS
+        for _ in range(1000):
+            assert await limits.admit("d", Limits()) == Verdict(True, 0.0, {})
+        await limits.spend("d", Limits(), 10**9)
+
+    asyncio.run(run())
+
+
+def test_durations_are_in_openais_format() -> None:
+    assert [duration(s) for s in (0, 0.0004, 0.25, 1, 1.5, 59.9996, 86.4, 360)] == [
+        "0s",
+        "0s",
+        "250ms",
+        "1s",
+        "1.5s",
+        "1m0s",
+        "1m26.4s",
+        "6m0s",
+    ]
+
+
+def test_limits_are_positive_or_none() -> None:
+    for bad in ({"rpm": 0}, {"tpm": -1}):
+        with pytest.raises(ValueError):
+            Limits(**bad)
+    assert isinstance(limiter(None), MemoryLimiter) and isinstance(limiter("redis://x"), RedisLimiter)
+
+
+# --- shared through Redis -----------------------------------------------------------------------
+
+
+def test_redis_refuses_past_rpm_and_its_keys_expire_unnamed(url: str, server: RedisServer) -> None:
+    async def run() -> Verdict:
+        limits = RedisLimiter(url)
+        try:
+            for remaining in (2, 1, 0):
+                verdict = await limits.admit("sk-secret", Limits(rpm=3))
+                assert verdict.allowed and verdict.headers["x-ratelimit-remaining-requests"] == str(remaining)
+            return await limits.admit("sk-secret", Limits(rpm=3))
+        finally:
+            await limits.close()
+
+    refused = asyncio.run(run())
+    assert not refused.allowed and refused.headers["x-ratelimit-remaining-requests"] == "0"
+    assert 0 < refused.retry_after_s <= 2 * WINDOW_S
+    with server.client() as raw:
+        (key,) = raw.keys("*")
+        assert key.startswith(b"kvgate:rl:") and b"sk-secret" not in key
+        assert 0 < raw.ttl(key) <= 2 * WINDOW_S
+
+
+def test_redis_counts_roll_with_the_window(url: str, server: RedisServer) -> None:
+    limits = RedisLimiter(url)
+    both = Limits(rpm=3, tpm=1000)
+
+    async def admit() -> Verdict:
+        return await limits.admit("k", both)
+
+    async def run() -> None:
+        try:
+            for _ in range(3):
+                await admit()
+            await limits.spend("k", both, 100)
+            assert not (await admit()).allowed
+            with server.client() as raw:  # as if the counts were from the window before: they count less
+                raw.hincrby(limits.name("k"), "w", -1)
+            verdict = await admit()
+            assert 900 <= int(verdict.headers["x-ratelimit-remaining-tokens"]) <= 1000
+            with server.client() as raw:  # two windows ago: nothing counts
+                raw.hincrby(limits.name("k"), "w", -2)
+            verdict = await admit()
+            assert verdict.allowed and verdict.headers["x-ratelimit-remaining-requests"] == "2"
+            assert verdict.headers["x-ratelimit-remaining-tokens"] == "1000"
+        finally:
+            await limits.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["single", "cluster"])
+def test_two_limiters_share_one_budget(server: RedisServer, url: str, cluster: bool) -> None:
+    async def run(url: str) -> None:
+        one, two = RedisLimiter(url), RedisLimiter(url)
+        try:
+            rpm = Limits(rpm=4)
+            for limits in (one, two, one, two):
+                assert (await limits.admit("k", rpm)).allowed
+            for limits in (one, two):
+                refused = await limits.admit("k", rpm)
+                assert not refused.allowed and refused.retry_after_s > 0
+            tpm = Limits(tpm=100)
+            assert (await one.admit("t", tpm)).allowed
+            await one.spend("t", tpm, 100)
+            refused = await two.admit("t", tpm)
+            assert not refused.allowed and refused.headers["x-ratelimit-remaining-tokens"] == "0"
+        finally:
+            await one.close()
+            await two.close()
+
+    if not cluster:
+        asyncio.run(run(url))
+        return
+    with RedisServer(cluster=True) as node:
+        asyncio.run(run(node.url))
+
+
+def test_redis_down_allows_requests_and_limits_come_back_with_it() -> None:
+    async def run(server: RedisServer) -> None:
+        limits = RedisLimiter(server.url, retry_s=0)
+        try:
+            assert (await limits.admit("k", Limits(rpm=1))).allowed
+            assert not (await limits.admit("k", Limits(rpm=1))).allowed
+            server.kill()
+            started = time.monotonic()
+            for _ in range(3):
+                assert await limits.admit("k", Limits(rpm=1)) == Verdict(True, 0.0, {})  # fails open
+            await limits.spend("k", Limits(tpm=1), 5)
+            assert time.monotonic() - started < 2
+            server.start()  # empty again: one request fits, the next does not
+            assert (await limits.admit("k", Limits(rpm=1))).allowed
+            assert not (await limits.admit("k", Limits(rpm=1))).allowed
+        finally:
+            await limits.close()
+
+    with RedisServer() as server:
+        asyncio.run(run(server))
+
+
+def test_redis_down_at_start_allows_and_skips_redis_for_a_while() -> None:
+    async def run(url: str) -> None:
+        limits = RedisLimiter(url, retry_s=60)
+        try:
+            for _ in range(3):
+                assert (await limits.admit("k", Limits(rpm=1))).allowed
+        finally:
+            await limits.close()
+
+    with RedisServer() as server:
+        server.kill()
+        asyncio.run(run(server.url))

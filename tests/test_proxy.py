@@ -1,0 +1,241 @@
+"""Proxy mode: kvgate in front of OpenAI-compatible servers it does not own. The upstream here is a small
+real server (benchmarks/upstream.py) whose failures are scripted: 500, 429, a slow first byte, a dropped
+stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from benchmarks.upstream import serve_upstream
+from gateway.settings import Settings
+from tests.servers import free_port, serving
+
+HELLO = [{"role": "user", "content": "hello"}]
+ANSWER = "w0 w1 w2 w3 w4 w5 w6 w7 "
+
+
+@pytest.fixture(scope="module")
+def upstreams() -> Iterator[tuple[str, str]]:
+    with serve_upstream(models=("stub-a",)) as a, serve_upstream(models=("stub-a", "stub-b")) as b:
+        yield a, b
+
+
+@pytest.fixture(autouse=True)
+def fresh(upstreams: tuple[str, str]) -> None:
+    for url in upstreams:
+        httpx.post(url + "/_reset")
+
+
+def script(url: str, *actions: dict[str, Any]) -> None:
+    httpx.post(url + "/_script", json={"actions": list(actions)}).raise_for_status()
+
+
+def requests_seen(url: str) -> int:
+    return httpx.get(url + "/_stats").json()["requests"]
+
+
+def front(tmp_path, *urls: str, **overrides: Any) -> Settings:
+    upstreams = [{"name": f"up-{i}", "base_url": url + "/v1", "models": ["stub-a"]} for i, url in enumerate(urls)]
+    values = {"upstreams": upstreams, "semantic_cache": False, "cache_dir": tmp_path, "proxy_backoff_s": 0.01}
+    return Settings(**{**values, **overrides})
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="anything", max_retries=0, timeout=30)
+
+
+def test_answers_and_streams_as_the_upstream_does(tmp_path, upstreams):
+    a, _ = upstreams
+    with serving(front(tmp_path, a), None) as url:
+        raw = client(url).chat.completions.with_raw_response.create(model="stub-a", messages=HELLO)
+        assert raw.parse().choices[0].message.content == ANSWER
+        assert raw.headers["x-kvgate-upstream"] == "up-0"
+        chunks = list(client(url).chat.completions.create(model="stub-a", messages=HELLO, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ANSWER
+        assert all(c.usage is None for c in chunks)  # the usage chunk kvgate asked for is not passed on
+        asked = client(url).chat.completions.create(
+            model="stub-a", messages=HELLO, stream=True, stream_options={"include_usage": True}
+        )
+        assert [c.usage.completion_tokens for c in asked if c.usage] == [8]
+        text = client(url).completions.create(model="stub-a", prompt="hi")
+        assert text.choices[0].text == ANSWER
+
+
+def test_forwards_the_body_as_sent(tmp_path, upstreams):
+    a, _ = upstreams
+    with serving(front(tmp_path, a), None) as url:
+        body = {"model": "stub-a", "messages": HELLO, "guided_json": {"type": "object"}, "temperature": 0.3}
+        httpx.post(url + "/v1/chat/completions", json=body, headers={"x-request-id": "abc-1"}).raise_for_status()
+        stats = httpx.get(a + "/_stats").json()
+        assert stats["last_body"] == body  # fields kvgate does not know reach the upstream untouched
+        assert stats["last_headers"]["x-request-id"] == "abc-1"
+        assert "authorization" not in stats["last_headers"]  # the client's key is not passed on
+
+
+def test_model_aliases_and_upstream_keys(tmp_path):
+    with serve_upstream(models=("real-name",), api_key="sk-upstream") as up:
+        settings = Settings(
+            upstreams=[{"base_url": up, "models": {"public": "real-name"}, "api_key": "sk-upstream"}],
+            semantic_cache=False,
+            cache_dir=tmp_path,
+        )
+        with serving(settings, None) as url:
+            answer = client(url).chat.completions.create(model="public", messages=HELLO)
+            assert answer.choices[0].message.content == ANSWER
+            assert httpx.get(up + "/_stats").json()["last_body"]["model"] == "real-name"
+            assert [m.id for m in client(url).models.list()] == ["public"]
+            with pytest.raises(openai.NotFoundError):
+                client(url).chat.completions.create(model="real-name", messages=HELLO)
+
+
+def test_retries_5xx_with_backoff(tmp_path, upstreams):
+    a, _ = upstreams
+    script(a, {"status": 500}, {"status": 503})
+    with serving(front(tmp_path, a), None) as url:
+        answer = client(url).chat.completions.create(model="stub-a", messages=HELLO)
+    assert answer.choices[0].message.content == ANSWER
+    assert requests_seen(a) == 3
+
+
+def test_honours_retry_after_of_a_429(tmp_path, upstreams):
+    a, _ = upstreams
+    script(a, {"status": 429, "retry_after": 1})
+    with serving(front(tmp_path, a), None) as url:
+        started = time.monotonic()
+        client(url).chat.completions.create(model="stub-a", messages=HELLO)
+        assert time.monotonic() - started >= 0.9
+    assert requests_seen(a) == 2
+
+
+def test_falls_back_to_the_next_upstream(tmp_path, upstreams):
+    a, b = upstreams
+    script(a, *[{"status": 500}] * 3)
+    with serving(front(tmp_path, a, b), None) as url:
+        raw = client(url).chat.completions.with_raw_response.create(model="stub-a", messages=HELLO)
+    assert raw.headers["x-kvgate-upstream"] == "up-1"
+    assert (requests_seen(a), requests_seen(b)) == (3, 1)
+
+
+def test_an_unreachable_upstream_is_skipped_and_none_reachable_is_a_502(tmp_path, upstreams):
+    _, b = upstreams
+    dead = f"http://127.0.0.1:{free_port()}"
+    with serving(front(tmp_path, dead, b), None) as url:
+        raw = client(url).chat.completions.with_raw_response.create(model="stub-a", messages=HELLO)
+        assert raw.headers["x-kvgate-upstream"] == "up-1"
+    with serving(front(tmp_path, dead), None) as url:
+        with pytest.raises(openai.APIStatusError) as caught:
+            client(url).chat.completions.create(model="stub-a", messages=HELLO)
+        assert caught.value.status_code == 502
+        assert caught.value.body["code"] == "upstream_unreachable"
+        assert httpx.get(url + "/ready").status_code == 503
+        assert httpx.get(url + "/health").status_code == 200
+
+
+def test_a_slow_first_byte_times_out_to_the_next_upstream(tmp_path, upstreams):
+    a, b = upstreams
+    script(a, {"delay_s": 3})
+    settings = front(tmp_path, a, b, proxy_first_byte_timeout_s=0.5, proxy_retries=0)
+    with serving(settings, None) as url:
+        started = time.monotonic()
+        raw = client(url).chat.completions.with_raw_response.create(model="stub-a", messages=HELLO)
+        assert raw.headers["x-kvgate-upstream"] == "up-1"
+        assert time.monotonic() - started < 2.5
+
+
+def test_a_stream_dropped_midway_ends_with_an_error_event_and_is_not_retried(tmp_path, upstreams):
+    a, b = upstreams
+    script(a, {"drop_after": 3})
+    with serving(front(tmp_path, a, b), None) as url:
+        with httpx.stream(
+            "POST", url + "/v1/chat/completions", json={"model": "stub-a", "messages": HELLO, "stream": True}
+        ) as r:
+            events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert '"error"' in events[-2] and "upstream_error" in events[-2]
+    assert len(events) == 3 + 2  # the three passed on whole, the error, [DONE]
+    assert (requests_seen(a), requests_seen(b)) == (1, 0)  # never retried after the first byte
+    with pytest.raises(openai.APIError, match="failed mid-stream"):
+        script(a, {"drop_after": 2})
+        with serving(front(tmp_path, a), None) as url:
+            list(client(url).chat.completions.create(model="stub-a", messages=HELLO, stream=True))
+
+
+def test_a_response_dropped_before_its_first_byte_is_retried(tmp_path, upstreams):
+    a, _ = upstreams
+    script(a, {"drop_after": 0})
+    with serving(front(tmp_path, a), None) as url:
+        answer = client(url).chat.completions.create(model="stub-a", messages=HELLO)
+    assert answer.choices[0].message.content == ANSWER
+    assert requests_seen(a) == 2
+
+
+def test_errors_of_the_upstream_pass_through_and_bad_input_stays_here(tmp_path, upstreams):
+    a, _ = upstreams
+    with serving(front(tmp_path, a), None) as url:
+        with pytest.raises(openai.NotFoundError):
+            client(url).chat.completions.create(model="nope", messages=HELLO)
+        r = httpx.post(url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": HELLO})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+        script(a, {"status": 400})
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "stub-a", "messages": HELLO})
+        assert r.status_code == 400  # not worth retrying: passed on as the upstream said it
+    assert requests_seen(a) == 1
+
+
+def test_the_semantic_cache_answers_in_front_of_the_upstream(tmp_path, upstreams):
+    a, _ = upstreams
+    with serving(front(tmp_path, a, semantic_cache=True), None) as url:
+        ask = {"model": "stub-a", "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+        first = httpx.post(url + "/v1/chat/completions", json={**ask, "temperature": 0})
+        assert first.headers["x-kvgate-cache"] == "miss"
+        again = httpx.post(url + "/v1/chat/completions", json={**ask, "temperature": 0, "stream": True})
+        assert again.headers["x-kvgate-cache"] == "hit"
+        text = "".join(
+            json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+            for line in again.text.splitlines()
+            if line.startswith("data: {")
+        )
+        assert text == ANSWER
+        other = httpx.post(
+            url + "/v1/chat/completions", json={**ask, "temperature": 0}, headers={"authorization": "Bearer x"}
+        )
+        assert other.headers["x-kvgate-cache"] == "miss"  # another caller, another tenant
+    assert requests_seen(a) == 2
+
+
+def test_program_order_in_front_of_a_busy_upstream(tmp_path, upstreams):
+    """One request at a time reaches the upstream; a program that started earlier goes first."""
+    a, _ = upstreams
+    script(a, {"chunk_delay_s": 0.1})  # the first request holds the only slot for ~1 s
+    upstream = {"name": "up-0", "base_url": a, "models": ["stub-a"], "max_in_flight": 1}
+    settings = Settings(upstreams=[upstream], semantic_cache=False, cache_dir=tmp_path)
+    finished: list[str] = []
+
+    async def ask(http: httpx.AsyncClient, url: str, program: str, tag: str, after: float) -> None:
+        await asyncio.sleep(after)
+        body = {"model": "stub-a", "messages": HELLO, "stream": True}
+        r = await http.post(url + "/v1/chat/completions", json=body, headers={"x-kvgate-program-id": program})
+        assert r.status_code == 200
+        finished.append(tag)
+
+    async def scenario(url: str) -> None:
+        async with httpx.AsyncClient(timeout=30) as http:
+            await asyncio.gather(
+                ask(http, url, "early", "early-1", 0.0),  # takes the slot
+                ask(http, url, "late", "late-1", 0.2),  # waits
+                ask(http, url, "early", "early-2", 0.4),  # waits, but its program came first
+            )
+
+    with serving(settings, None) as url:
+        asyncio.run(scenario(url))
+    assert finished == ["early-1", "early-2", "late-1"]
