@@ -11,9 +11,9 @@ from fastapi.responses import JSONResponse
 
 from gateway import documents, programs, semantic
 from gateway.errors import bad_request
-from gateway.keys import allow_model, spend
+from gateway.keys import allow_model
 from gateway.protocol import ChatCompletionRequest
-from gateway.serving import Served, chat_logprobs, collect, response_head, reuse_headers, streamed, usage
+from gateway.serving import Served, account, chat_logprobs, collect, response_head, reuse_headers, streamed, usage
 from runtime.engine import Result
 from runtime.sequence import Output
 from runtime.tokens import TemplateError, chat_prompt
@@ -56,7 +56,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 
         async def keep(whole: Result, counted: dict[str, Any]) -> None:
             await programs.end(request, served, turn)
-            await spend(request, counted["total_tokens"])
+            await account(request, served, counted, whole)
             await semantic.keep(served.semantic, cached, whole.text, whole.finish_reason, counted)
 
         chunks = render(served, body.logprobs)
@@ -67,7 +67,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     finally:
         await programs.end(request, served, turn)
     counted = usage(len(prompt), sum(f.completion_tokens for f in done.values()), done[0].cached_tokens)
-    await spend(request, counted["total_tokens"])
+    await account(request, served, counted, done[0])
     await semantic.keep(served.semantic, cached, done[0].text, done[0].finish_reason, counted)
     return JSONResponse(
         {

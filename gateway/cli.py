@@ -81,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     agents.add_argument("--sim-programs", type=int, default=300, help="programs in the simulator (0: no simulation)")
     agents.add_argument("--output", type=Path, default=Path("benchmarks/BENCHMARKS.md"))
 
+    gateway = kinds.add_parser("gateway", help="latency proxy mode adds, against calling the upstream directly")
+    gateway.add_argument("--requests", type=int, default=2000, help="timed requests per path")
+    gateway.add_argument("--output", type=Path, default=Path("benchmarks/BENCHMARKS.md"))
+
     calibrate = sub.add_parser("calibrate", help="pick and store the model's blend recompute ratio")
     musique_args(calibrate, limit=8, offset=100)
     calibrate.add_argument("--target", type=float, default=0.95, help="the fidelity the ratio must reach")
@@ -168,6 +172,12 @@ def run(args: argparse.Namespace, settings: Settings, argv: list[str] | None) ->
             args.output,
             command,
         )
+        return 0
+    if args.command == "bench" and args.kind == "gateway":
+        from benchmarks.gateway import bench_gateway
+
+        for name, found in bench_gateway(args.requests, args.output, command).items():
+            print(f"{name}: p50 {found['p50']:.2f} ms, p99 {found['p99']:.2f} ms")
         return 0
     if args.command == "bench":
         from benchmarks.prefill import bench_prefill

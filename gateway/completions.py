@@ -10,9 +10,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from gateway.errors import bad_request
-from gateway.keys import allow_model, spend
+from gateway.keys import allow_model
 from gateway.protocol import CompletionRequest
-from gateway.serving import Served, collect, completion_logprobs, response_head, reuse_headers, streamed, usage
+from gateway.serving import Served, account, collect, completion_logprobs, response_head, reuse_headers, streamed, usage
 from runtime.engine import Result
 from runtime.sequence import Output
 from runtime.tokens import text_prompt
@@ -42,14 +42,14 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         chunk_head = {**head, "object": "text_completion"}
         chunks = render(served, body.logprobs)
 
-        async def count(_: Result, counted: dict[str, Any]) -> None:
-            await spend(request, counted["total_tokens"])
+        async def count(whole: Result, counted: dict[str, Any]) -> None:
+            await account(request, served, counted, whole)
 
         return await streamed(served, body, choices, chunk_head, prompt_tokens, opening, chunks, on_done=count)
 
     done = await collect(request, served.engine, choices)
     counted = usage(prompt_tokens, sum(f.completion_tokens for f in done.values()))
-    await spend(request, counted["total_tokens"])
+    await account(request, served, counted, done[0])
     return JSONResponse(
         {
             **head,

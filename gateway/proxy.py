@@ -23,7 +23,6 @@ from gateway import semantic
 from gateway.admission import Gate, ProgramClock
 from gateway.errors import APIError, bad_request
 from gateway.keys import allow_model, spend
-from gateway.metrics import Metrics
 from gateway.programs import HEADER, PROGRAM_ID
 from gateway.protocol import ChatCompletionRequest
 from gateway.serving import SSE_HEADERS, sse
@@ -113,7 +112,6 @@ def passed_on(opened: Opened) -> dict[str, str]:
 
 async def forward(request: Request, path: str, chat: bool = False) -> Response:
     front: Front = request.app.state.front
-    metrics: Metrics = request.app.state.metrics
     raw = await request.body()
     body = parse(raw)
     model: str = body["model"]
@@ -125,7 +123,6 @@ async def forward(request: Request, path: str, chat: bool = False) -> Response:
     cached = semantic.Consult(headers={"x-kvgate-cache": "bypass"})
     if chat and front.semantic is not None:
         cached = await consult(request, front, body)
-        metrics.lookups.labels("semantic", cached.status).inc()
         if cached.status == "hit":
             head = {"id": f"chatcmpl-{request.state.request_id}", "created": int(time.time()), "model": model}
             return semantic.replay(cached, ChatCompletionRequest.model_validate(body), head)

@@ -86,6 +86,7 @@ async def consult(
         return out
     out.found = lookup = await asyncio.to_thread(cache.lookup, out.scope, out.query, None, queued)
     out.status = "hit" if lookup.hit else "miss"
+    request.app.state.metrics.lookups.labels("semantic", out.status).inc()
     out.headers = {"x-kvgate-cache": out.status, "x-kvgate-cache-category": lookup.category.name}
     if lookup.entry is not None:
         out.headers |= {"x-kvgate-similarity": f"{lookup.similarity:.4f}", "x-kvgate-cache-entry": lookup.entry.id}

@@ -15,6 +15,7 @@ from starlette.responses import StreamingResponse
 
 from agents import EngineCosts, Expirer, Programs
 from gateway.errors import APIError, bad_request, internal
+from gateway.keys import spend
 from gateway.protocol import Sampling
 from gateway.settings import Settings
 from runtime.engine import Engine, PromptTooLong, Result
@@ -149,6 +150,14 @@ def reuse_headers(done: Output | Result) -> dict[str, str]:
     if done.reuse:
         headers["x-kvgate-reuse"] = done.reuse
     return headers
+
+
+async def account(request: Request, served: Served, counted: dict[str, Any], done: Output | Result) -> None:
+    """A finished request in the metrics, and its tokens against the key's limit."""
+    metrics = request.app.state.metrics
+    metrics.usage(served.name, counted)
+    metrics.reuse(done.reuse, done.cached_tokens, done.recomputed_tokens)
+    await spend(request, counted["total_tokens"])
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:

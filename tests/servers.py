@@ -12,6 +12,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.settings import Settings
+from gateway.upstreams import Upstream
 from runtime.engine import Engine
 
 
@@ -34,10 +35,10 @@ def free_port(cluster: bool = False) -> int:
 
 
 @contextmanager
-def serving(settings: Settings, engine: Engine) -> Iterator[str]:
-    """The gateway over `engine` on loopback; yields its base URL."""
+def serving(settings: Settings, engine: Engine | None, workers: tuple[Upstream, ...] = ()) -> Iterator[str]:
+    """The gateway over `engine` (None: over upstreams, or `workers`) on loopback; yields its base URL."""
     port = free_port()
-    config = uvicorn.Config(create_app(settings, engine), host="127.0.0.1", port=port, log_level="warning")
+    config = uvicorn.Config(create_app(settings, engine, workers), host="127.0.0.1", port=port, log_level="warning")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -1,0 +1,142 @@
+"""Two real runtime worker processes behind a front: a request goes to the worker most likely to hold
+its documents or program (consistent hashing), spills over when that worker is busy, and a client
+that leaves mid-stream frees the worker's slot."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from gateway.routing import Ring
+from gateway.settings import Settings
+from gateway.workers import running
+from tests.servers import serving
+
+AUTH = {"authorization": "Bearer sk-anyone"}
+QUESTION = [{"role": "user", "content": "What does the passage say?"}]
+
+
+def passage(n: int) -> str:
+    return f"Passage {n}: the river town of Aldmere {n} holds a market on the {n % 28 + 1}th of each month."
+
+
+def owner(text: str) -> str:
+    return Ring(["worker-0", "worker-1"]).owner("text:" + hashlib.sha256(text.encode()).hexdigest())
+
+
+@pytest.fixture(scope="module")
+def front(loaded, tmp_path_factory) -> Iterator[tuple[str, dict[str, str]]]:
+    """The front's URL, and each worker's URL by name. `loaded` has converted the model already."""
+    settings = Settings(
+        workers=2,
+        max_num_seqs=4,
+        spill_at=1,
+        semantic_cache=False,
+        chunk_cache_dir=tmp_path_factory.mktemp("worker-chunks"),
+        chunk_cache_disk_bytes=0,
+    )
+    with running(settings, 2) as workers:
+        with serving(settings, None, workers) as url:
+            yield url, {w.name: w.base_url for w in workers}
+
+
+def chat(url: str, model: str, documents: list[dict], **body) -> httpx.Response:
+    payload = {"model": model, "messages": QUESTION, "documents": documents, "max_tokens": 4, "temperature": 0}
+    r = httpx.post(url + "/v1/chat/completions", json={**payload, **body}, headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_the_same_documents_go_to_the_same_worker_and_are_reused(front, model_name):
+    url, _ = front
+    docs = [{"text": passage(1)}, {"text": passage(2)}]
+    first, again = chat(url, model_name, docs), chat(url, model_name, docs)
+    assert first.headers["x-kvgate-upstream"] == again.headers["x-kvgate-upstream"]
+    assert int(again.headers["x-kvgate-reused-tokens"]) > 0  # the worker's own report, passed on
+
+
+def test_each_document_goes_to_the_worker_its_hash_names(front, model_name):
+    url, _ = front
+    texts = {}
+    for n in range(100, 140):
+        texts.setdefault(owner(passage(n)), passage(n))
+    assert set(texts) == {"worker-0", "worker-1"}
+    for worker, text in texts.items():
+        assert chat(url, model_name, [{"text": text}]).headers["x-kvgate-upstream"] == worker
+
+
+def test_a_program_stays_on_one_worker(front, model_name):
+    url, _ = front
+    seen = {chat(url, model_name, [], kvgate={"program_id": "agent-7"}).headers["x-kvgate-upstream"] for _ in range(3)}
+    assert len(seen) == 1
+
+
+def test_stored_documents_are_found_where_they_were_stored(front, model_name):
+    url, _ = front
+    stored = httpx.post(url + "/v1/documents", json={"text": passage(7)}, headers=AUTH, timeout=60)
+    assert stored.status_code == 200 and stored.headers["x-kvgate-upstream"] == owner(passage(7))
+    cited = chat(url, model_name, [{"id": stored.json()["id"]}])
+    assert cited.headers["x-kvgate-upstream"] == owner(passage(7))
+    assert int(cited.headers["x-kvgate-reused-tokens"]) > 0
+    shown = httpx.get(url + f"/v1/documents/{stored.json()['id']}", headers=AUTH)
+    assert shown.status_code == 200 and shown.json()["id"] == stored.json()["id"]
+
+
+def long_stream(url: str, model: str, text: str, opened: threading.Event, stop: threading.Event) -> None:
+    body = {
+        "model": model,
+        "messages": QUESTION,
+        "documents": [{"text": text}],
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120) as r:
+        for _ in r.iter_lines():
+            opened.set()
+            if stop.is_set():
+                return  # leaves mid-stream: the connection closes
+
+
+def running_at(worker_url: str) -> int:
+    return httpx.get(worker_url + "/ready").json()["running"]
+
+
+def test_a_busy_worker_spills_over_and_a_client_leaving_frees_its_slot(front, model_name):
+    url, workers = front
+    text = passage(11)
+    busy = owner(text)
+    opened, stop = threading.Event(), threading.Event()
+    streamer = threading.Thread(target=long_stream, args=(url, model_name, text, opened, stop))
+    streamer.start()
+    try:
+        assert opened.wait(60)
+        assert running_at(workers[busy]) == 1
+        spilled = chat(url, model_name, [{"text": text}])
+        assert spilled.headers["x-kvgate-upstream"] != busy  # spill_at=1: the preferred worker is busy
+    finally:
+        stop.set()
+        streamer.join(60)
+    deadline = time.monotonic() + 15
+    while running_at(workers[busy]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert running_at(workers[busy]) == 0  # the worker stopped generating for the client that left
+
+
+def ready_model(workers: dict[str, str]) -> str:
+    return httpx.get(next(iter(workers.values())) + "/v1/models").json()["data"][0]["id"]
+
+
+def test_the_front_reports_its_workers(front):
+    url, workers = front
+    ready = httpx.get(url + "/ready").json()
+    assert ready["upstreams"] == dict.fromkeys(workers, True)
+    text = httpx.get(url + "/metrics").text
+    assert 'kvgate_upstream_in_flight{upstream="worker-0"}' in text
+    models = httpx.get(url + "/v1/models", headers=AUTH).json()["data"]
+    assert [m["id"] for m in models] == [ready_model(workers)]
