@@ -33,3 +33,27 @@ def test_bad_values_are_refused(tmp_path) -> None:
         Settings.load(typo)
     with pytest.raises(pydantic.ValidationError):
         Settings.load(port=70000)
+
+
+def test_upstreams_from_the_file_become_the_proxy_config(tmp_path) -> None:
+    config = tmp_path / "gateway.yaml"
+    config.write_text(
+        "upstreams:\n"
+        "  - {base_url: 'http://10.0.0.5:8000/v1/', models: [llama]}\n"
+        "  - {name: hosted, base_url: 'https://api.example.com', models: {llama: meta/llama}, api_key: sk-x}\n"
+        "proxy_retries: 1\n"
+    )
+    proxy = Settings.load(config).proxy_config()
+    first, hosted = proxy.upstreams
+    assert (first.name, first.base_url, first.models) == ("upstream-0", "http://10.0.0.5:8000", {"llama": "llama"})
+    assert hosted.model_name("llama") == "meta/llama" and hosted.api_key == "sk-x"
+    assert proxy.retries == 1
+    with pytest.raises(pydantic.ValidationError):
+        Settings(upstreams=[{"models": ["x"]}])  # no base_url
+
+
+def test_keys_are_required_once_any_are_configured() -> None:
+    assert not Settings().keys_required
+    assert Settings(api_keys={"sk-a": "a"}).keys_required
+    assert not Settings(api_keys={"sk-a": "a"}, require_api_key=False).keys_required
+    assert Settings(require_api_key=True).keys_required  # keys created through the admin API only
