@@ -135,10 +135,13 @@ async def forward(request: Request, path: str, chat: bool = False) -> Response:
         body["stream_options"] = {**options, "include_usage": True}
 
     def payload(upstream: Upstream) -> bytes:
+        """The body for one upstream: renamed model; kvgate's own options only for kvgate's workers."""
         named = upstream.model_name(model)
-        if named == model and not changed:
+        ours = "kvgate" in body and not upstream.worker
+        if named == model and not changed and not ours:
             return raw
-        return json.dumps({**body, "model": named}).encode()
+        sent = {k: v for k, v in body.items() if k != "kvgate" or upstream.worker}
+        return json.dumps({**sent, "model": named}).encode()
 
     gate = front.pool.gates[order[0].name]
     await gate.acquire(front.clock.rank(program))

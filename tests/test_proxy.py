@@ -78,6 +78,11 @@ def test_forwards_the_body_as_sent(tmp_path, upstreams):
         assert stats["last_body"] == body  # fields kvgate does not know reach the upstream untouched
         assert stats["last_headers"]["x-request-id"] == "abc-1"
         assert "authorization" not in stats["last_headers"]  # the client's key is not passed on
+        ours = {**body, "kvgate": {"program_id": "p-1"}}
+        httpx.post(url + "/v1/chat/completions", json=ours).raise_for_status()
+        stats = httpx.get(a + "/_stats").json()
+        assert stats["last_body"] == body  # kvgate's own options stay here (a hosted API would refuse them)
+        assert stats["last_headers"]["x-kvgate-program-id"] == "p-1"
 
 
 def test_model_aliases_and_upstream_keys(tmp_path):
