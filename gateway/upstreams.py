@@ -139,13 +139,14 @@ class Pool:
             sent["authorization"] = f"Bearer {upstream.api_key}"
         url = upstream.base_url + path
         request = self.client.build_request(method, url, content=body or None, headers=sent)
-        response = await asyncio.wait_for(self.client.send(request, stream=True), self.config.first_byte_timeout_s)
-        chunks = response.aiter_raw()
-        try:
-            first = await asyncio.wait_for(anext(chunks, b""), self.config.first_byte_timeout_s)
-        except BaseException:
-            await response.aclose()
-            raise
+        async with asyncio.timeout(self.config.first_byte_timeout_s):  # no task per call, unlike wait_for
+            response = await self.client.send(request, stream=True)
+            chunks = response.aiter_raw()
+            try:
+                first = await anext(chunks, b"")
+            except BaseException:
+                await response.aclose()
+                raise
         return Opened(upstream, response, first, chunks)
 
     async def reachable(self, timeout_s: float = 2.0) -> dict[str, bool]:
