@@ -144,7 +144,7 @@ async def forward(request: Request, path: str, chat: bool = False) -> Response:
         return json.dumps({**sent, "model": named}).encode()
 
     gate = front.pool.gates[order[0].name]
-    await gate.acquire(front.clock.rank(program))
+    await gate.acquire(front.clock.rank(None if program is None else f"{request.state.tenant}/{program}"))
     try:
         opened = await front.pool.open(order, path, payload, lambda u: headers_for(request, u.worker, program))
     except BaseException:
