@@ -14,7 +14,6 @@ from gateway.errors import APIError
 from gateway.keys import Keys, bearer
 from gateway.limits import Limits
 from gateway.protocol import Body
-from gateway.serving import Served
 from semantic_cache import SemanticCache
 
 
@@ -63,10 +62,10 @@ async def revoke_key(key_id: str, request: Request) -> dict[str, Any]:
 
 
 def cache_of(request: Request) -> SemanticCache:
-    served: Served = request.app.state.served
-    if served.semantic is None:
+    cache: SemanticCache | None = request.app.state.semantic  # the runtime's or, in proxy mode, the front's
+    if cache is None:
         raise APIError(404, "the semantic cache is off (semantic_cache: false)", code="semantic_cache_off")
-    return served.semantic
+    return cache
 
 
 @router.get("")

@@ -144,11 +144,13 @@ def create_app(settings: Settings, engine: Engine | None, workers: tuple[Upstrea
     authenticated = [Depends(authenticate)]
     if front is not None:
         app.state.front = front
+        app.state.semantic = front.semantic
         app.include_router(proxy.router, dependencies=authenticated)
         metrics.watch(lambda: gate_metrics(front))
     else:
         assert engine is not None
         app.state.served = served = Served(settings, engine)
+        app.state.semantic = served.semantic
         for router in (chat.router, completions.router, documents.router):
             app.include_router(router, dependencies=authenticated)
         models_routes(app, served)

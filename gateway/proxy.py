@@ -11,6 +11,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import quote
 
 import anyio
 import httpx
@@ -318,10 +319,20 @@ async def store_document(request: Request) -> Response:
     return response
 
 
-@router.api_route("/v1/documents/{document_id}", methods=["GET", "DELETE"])
-async def document(document_id: str, request: Request) -> Response:
+async def by_id(request: Request, document_id: str) -> Response:
     front: Front = request.app.state.front
-    return await send_document(request, request.method, request.url.path, [front.owners.get(document_id, document_id)])
+    path = "/v1/documents/" + quote(document_id, safe="")  # as it came: never a path of another route
+    return await send_document(request, request.method, path, [front.owners.get(document_id, document_id)])
+
+
+@router.get("/v1/documents/{document_id}")
+async def show_document(document_id: str, request: Request) -> Response:
+    return await by_id(request, document_id)
+
+
+@router.delete("/v1/documents/{document_id}")
+async def delete_document(document_id: str, request: Request) -> Response:
+    return await by_id(request, document_id)
 
 
 @router.post("/v1/chat/completions")

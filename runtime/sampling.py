@@ -58,6 +58,7 @@ def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         # Drop a token once the mass before it already reaches top_p; the best token always stays.
         drop = cumulative - sorted_logits.softmax(-1) >= params.top_p
+        drop[0] = False  # a top_p below float32's smallest value (5e-324) would compare as 0 and drop it too
         logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
     probs = logits.softmax(-1)
     return int(torch.multinomial(probs, 1, generator=generator))

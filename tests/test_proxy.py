@@ -191,10 +191,18 @@ def test_errors_of_the_upstream_pass_through_and_bad_input_stays_here(tmp_path, 
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
         r = httpx.post(url + "/v1/chat/completions", json={"messages": HELLO})
         assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+        assert httpx.get(url + "/v1/documents/%1F").status_code == 404  # found by fuzzing: it was a 500
         script(a, {"status": 400})
         r = httpx.post(url + "/v1/chat/completions", json={"model": "stub-a", "messages": HELLO})
         assert r.status_code == 400  # not worth retrying: passed on as the upstream said it
     assert requests_seen(a) == 1
+
+
+def test_admin_endpoints_reach_the_fronts_semantic_cache(tmp_path, upstreams):
+    a, _ = upstreams
+    with serving(front(tmp_path, a, semantic_cache=True, admin_key="sk-admin"), None) as url:
+        r = httpx.get(url + "/admin/semantic-cache", headers={"authorization": "Bearer sk-admin"})
+        assert r.status_code == 200 and r.json()["object"] == "semantic_cache"
 
 
 def test_the_semantic_cache_answers_in_front_of_the_upstream(tmp_path, upstreams):

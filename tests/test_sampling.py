@@ -28,6 +28,10 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     assert draws(SamplingParams(top_p=0.81)) == {0, 1, 2}
 
 
+def test_a_top_p_too_small_for_float32_keeps_the_best_token() -> None:
+    assert draws(SamplingParams(top_p=5e-324), 20) == {0}  # found by fuzzing: it was a 500
+
+
 def test_full_distribution_reaches_every_token() -> None:
     assert draws(SamplingParams(temperature=1.0), 2000) == {0, 1, 2, 3}
 
