@@ -4,6 +4,7 @@ one run; both servers are processes of their own on loopback."""
 
 from __future__ import annotations
 
+import logging
 import random
 import socket
 import statistics
@@ -91,6 +92,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def bench_gateway(requests: int, output: Path, command: str) -> dict[str, dict[str, float]]:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     with (
         tempfile.TemporaryDirectory() as folder,
         serve_upstream(models=(MODEL,)) as upstream,
