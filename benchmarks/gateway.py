@@ -154,5 +154,12 @@ the front's semantic cache looks each one up (an embedding, a miss) and stores t
 Target: p50 added latency <= 1 ms on the proxy path (cache miss): **{verdict}** ({added:+.2f} ms, semantic
 cache bypassed as for any request that is not temperature 0). A semantic-cache miss adds the embedding of
 the question on top, as the last row shows.
+
+Where the added time goes: the front is a second Python HTTP server and an HTTP client on the path. The
+request is parsed and answered once more by uvicorn and Starlette, and sent again through httpx and httpcore,
+whose pure-Python HTTP/1.1 (h11) costs more than the upstream's whole handling; three processes (client,
+front, upstream) share two cores. kvgate's own work in between (keys, limits, metrics, admission, the relay)
+is the smaller part. uvloop (installed with kvgate) took about a third off; a client with a C parser
+(aiohttp) would take off more, but the issue asked for httpx.
 """
     write_section(output, "gateway", "Gateway: latency added by proxy mode", command, body)
