@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import logging
 import random
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -17,10 +14,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-import yaml
 
 from benchmarks.report import table, write_section
 from benchmarks.upstream import serve_upstream
+from gateway.workers import serving
 
 MODEL = "stub-a"
 
@@ -28,36 +25,14 @@ MODEL = "stub-a"
 @contextmanager
 def front(upstream: str, semantic: bool, cache_dir: Path) -> Iterator[str]:
     """A kvgate front over `upstream`, as `kvgate serve` runs it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     config = {
-        "host": "127.0.0.1",
-        "port": port,
         "upstreams": [{"base_url": upstream, "models": [MODEL]}],
         "semantic_cache": semantic,
         "cache_dir": str(cache_dir),
         "log_level": "warning",
     }
-    path = cache_dir / "front.yaml"
-    path.write_text(yaml.safe_dump(config))
-    process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "--config", str(path), "serve"])
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the kvgate front did not start")
-            time.sleep(0.2)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(15)
+    with serving(config, cache_dir) as process:
+        yield process.url
 
 
 def timer(http: httpx.Client, url: str, stream: bool, temperature: float | None) -> Callable[[int], float]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ log = logging.getLogger("kvgate.keys")
 REDIS_PREFIX = "kvgate:key:"
 CACHE_S = 5.0  # a key revoked in Redis stops working in other processes within this long
 CACHE_MAX = 10_000
+KEY_ID = re.compile(r"^key-[0-9a-f]{16}$")
 
 
 def digest(token: str) -> str:
@@ -67,7 +69,7 @@ class Keys:
         self.required, self.default = required, default
         self.known: dict[str, Key] = {}  # sha256 of the key -> Key
         for token, spec in configured.items():
-            hashed = token.removeprefix("sha256:") if token.startswith("sha256:") else digest(token)
+            hashed = token.removeprefix("sha256:").lower() if token.startswith("sha256:") else digest(token)
             self.known[hashed] = key_of(hashed, spec, "settings", default)
         self.redis = aioredis.from_url(redis_url) if redis_url else None
         self.cached: dict[str, tuple[float, Key | None]] = {}
@@ -94,7 +96,8 @@ class Keys:
     async def create(self, tenant: str, models: list[str], limits: Limits) -> tuple[str, Key]:
         token = "sk-kvgate-" + secrets.token_urlsafe(32)
         hashed = digest(token)
-        spec = {"tenant": tenant, "models": models, "rpm": limits.rpm, "tpm": limits.tpm}
+        given = {"tenant": tenant, "models": models, "rpm": limits.rpm, "tpm": limits.tpm}
+        spec = {k: v for k, v in given.items() if v is not None}  # a limit not given: the default
         if self.redis is not None:
             await self.redis.set(REDIS_PREFIX + hashed, json.dumps(spec))
             return token, key_of(hashed, spec, "redis", self.default)
@@ -113,6 +116,8 @@ class Keys:
 
     async def revoke(self, key_id: str) -> bool:
         """Revoke a created key (one from the settings file stays until the file changes)."""
+        if not KEY_ID.match(key_id):
+            return False
         for hashed, key in list(self.known.items()):
             if key.id == key_id and key.source == "memory":
                 del self.known[hashed]
@@ -150,7 +155,7 @@ async def authenticate(request: Request) -> None:
     if limits.rpm is None and limits.tpm is None:
         return
     limiter: Limiter = request.app.state.limiter
-    verdict = await limiter.admit(key.id if key else request.state.tenant, limits)
+    verdict = await limiter.admit(budget_of(request), limits)
     request.state.response_headers = dict(verdict.headers)
     if not verdict.allowed:
         wait = max(1, int(verdict.retry_after_s + 0.999))
@@ -166,6 +171,13 @@ async def authenticate(request: Request) -> None:
         )
 
 
+def budget_of(request: Request) -> str:
+    """Whose rate limits: the key's; a caller without a key is counted by address (a bearer token it
+    makes up must not buy a new budget)."""
+    key: Key | None = request.state.key
+    return key.id if key else "addr:" + (request.client.host if request.client else "")
+
+
 def allow_model(request: Request, model: str) -> None:
     key: Key | None = request.state.key
     if key is not None and not key.allows(model):
@@ -178,4 +190,4 @@ async def spend(request: Request, tokens: int) -> None:
     limits = key.limits if key else request.app.state.keys.default
     if limits.tpm is not None and tokens > 0:
         limiter: Limiter = request.app.state.limiter
-        await limiter.spend(key.id if key else request.state.tenant, limits, tokens)
+        await limiter.spend(budget_of(request), limits, tokens)

@@ -18,13 +18,13 @@ HEADER = "x-kvgate-program-id"
 PROGRAM_ID = re.compile(r"^[A-Za-z0-9._:/@+=-]{1,256}$")
 
 
-def program_of(request: Request, body: ChatCompletionRequest) -> str | None:
+def program_of(request: Request, given: object) -> str | None:
+    """The program id of a request: its header, or `given` (the body's kvgate.program_id)."""
     header = request.headers.get(HEADER)
-    given = body.kvgate.program_id if body.kvgate else None
     if header is not None and given is not None and header != given:
         raise bad_request(f"the {HEADER} header and kvgate.program_id differ", "kvgate.program_id")
     program = header if header is not None else given
-    if program is not None and not PROGRAM_ID.match(program):
+    if program is not None and not (isinstance(program, str) and PROGRAM_ID.match(program)):
         raise bad_request(
             "a program id is 1 to 256 letters, digits or ._:/@+=- characters", "kvgate.program_id", "invalid_value"
         )
@@ -35,7 +35,7 @@ def begin(
     request: Request, served: Served, body: ChatCompletionRequest, messages: list[dict[str, Any]], tokens: int
 ) -> Turn | None:
     """The request's turn in its program; None for a request without a program id."""
-    program = program_of(request, body)
+    program = program_of(request, body.kvgate.program_id if body.kvgate else None)
     if program is None:
         return None
     return served.programs.begin(program, request.state.tenant, messages, tokens)

@@ -4,6 +4,7 @@ forwarded as they came unless a field must change; SSE events are passed on as e
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import re
@@ -13,7 +14,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import quote
 
-import anyio
 import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -21,12 +21,12 @@ from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
 from gateway import semantic
-from gateway.admission import Gate, ProgramClock
+from gateway.admission import ProgramClock
 from gateway.errors import APIError, bad_request
 from gateway.keys import allow_model, spend
-from gateway.programs import HEADER, PROGRAM_ID
+from gateway.programs import HEADER, program_of
 from gateway.protocol import ChatCompletionRequest
-from gateway.serving import SSE_HEADERS, sse
+from gateway.serving import SSE_HEADERS, hang_up, sse
 from gateway.settings import Settings
 from gateway.upstreams import Opened, Pool, ProxyConfig, Upstream
 from semantic_cache import SemanticCache
@@ -48,7 +48,8 @@ class Front:
         self.created = int(time.time())
 
     def identity(self, model: str) -> dict[str, str]:
-        return {"model": model, "upstreams": ",".join(u.name for u in self.pool.candidates(model))}
+        serving = sorted(u.name for u in self.pool.config.upstreams if u.serves(model))  # not by load: stable
+        return {"model": model, "upstreams": ",".join(serving)}
 
     def queued(self) -> int:
         return sum(g.load for g in self.pool.gates.values())
@@ -76,14 +77,6 @@ def parse(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def program_of(request: Request, body: dict[str, Any]) -> str | None:
-    options = body.get("kvgate") if isinstance(body.get("kvgate"), dict) else {}
-    program = request.headers.get(HEADER) or options.get("program_id")
-    if program is not None and (not isinstance(program, str) or not PROGRAM_ID.match(program)):
-        raise bad_request("a program id is 1 to 256 letters, digits or ._:/@+=- characters", "kvgate.program_id")
-    return program
-
-
 def affinity(front: Front, body: dict[str, Any], program: str | None) -> list[str]:
     """What a worker may hold for this request: its program's context, else its documents."""
     if program is not None:
@@ -102,7 +95,7 @@ def headers_for(request: Request, upstream_is_worker: bool, program: str | None)
     if program is not None:
         sent[HEADER] = program
     if upstream_is_worker:  # a worker scopes its caches by the bearer token: one per tenant
-        sent["authorization"] = "Bearer tenant:" + request.state.tenant
+        sent["authorization"] = "Bearer tenant-" + hashlib.sha256(request.state.tenant.encode()).hexdigest()
     return sent
 
 
@@ -117,7 +110,8 @@ async def forward(request: Request, path: str, chat: bool = False) -> Response:
     body = parse(raw)
     model: str = body["model"]
     allow_model(request, model)
-    program = program_of(request, body)
+    options = body.get("kvgate") if isinstance(body.get("kvgate"), dict) else {}
+    program = program_of(request, options.get("program_id"))
     order = front.pool.candidates(model, affinity(front, body, program))
     if not order:
         raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
@@ -144,23 +138,46 @@ async def forward(request: Request, path: str, chat: bool = False) -> Response:
         sent = {k: v for k, v in body.items() if k != "kvgate" or upstream.worker}
         return json.dumps({**sent, "model": named}).encode()
 
-    gate = front.pool.gates[order[0].name]
-    await gate.acquire(front.clock.rank(None if program is None else f"{request.state.tenant}/{program}"))
-    try:
-        opened = await front.pool.open(order, path, payload, lambda u: headers_for(request, u.worker, program))
-    except BaseException:
-        gate.release()
-        raise
-    relay = Relay(request, front, opened, gate, model, cached, keep_usage=asked_usage)
+    tenant_program = None if program is None else f"{request.state.tenant}/{program}"
+    opened = await front.pool.open(
+        order,
+        path,
+        payload,
+        lambda u: headers_for(request, u.worker, program),
+        rank=front.clock.rank(tenant_program),
+        stream=stream,
+    )
+    relay = Relay(request, front, opened, model, cached, keep_usage=asked_usage)
     sent = passed_on(opened) | cached.headers
     if not stream or opened.response.status_code != 200:
-        try:
-            content = opened.first + b"".join([c async for c in opened.chunks])
-        finally:
-            await relay.close()
+        content = await whole(request, opened)
         await relay.settle_whole(content)
         return Response(content, opened.response.status_code, headers=sent)
     return Streamed(relay, headers=SSE_HEADERS | sent)
+
+
+async def whole(request: Request, opened: Opened) -> bytes:
+    """The rest of an answer that is not streamed; the upstream is let go if the client hangs up."""
+
+    async def read() -> bytes:
+        return opened.first + b"".join([c async for c in opened.chunks])
+
+    reading, watching = asyncio.create_task(read()), asyncio.create_task(hang_up(request))
+    try:
+        await asyncio.wait({reading, watching}, return_when=asyncio.FIRST_COMPLETED)
+        if not reading.done():
+            reading.cancel()
+            raise APIError(499, "the client closed the request")
+        return reading.result()
+    except httpx.HTTPError as exc:
+        name = opened.upstream.name
+        status = 504 if isinstance(exc, httpx.TimeoutException) else 502
+        raise APIError(
+            status, f"upstream {name} failed mid-answer: {type(exc).__name__}", code="upstream_error"
+        ) from exc
+    finally:
+        watching.cancel()
+        await opened.close()
 
 
 async def consult(request: Request, front: Front, body: dict[str, Any]) -> semantic.Consult:
@@ -187,28 +204,16 @@ class Relay:
         request: Request,
         front: Front,
         opened: Opened,
-        gate: Gate,
         model: str,
         cached: semantic.Consult,
         keep_usage: bool,
     ) -> None:
-        self.request, self.front, self.opened, self.gate = request, front, opened, gate
+        self.request, self.front, self.opened = request, front, opened
         self.model, self.cached, self.keep_usage = model, cached, keep_usage
         self.text: list[str] = []
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] = {}
         self.done = False
-        self.closed = False
-
-    async def close(self) -> None:
-        """Once, whatever happened: the upstream connection closed (a worker sees the client leave)
-        and the gate's slot freed. Shielded: a client gone cancels everything around it."""
-        if self.closed:
-            return
-        self.closed = True
-        with anyio.CancelScope(shield=True):
-            await self.opened.close()
-        self.gate.release()
 
     async def events(self) -> AsyncIterator[bytes]:
         buffer = self.opened.first
@@ -229,7 +234,7 @@ class Relay:
             yield sse("[DONE]").encode()
             return
         finally:
-            await self.close()
+            await self.opened.close()
         await self.settle()
 
     def read(self, event: bytes) -> bool:
@@ -287,21 +292,19 @@ class Streamed(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.relay.close()
+            await self.relay.opened.close()
 
 
 async def send_document(request: Request, method: str, path: str, keys: list[str]) -> Response:
-    """A document request, sent where its KV lives (or will): the worker its text hashes to."""
+    """A document request, sent where its KV lives (or will): the worker its text hashes to. Only
+    kvgate's own workers keep documents; a document's text never goes to another upstream."""
     front: Front = request.app.state.front
-    order = front.pool.candidates(None, keys)
+    order = [u for u in front.pool.candidates(None, keys) if u.worker]
+    if not order:
+        raise APIError(404, "documents are kept by kvgate's runtime workers; this gateway has none", code="no_workers")
     raw = await request.body() if method == "POST" else b""
     opened = await front.pool.open(order, path, lambda _: raw, lambda u: headers_for(request, u.worker, None), method)
-    try:
-        content = opened.first + b"".join([c async for c in opened.chunks])
-    finally:
-        with anyio.CancelScope(shield=True):
-            await opened.close()
-    return Response(content, opened.response.status_code, headers=passed_on(opened))
+    return Response(await whole(request, opened), opened.response.status_code, headers=passed_on(opened))
 
 
 @router.post("/v1/documents")

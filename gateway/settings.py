@@ -170,6 +170,9 @@ class Settings(BaseSettings):
             models = dict(zip(u.models, u.models)) if isinstance(u.models, list) else dict(u.models)
             base_url = u.base_url.rstrip("/").removesuffix("/v1")
             upstreams.append(Upstream(u.name or f"upstream-{i}", base_url, models, u.api_key, u.max_in_flight))
+        names = [u.name for u in upstreams]
+        if len(set(names)) < len(names):
+            raise ValueError(f"upstreams: each needs a name of its own, got {names}")
         return ProxyConfig(
             tuple(upstreams),
             retries=self.proxy_retries,

@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
+import anyio
 import httpx
 
 from gateway.admission import Gate
@@ -50,15 +52,27 @@ class ProxyConfig:
 
 @dataclass
 class Opened:
-    """An upstream's answer whose status and headers and first body bytes have arrived."""
+    """An upstream's answer whose status, headers and first body bytes have arrived. It holds a slot of
+    the upstream's gate until closed."""
 
     upstream: Upstream
     response: httpx.Response
     first: bytes
-    chunks: object = field(repr=False)  # the rest of the body, an async iterator of bytes
+    chunks: AsyncIterator[bytes] = field(repr=False)  # the rest of the body
+    gate: Gate = field(repr=False)
+    closed: bool = False
 
     async def close(self) -> None:
-        await self.response.aclose()
+        """Once, whatever happened: the connection closed (a worker sees the client leave), the slot
+        freed. Shielded: a client gone cancels everything around it."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            with anyio.CancelScope(shield=True):
+                await self.response.aclose()
+        finally:
+            self.gate.release()
 
 
 def retry_after(value: str | None) -> float | None:
@@ -98,48 +112,67 @@ class Pool:
         body: Callable[[Upstream], bytes],
         headers: Callable[[Upstream], dict[str, str]],
         method: str = "POST",
+        rank: float | None = None,
+        stream: bool = False,
     ) -> Opened:
-        """POST to the first upstream that answers; an error status not worth retrying (or the last
-        upstream's last) is returned as the answer. Raises APIError 502/504 when none answered at all."""
+        """Send to the first upstream that answers, waiting at its gate in `rank` order. An error status
+        not worth retrying (or the last one left) is returned as the answer. Raises APIError 502/504 when
+        none answered at all. A stream's first bytes must come within the first-byte timeout; a whole
+        answer only comes once generated, so it has the read timeout."""
         if not order:
             raise APIError(404, "no upstream serves this model", "model", "model_not_found")
         failure = APIError(502, "no upstream answered", code="upstream_unreachable")
+        rank = time.monotonic() if rank is None else rank
         for upstream in order:
-            for attempt in range(self.config.retries + 1):
-                last = upstream is order[-1] and attempt == self.config.retries
-                wait = self.delay(attempt)
-                try:
-                    opened = await self.send(upstream, method, path, body(upstream), headers(upstream))
-                except (httpx.TimeoutException, TimeoutError):
-                    failure = APIError(504, f"upstream {upstream.name} timed out", code="upstream_timeout")
-                    log.warning("upstream %s: timed out (try %d)", upstream.name, attempt + 1)
-                except httpx.TransportError as exc:
-                    failure = APIError(502, f"upstream {upstream.name} is unreachable", code="upstream_unreachable")
-                    log.warning("upstream %s: %s (try %d)", upstream.name, type(exc).__name__, attempt + 1)
-                else:
-                    status = opened.response.status_code
-                    if status not in RETRYABLE or last:
-                        return opened
-                    await opened.close()
-                    log.warning("upstream %s: status %d (try %d)", upstream.name, status, attempt + 1)
-                    after = retry_after(opened.response.headers.get("retry-after"))
-                    if after is not None and after > self.config.max_backoff_s:
-                        break  # its limit lifts too late: the next upstream now
-                    wait = max(wait, after or 0.0)
-                if attempt < self.config.retries:  # the next upstream is tried at once
-                    await asyncio.sleep(wait)
+            gate = self.gates[upstream.name]
+            await gate.acquire(rank)
+            handed = False
+            try:
+                for attempt in range(self.config.retries + 1):
+                    last_try = attempt == self.config.retries
+                    wait = self.delay(attempt)
+                    try:
+                        response, first, rest = await self.send(
+                            upstream, method, path, body(upstream), headers(upstream), stream
+                        )
+                    except (httpx.TimeoutException, TimeoutError):
+                        failure = APIError(504, f"upstream {upstream.name} timed out", code="upstream_timeout")
+                        log.warning("upstream %s: timed out (try %d)", upstream.name, attempt + 1)
+                    except httpx.TransportError as exc:
+                        failure = APIError(502, f"upstream {upstream.name} is unreachable", code="upstream_unreachable")
+                        log.warning("upstream %s: %s (try %d)", upstream.name, type(exc).__name__, attempt + 1)
+                    else:
+                        status = response.status_code
+                        after = retry_after(response.headers.get("retry-after"))
+                        too_late = after is not None and after > self.config.max_backoff_s
+                        if status not in RETRYABLE or (upstream is order[-1] and (last_try or too_late)):
+                            handed = True  # the answer holds the slot now
+                            return Opened(upstream, response, first, rest, gate)
+                        await response.aclose()
+                        log.warning("upstream %s: status %d (try %d)", upstream.name, status, attempt + 1)
+                        if too_late:
+                            break  # its limit lifts too late: the next upstream now
+                        wait = max(wait, after or 0.0)
+                    if not last_try:  # the next upstream is tried at once
+                        await asyncio.sleep(wait)
+            finally:
+                if not handed:
+                    gate.release()
         raise failure
 
     def delay(self, attempt: int) -> float:
         return min(self.config.backoff_s * 2**attempt, self.config.max_backoff_s) * random.uniform(0.5, 1.0)
 
-    async def send(self, upstream: Upstream, method: str, path: str, body: bytes, headers: dict[str, str]) -> Opened:
+    async def send(
+        self, upstream: Upstream, method: str, path: str, body: bytes, headers: dict[str, str], stream: bool
+    ) -> tuple[httpx.Response, bytes, AsyncIterator[bytes]]:
+        """The upstream's response, its first body bytes (a failure before them may be retried), the rest."""
         sent = {**headers, "content-type": "application/json", "accept-encoding": "identity"}
         if upstream.api_key:
             sent["authorization"] = f"Bearer {upstream.api_key}"
-        url = upstream.base_url + path
-        request = self.client.build_request(method, url, content=body or None, headers=sent)
-        async with asyncio.timeout(self.config.first_byte_timeout_s):  # no task per call, unlike wait_for
+        request = self.client.build_request(method, upstream.base_url + path, content=body or None, headers=sent)
+        deadline = self.config.first_byte_timeout_s if stream else None
+        async with asyncio.timeout(deadline):  # no task per call, unlike wait_for
             response = await self.client.send(request, stream=True)
             chunks = response.aiter_raw()
             try:
@@ -147,7 +180,7 @@ class Pool:
             except BaseException:
                 await response.aclose()
                 raise
-        return Opened(upstream, response, first, chunks)
+        return response, first, chunks
 
     async def reachable(self, timeout_s: float = 2.0) -> dict[str, bool]:
         """Whether each upstream answers `GET /v1/models` (any status: the server is up)."""

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import httpx
 import yaml
@@ -55,21 +56,41 @@ def worker_settings(settings: Settings, index: int, port: int) -> dict[str, obje
     return values
 
 
+def launch(name: str, values: dict[str, object], folder: Path, output: IO[bytes] | None = None) -> Worker:
+    """`kvgate serve` as its own process, with `values` as its settings file (the environment's KVGATE_*
+    left out: the file says it all). `values` must hold a port."""
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(values))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    command = [sys.executable, "-m", "gateway.cli", "--config", str(path), "serve"]
+    process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT if output else None)
+    return Worker(name, f"http://{values.get('host', '127.0.0.1')}:{values['port']}", process)
+
+
+@contextmanager
+def serving(
+    values: dict[str, object], folder: Path, output: IO[bytes] | None = None, within_s: float = READY_S
+) -> Iterator[Worker]:
+    """One `kvgate serve` process on a free loopback port, once it is ready; stopped at exit."""
+    worker = launch("kvgate", {"host": "127.0.0.1", "port": free_port(), **values}, folder, output)
+    try:
+        wait_ready(worker, within_s)
+        yield worker
+    finally:
+        stop([worker])
+
+
 @contextmanager
 def running(settings: Settings, n: int) -> Iterator[tuple[Upstream, ...]]:
     """Start `n` workers, wait until each is ready, yield them as upstreams; stop them at exit."""
     workers: list[Worker] = []
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}  # the file says it all
     with tempfile.TemporaryDirectory(prefix="kvgate-workers-") as folder:
         try:
-            for i in range(n):
-                port = free_port()
-                path = Path(folder) / f"worker-{i}.yaml"
-                path.write_text(yaml.safe_dump(worker_settings(settings, i, port)))
-                command = [sys.executable, "-m", "gateway.cli", "--config", str(path), "serve"]
-                process = subprocess.Popen(command, env=env)
-                workers.append(Worker(f"worker-{i}", f"http://127.0.0.1:{port}", process))
-            names = [wait_ready(w) for w in workers]
+            for i in range(n):  # all start at once; then each is waited for
+                workers.append(launch(f"worker-{i}", worker_settings(settings, i, free_port()), Path(folder)))
+            for w in workers:
+                wait_ready(w)
+            names = [httpx.get(w.url + "/v1/models", timeout=5).json()["data"][0]["id"] for w in workers]
             yield tuple(
                 Upstream(w.name, w.url, {name: name}, max_in_flight=2 * settings.max_num_seqs, worker=True)
                 for w, name in zip(workers, names)
@@ -78,19 +99,18 @@ def running(settings: Settings, n: int) -> Iterator[tuple[Upstream, ...]]:
             stop(workers)
 
 
-def wait_ready(worker: Worker) -> str:
-    """Poll until the worker is ready; the model name it serves."""
-    deadline = time.monotonic() + READY_S
+def wait_ready(worker: Worker, within_s: float = READY_S) -> None:
+    deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         if worker.process.poll() is not None:
             raise RuntimeError(f"{worker.name} exited with status {worker.process.returncode}")
         try:
             if httpx.get(worker.url + "/ready", timeout=2).status_code == 200:
-                return httpx.get(worker.url + "/v1/models", timeout=5).json()["data"][0]["id"]
+                return
         except httpx.HTTPError:
             pass
-        time.sleep(0.25)
-    raise RuntimeError(f"{worker.name} was not ready within {READY_S:.0f} s")
+        time.sleep(0.2)
+    raise RuntimeError(f"{worker.name} was not ready within {within_s:.0f} s")
 
 
 def stop(workers: list[Worker]) -> None:

@@ -19,22 +19,19 @@ import asyncio
 import json
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
 from benchmarks.upstream import serve_upstream
+from gateway.workers import serving
 from tests.conftest import QUESTIONS
-from tests.servers import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
 Body = Callable[[int], dict[str, Any]]
 Check = Callable[[str], None]
 
@@ -56,35 +53,13 @@ class Server:
 @contextmanager
 def kvgate(tmp_path: Path, ready_within_s: float, **settings: Any) -> Iterator[Server]:
     """`python -m gateway.cli serve` with these settings in its YAML file, on a free loopback port, once /ready."""
-    port = free_port()
-    config = tmp_path / "kvgate.yaml"
-    config.write_text(yaml.safe_dump({"host": "127.0.0.1", "port": port, "log_level": "warning", **settings}))
     log = tmp_path / "kvgate.log"
-    with log.open("wb") as out:
-        command = [sys.executable, "-m", "gateway.cli", "--config", str(config), "serve"]
-        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    server = Server(f"http://127.0.0.1:{port}", process, log)
-    try:
-        deadline = time.monotonic() + ready_within_s
-        while not ready(server.url):
-            assert process.poll() is None, f"kvgate exited with {process.returncode}:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"kvgate not ready within {ready_within_s} s:\n{log.read_text()}"
-            time.sleep(0.2)
-        yield server
-    finally:
-        process.terminate()
+    with log.open("wb") as out, ExitStack() as stack:
         try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def ready(url: str) -> bool:
-    try:
-        return httpx.get(url + "/ready", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
+            worker = stack.enter_context(serving({"log_level": "warning", **settings}, tmp_path, out, ready_within_s))
+        except RuntimeError as exc:
+            raise AssertionError(f"{exc}:\n{log.read_text()}") from None
+        yield Server(worker.url, worker.process, log)
 
 
 # --- clients ---------------------------------------------------------------------------------------------

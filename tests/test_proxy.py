@@ -144,15 +144,36 @@ def test_an_unreachable_upstream_is_skipped_and_none_reachable_is_a_502(tmp_path
         assert httpx.get(url + "/health").status_code == 200
 
 
-def test_a_slow_first_byte_times_out_to_the_next_upstream(tmp_path, upstreams):
+def test_a_stream_slow_to_its_first_byte_times_out_to_the_next_upstream(tmp_path, upstreams):
     a, b = upstreams
     script(a, {"delay_s": 3})
     settings = front(tmp_path, a, b, proxy_first_byte_timeout_s=0.5, proxy_retries=0)
     with serving(settings, None) as url:
         started = time.monotonic()
-        raw = client(url).chat.completions.with_raw_response.create(model="stub-a", messages=HELLO)
-        assert raw.headers["x-kvgate-upstream"] == "up-1"
+        body = {"model": "stub-a", "messages": HELLO, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            assert r.headers["x-kvgate-upstream"] == "up-1"
         assert time.monotonic() - started < 2.5
+
+
+def test_a_whole_answer_may_take_longer_than_the_first_byte_timeout(tmp_path, upstreams):
+    """A non-streamed answer has no bytes before it is generated: only the read timeout applies."""
+    a, b = upstreams
+    script(a, {"delay_s": 1})
+    settings = front(tmp_path, a, b, proxy_first_byte_timeout_s=0.5, proxy_retries=0)
+    with serving(settings, None) as url:
+        raw = client(url).chat.completions.with_raw_response.create(model="stub-a", messages=HELLO)
+    assert raw.headers["x-kvgate-upstream"] == "up-0"
+    assert (requests_seen(a), requests_seen(b)) == (1, 0)
+
+
+def test_a_429_that_lifts_late_on_the_last_upstream_is_passed_on(tmp_path, upstreams):
+    a, _ = upstreams
+    script(a, {"status": 429, "retry_after": 30})
+    with serving(front(tmp_path, a), None) as url:
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "stub-a", "messages": HELLO})
+    assert r.status_code == 429 and r.headers["retry-after"] == "30"
+    assert requests_seen(a) == 1
 
 
 def test_a_stream_dropped_midway_ends_with_an_error_event_and_is_not_retried(tmp_path, upstreams):
