@@ -122,12 +122,12 @@ async def forward(request: Request, path: str, chat: bool = False) -> Response:
             head = {"id": f"chatcmpl-{request.state.request_id}", "created": int(time.time()), "model": model}
             return semantic.replay(cached, ChatCompletionRequest.model_validate(body), head)
     stream = body.get("stream") is True
-    options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
-    asked_usage = options.get("include_usage") is True
+    stream_options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+    asked_usage = stream_options.get("include_usage") is True
     # The tokens of a stream are counted from its usage chunk: asked for here if the client did not.
     changed = stream and not asked_usage
     if changed:
-        body["stream_options"] = {**options, "include_usage": True}
+        body["stream_options"] = {**stream_options, "include_usage": True}
 
     def payload(upstream: Upstream) -> bytes:
         """The body for one upstream: renamed model; kvgate's own options only for kvgate's workers."""
