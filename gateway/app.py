@@ -19,7 +19,7 @@ from gateway import admin, chat, completions, documents, errors, proxy
 from gateway.errors import APIError, internal
 from gateway.keys import Keys, authenticate
 from gateway.limits import limiter as make_limiter
-from gateway.metrics import CONTENT_TYPE, Metrics, Observe, counter, gauge, tier_metrics
+from gateway.metrics import CONTENT_TYPE, Metrics, Observe, counter, gauge, merged, tier_metrics
 from gateway.proxy import Front
 from gateway.serving import Served
 from gateway.settings import Settings
@@ -180,7 +180,10 @@ def create_app(settings: Settings, engine: Engine | None, workers: tuple[Upstrea
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.text(), media_type=CONTENT_TYPE)
+        """This process's metrics; a front's also carry its workers' (labelled `worker`)."""
+        if front is None or not workers:
+            return Response(metrics.text(), media_type=CONTENT_TYPE)
+        return Response(merged(metrics.text(), await front.pool.scrape(workers)), media_type=CONTENT_TYPE)
 
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(Observe, metrics=metrics)

@@ -10,6 +10,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -70,6 +71,23 @@ class Metrics:
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def merged(own: bytes, others: dict[str, str]) -> bytes:
+    """This process's metrics with other processes' (a front's workers), each of their samples
+    labelled with its process's name; families of the same name become one."""
+    families: dict[str, Metric] = {f.name: f for f in text_string_to_metric_families(own.decode())}
+    for name, text in others.items():
+        for family in text_string_to_metric_families(text):
+            samples = [s._replace(labels={**s.labels, "worker": name}) for s in family.samples]
+            if family.name in families:
+                families[family.name].samples.extend(samples)
+            else:
+                family.samples = samples
+                families[family.name] = family
+    registry = CollectorRegistry()
+    registry.register(Reader(lambda: iter(families.values())))
+    return generate_latest(registry)
 
 
 class Reader(Collector):

@@ -195,5 +195,18 @@ class Pool:
         found = await asyncio.gather(*(probe(u) for u in self.config.upstreams))
         return dict(zip(self.upstreams, found))
 
+    async def scrape(self, upstreams: Sequence[Upstream], timeout_s: float = 2.0) -> dict[str, str]:
+        """The `/metrics` text of each upstream that answers in time."""
+
+        async def one(u: Upstream) -> str | None:
+            try:
+                r = await self.client.get(u.base_url + "/metrics", timeout=timeout_s)
+                return r.text if r.status_code == 200 else None
+            except httpx.HTTPError:
+                return None
+
+        found = await asyncio.gather(*(one(u) for u in upstreams))
+        return {u.name: text for u, text in zip(upstreams, found) if text is not None}
+
     async def close(self) -> None:
         await self.client.aclose()

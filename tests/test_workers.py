@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.routing import Ring
 from gateway.settings import Settings
@@ -138,5 +139,9 @@ def test_the_front_reports_its_workers(front):
     assert ready["upstreams"] == dict.fromkeys(workers, True)
     text = httpx.get(url + "/metrics").text
     assert 'kvgate_upstream_in_flight{upstream="worker-0"}' in text
+    # The workers' own metrics, labelled: document KV found in each worker's memory tier.
+    assert 'kvgate_document_kv_hits_total{tier="memory",worker="worker-0"}' in text
+    assert 'kvgate_requests_running{worker="worker-1"}' in text
+    assert list(text_string_to_metric_families(text))  # still valid Prometheus text
     models = httpx.get(url + "/v1/models", headers=AUTH).json()["data"]
     assert [m["id"] for m in models] == [ready_model(workers)]
