@@ -146,6 +146,14 @@ def create_app(settings: Settings, engine: Engine | None, workers: tuple[Upstrea
         app.state.front = front
         app.state.semantic = front.semantic
         app.include_router(proxy.router, dependencies=authenticated)
+        described = app.openapi
+
+        def openapi() -> dict[str, Any]:
+            if app.openapi_schema is None:
+                app.openapi_schema = proxy.with_bodies(described())
+            return app.openapi_schema
+
+        app.openapi = openapi  # type: ignore[method-assign]
         metrics.watch(lambda: gate_metrics(front))
     else:
         assert engine is not None

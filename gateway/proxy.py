@@ -18,6 +18,7 @@ import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.types import Receive, Scope, Send
 
 from gateway import semantic
@@ -25,7 +26,7 @@ from gateway.admission import ProgramClock
 from gateway.errors import APIError, bad_request
 from gateway.keys import allow_model, spend
 from gateway.programs import HEADER, program_of
-from gateway.protocol import ChatCompletionRequest
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, DocumentRequest
 from gateway.serving import SSE_HEADERS, hang_up, sse
 from gateway.settings import Settings
 from gateway.upstreams import Opened, Pool, ProxyConfig, Upstream
@@ -351,6 +352,26 @@ async def completions(request: Request) -> Response:
 @router.post("/v1/embeddings")
 async def embeddings(request: Request) -> Response:
     return await forward(request, "/v1/embeddings")
+
+
+BODIES = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+    "/v1/documents": DocumentRequest,
+}
+
+
+def with_bodies(schema: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAPI schema of proxy mode with its request bodies: the routes read them raw (they are
+    forwarded as they came), so FastAPI declares none; they are the OpenAI bodies kvgate reads itself."""
+    _, defs = models_json_schema(
+        [(model, "validation") for model in BODIES.values()], ref_template="#/components/schemas/{model}"
+    )
+    schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+    for path, model in BODIES.items():
+        content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}
+        schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": content}
+    return schema
 
 
 def card(model: str, front: Front) -> dict[str, Any]:
