@@ -10,7 +10,7 @@ import json
 import re
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 from urllib.parse import quote
 
@@ -140,7 +140,7 @@ async def forward(request: Request, path: str, chat: bool = False) -> Response:
         return json.dumps({**sent, "model": named}).encode()
 
     tenant_program = None if program is None else f"{request.state.tenant}/{program}"
-    opened = await front.pool.open(
+    opening = front.pool.open(
         order,
         path,
         payload,
@@ -148,6 +148,7 @@ async def forward(request: Request, path: str, chat: bool = False) -> Response:
         rank=front.clock.rank(tenant_program),
         stream=stream,
     )
+    opened = await unless_gone(request, opening)
     relay = Relay(request, front, opened, model, cached, keep_usage=asked_usage)
     sent = passed_on(opened) | cached.headers
     if not stream or opened.response.status_code != 200:
@@ -155,6 +156,26 @@ async def forward(request: Request, path: str, chat: bool = False) -> Response:
         await relay.settle_whole(content)
         return Response(content, opened.response.status_code, headers=sent)
     return Streamed(relay, headers=SSE_HEADERS | sent)
+
+
+async def unless_gone(request: Request, opening: Coroutine[Any, Any, Opened]) -> Opened:
+    """The upstream's answer, unless the client hangs up first (while it waits at a full gate, say):
+    then the request is withdrawn, never sent."""
+    task, watching = asyncio.create_task(opening), asyncio.create_task(hang_up(request))
+    try:
+        await asyncio.wait({task, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+    if watching.done() and not watching.cancelled():
+        task.cancel()
+        try:
+            opened = await task
+        except (asyncio.CancelledError, APIError):
+            pass
+        else:
+            await opened.close()
+        raise APIError(499, "the client closed the request")
+    return task.result()
 
 
 async def whole(request: Request, opened: Opened) -> bytes:

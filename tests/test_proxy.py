@@ -273,3 +273,25 @@ def test_program_order_in_front_of_a_busy_upstream(tmp_path, upstreams):
     with serving(settings, None) as url:
         asyncio.run(scenario(url))
     assert finished == ["early-1", "early-2", "late-1"]
+
+
+def test_a_client_gone_while_waiting_at_a_full_gate_is_never_sent(tmp_path, upstreams):
+    a, _ = upstreams
+    script(a, {"chunk_delay_s": 0.1})  # the first request holds the only slot for ~1 s
+    upstream = {"name": "up-0", "base_url": a, "models": ["stub-a"], "max_in_flight": 1}
+    settings = Settings(upstreams=[upstream], semantic_cache=False, cache_dir=tmp_path)
+    body = {"model": "stub-a", "messages": HELLO}
+
+    async def scenario(url: str) -> None:
+        async with httpx.AsyncClient(timeout=30) as http:
+            holding = asyncio.create_task(http.post(url + "/v1/chat/completions", json={**body, "stream": True}))
+            await asyncio.sleep(0.2)
+            with pytest.raises(httpx.ReadTimeout):  # waits at the gate, then leaves
+                await http.post(url + "/v1/chat/completions", json=body, timeout=0.3)
+            assert (await holding).status_code == 200
+            after = await http.post(url + "/v1/chat/completions", json=body)
+            assert after.status_code == 200  # the slot was handed on, not kept by the one that left
+
+    with serving(settings, None) as url:
+        asyncio.run(scenario(url))
+    assert requests_seen(a) == 2  # the one that left was never sent
