@@ -12,6 +12,7 @@ from gateway.settings import Settings
 from runtime.engine import Engine
 from runtime.loader import LoadedModel, load
 from runtime.tokens import chat_prompt
+from tests.redis_server import RedisServer
 from tests.servers import serving
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -41,6 +42,21 @@ def engine(settings: Settings, loaded: LoadedModel) -> Iterator[Engine]:
 def base_url(settings: Settings, engine: Engine) -> Iterator[str]:
     with serving(settings, engine) as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    """A real redis-server for a test module."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """The module's redis-server, emptied for each test."""
+    with redis_server.client() as raw:
+        raw.flushall()
+    return redis_server.url
 
 
 @pytest.fixture(scope="session")

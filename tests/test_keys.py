@@ -11,7 +11,6 @@ import openai
 import pytest
 
 from gateway.settings import Settings
-from tests.redis_server import RedisServer
 from tests.servers import serving
 
 HASHED = "sk-only-its-hash-is-in-the-file"
@@ -23,12 +22,6 @@ KEYS = {
 }
 ADMIN = "sk-admin"
 HELLO = [{"role": "user", "content": "Say hi."}]
-
-
-@pytest.fixture(scope="module")
-def redis() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
 
 
 def keyed(settings: Settings, **more) -> Settings:
@@ -104,9 +97,9 @@ def test_admin_endpoints_need_the_admin_key(url):
     assert all("key" not in k for k in listed)
 
 
-def test_keys_created_through_the_admin_api_live_hashed_in_redis(settings, engine, redis, model_name):
+def test_keys_created_through_the_admin_api_live_hashed_in_redis(settings, engine, redis_server, model_name):
     admin = {"authorization": f"Bearer {ADMIN}"}
-    shared = keyed(settings, redis_url=redis.url)
+    shared = keyed(settings, redis_url=redis_server.url)
     with serving(shared, engine) as one, serving(shared, engine) as two:
         made = httpx.post(
             one + "/admin/keys", json={"tenant": "epsilon", "models": [model_name], "rpm": 3}, headers=admin
@@ -118,9 +111,9 @@ def test_keys_created_through_the_admin_api_live_hashed_in_redis(settings, engin
         assert ask(two, key, model_name).status_code == 200
         r = ask(one, key, model_name)
         assert r.status_code == 429  # the limit is counted in Redis, across both
-        stored = redis.client().keys("kvgate:key:*")
+        stored = redis_server.client().keys("kvgate:key:*")
         assert stored and all(key.encode() not in name for name in stored)
-        assert all(key.encode() not in redis.client().get(name) for name in stored)
+        assert all(key.encode() not in redis_server.client().get(name) for name in stored)
         key_id = made.json()["id"]
         assert httpx.delete(one + f"/admin/keys/{key_id}", headers=admin).status_code == 200
         assert ask(one, key, model_name).status_code == 401

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -23,19 +22,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
-
-
-@pytest.fixture
-def url(server: RedisServer) -> str:
-    with server.client() as raw:
-        raw.flushall()
-    return server.url
 
 
 # --- in one process -----------------------------------------------------------------------------
@@ -139,9 +125,9 @@ def test_limits_are_positive_or_none() -> None:
 # --- shared through Redis -----------------------------------------------------------------------
 
 
-def test_redis_refuses_past_rpm_and_its_keys_expire_unnamed(url: str, server: RedisServer) -> None:
+def test_redis_refuses_past_rpm_and_its_keys_expire_unnamed(redis_url: str, redis_server: RedisServer) -> None:
     async def run() -> Verdict:
-        limits = RedisLimiter(url)
+        limits = RedisLimiter(redis_url)
         try:
             for remaining in (2, 1, 0):
                 verdict = await limits.admit("sk-secret", Limits(rpm=3))
@@ -153,14 +139,14 @@ def test_redis_refuses_past_rpm_and_its_keys_expire_unnamed(url: str, server: Re
     refused = asyncio.run(run())
     assert not refused.allowed and refused.headers["x-ratelimit-remaining-requests"] == "0"
     assert 0 < refused.retry_after_s <= 2 * WINDOW_S
-    with server.client() as raw:
+    with redis_server.client() as raw:
         (key,) = raw.keys("*")
         assert key.startswith(b"kvgate:rl:") and b"sk-secret" not in key
         assert 0 < raw.ttl(key) <= 2 * WINDOW_S
 
 
-def test_redis_counts_roll_with_the_window(url: str, server: RedisServer) -> None:
-    limits = RedisLimiter(url)
+def test_redis_counts_roll_with_the_window(redis_url: str, redis_server: RedisServer) -> None:
+    limits = RedisLimiter(redis_url)
     both = Limits(rpm=3, tpm=1000)
 
     async def admit() -> Verdict:
@@ -172,11 +158,11 @@ def test_redis_counts_roll_with_the_window(url: str, server: RedisServer) -> Non
                 await admit()
             await limits.spend("k", both, 100)
             assert not (await admit()).allowed
-            with server.client() as raw:  # as if the counts were from the window before: they count less
+            with redis_server.client() as raw:  # as if the counts were from the window before: they count less
                 raw.hincrby(limits.name("k"), "w", -1)
             verdict = await admit()
             assert 900 <= int(verdict.headers["x-ratelimit-remaining-tokens"]) <= 1000
-            with server.client() as raw:  # two windows ago: nothing counts
+            with redis_server.client() as raw:  # two windows ago: nothing counts
                 raw.hincrby(limits.name("k"), "w", -2)
             verdict = await admit()
             assert verdict.allowed and verdict.headers["x-ratelimit-remaining-requests"] == "2"
@@ -188,9 +174,9 @@ def test_redis_counts_roll_with_the_window(url: str, server: RedisServer) -> Non
 
 
 @pytest.mark.parametrize("cluster", [False, True], ids=["single", "cluster"])
-def test_two_limiters_share_one_budget(server: RedisServer, url: str, cluster: bool) -> None:
-    async def run(url: str) -> None:
-        one, two = RedisLimiter(url), RedisLimiter(url)
+def test_two_limiters_share_one_budget(redis_server: RedisServer, redis_url: str, cluster: bool) -> None:
+    async def run(redis_url: str) -> None:
+        one, two = RedisLimiter(redis_url), RedisLimiter(redis_url)
         try:
             rpm = Limits(rpm=4)
             for limits in (one, two, one, two):
@@ -208,43 +194,43 @@ def test_two_limiters_share_one_budget(server: RedisServer, url: str, cluster: b
             await two.close()
 
     if not cluster:
-        asyncio.run(run(url))
+        asyncio.run(run(redis_url))
         return
     with RedisServer(cluster=True) as node:
         asyncio.run(run(node.url))
 
 
 def test_redis_down_allows_requests_and_limits_come_back_with_it() -> None:
-    async def run(server: RedisServer) -> None:
-        limits = RedisLimiter(server.url, retry_s=0)
+    async def run(redis_server: RedisServer) -> None:
+        limits = RedisLimiter(redis_server.url, retry_s=0)
         try:
             assert (await limits.admit("k", Limits(rpm=1))).allowed
             assert not (await limits.admit("k", Limits(rpm=1))).allowed
-            server.kill()
+            redis_server.kill()
             started = time.monotonic()
             for _ in range(3):
                 assert await limits.admit("k", Limits(rpm=1)) == Verdict(True, 0.0, {})  # fails open
             await limits.spend("k", Limits(tpm=1), 5)
             assert time.monotonic() - started < 2
-            server.start()  # empty again: one request fits, the next does not
+            redis_server.start()  # empty again: one request fits, the next does not
             assert (await limits.admit("k", Limits(rpm=1))).allowed
             assert not (await limits.admit("k", Limits(rpm=1))).allowed
         finally:
             await limits.close()
 
-    with RedisServer() as server:
-        asyncio.run(run(server))
+    with RedisServer() as redis_server:
+        asyncio.run(run(redis_server))
 
 
 def test_redis_down_at_start_allows_and_skips_redis_for_a_while() -> None:
-    async def run(url: str) -> None:
-        limits = RedisLimiter(url, retry_s=60)
+    async def run(redis_url: str) -> None:
+        limits = RedisLimiter(redis_url, retry_s=60)
         try:
             for _ in range(3):
                 assert (await limits.admit("k", Limits(rpm=1))).allowed
         finally:
             await limits.close()
 
-    with RedisServer() as server:
-        server.kill()
-        asyncio.run(run(server.url))
+    with RedisServer() as redis_server:
+        redis_server.kill()
+        asyncio.run(run(redis_server.url))

@@ -30,22 +30,9 @@ def size_of(entry: ChunkKV) -> int:
     return len(entry.to_bytes())
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
-
-
 @pytest.fixture
-def url(server: RedisServer) -> str:
-    with server.client() as raw:
-        raw.flushall()
-    return server.url
-
-
-@pytest.fixture
-def tier(url: str) -> Iterator[RedisTier]:
-    tier = RedisTier(url, budget_bytes=1 << 20)
+def tier(redis_url: str) -> Iterator[RedisTier]:
+    tier = RedisTier(redis_url, budget_bytes=1 << 20)
     yield tier
     tier.close()
 
@@ -66,36 +53,38 @@ def test_round_trip_is_exact_and_an_absent_key_is_a_miss(tier: RedisTier) -> Non
     assert (stats["entries"], stats["available"], stats["cluster"]) == (0, 1, 0)
 
 
-def test_the_tier_is_built_by_name_from_the_config(url: str) -> None:
-    config = ChunkCacheConfig(tiers=("memory", "redis"), redis_url=url, redis_bytes=12345)
+def test_the_tier_is_built_by_name_from_the_config(redis_url: str) -> None:
+    config = ChunkCacheConfig(tiers=("memory", "redis"), redis_url=redis_url, redis_bytes=12345)
     tier = make_tier("redis", **config.tier_options("redis"))
     assert isinstance(tier, RedisTier) and tier.budget == 12345
 
 
-def test_a_multi_megabyte_entry_round_trips(url: str) -> None:
+def test_a_multi_megabyte_entry_round_trips(redis_url: str) -> None:
     # Each 1.5 MiB layer is more than one GETRANGE piece; the token ids lie past the first read.
     entry = chunk(tokens=12288, layers=2)
-    tier = RedisTier(url, budget_bytes=8 << 20)
+    tier = RedisTier(redis_url, budget_bytes=8 << 20)
     assert tier.put(entry)
     assert same(tier.get("doc"), entry)
 
 
-def test_a_prefix_must_not_hold_hash_tag_braces(url: str) -> None:
+def test_a_prefix_must_not_hold_hash_tag_braces(redis_url: str) -> None:
     with pytest.raises(ValueError, match="prefix"):
-        RedisTier(url, budget_bytes=1 << 20, prefix="kvgate:{chunk}:")
+        RedisTier(redis_url, budget_bytes=1 << 20, prefix="kvgate:{chunk}:")
 
 
 # --- damage: a miss, and the value is deleted ----------------------------------------------------
 
 
 @pytest.mark.parametrize("where", ["header", "token ids", "last layer"])
-def test_a_flipped_byte_is_a_miss_and_the_value_is_deleted(tier: RedisTier, server: RedisServer, where: str) -> None:
+def test_a_flipped_byte_is_a_miss_and_the_value_is_deleted(
+    tier: RedisTier, redis_server: RedisServer, where: str
+) -> None:
     entry = chunk()
     data = entry.to_bytes()
     header = Header.parse(data[: Header.size_of(data)])
     offset = {"header": 20, "token ids": header.ids_start, "last layer": header.layer_range(3)[1] - 1}[where]
     assert tier.put(entry)
-    with server.client() as raw:
+    with redis_server.client() as raw:
         raw.setrange(tier.value_key("doc"), offset, bytes([data[offset] ^ 0xFF]))
         assert tier.get("doc") is None
         assert not raw.exists(tier.value_key("doc"))
@@ -103,12 +92,14 @@ def test_a_flipped_byte_is_a_miss_and_the_value_is_deleted(tier: RedisTier, serv
 
 
 @pytest.mark.parametrize("keep", [0, 7, 100, 0.5, -1])
-def test_a_truncated_or_empty_value_is_a_miss_and_is_deleted(tier: RedisTier, server: RedisServer, keep: float) -> None:
+def test_a_truncated_or_empty_value_is_a_miss_and_is_deleted(
+    tier: RedisTier, redis_server: RedisServer, keep: float
+) -> None:
     entry = chunk(tokens=512)  # 256 KiB: longer than the first read
     data = entry.to_bytes()
     cut = int(len(data) * keep) if isinstance(keep, float) else keep % len(data)
     assert tier.put(entry)
-    with server.client() as raw:
+    with redis_server.client() as raw:
         raw.set(tier.value_key("doc"), data[:cut])
         assert tier.get("doc") is None
         assert not raw.exists(tier.value_key("doc"))
@@ -123,10 +114,10 @@ def test_a_value_computed_by_another_model_is_a_miss_and_is_deleted(tier: RedisT
     assert "doc" not in tier and tier.stats()["corrupt"] == 1
 
 
-def test_a_value_stored_under_another_key_is_a_miss_and_is_deleted(tier: RedisTier, server: RedisServer) -> None:
+def test_a_value_stored_under_another_key_is_a_miss_and_is_deleted(tier: RedisTier, redis_server: RedisServer) -> None:
     entry = chunk("a")
     assert tier.put(entry)
-    with server.client() as raw:
+    with redis_server.client() as raw:
         raw.copy(tier.value_key("a"), tier.value_key("b"))
     assert tier.get("b") is None and "b" not in tier
     assert same(tier.get("a"), entry)
@@ -135,8 +126,8 @@ def test_a_value_stored_under_another_key_is_a_miss_and_is_deleted(tier: RedisTi
 # --- in a store ---------------------------------------------------------------------------------
 
 
-def test_a_hit_below_memory_is_read_layer_by_layer_then_promoted(url: str) -> None:
-    memory, remote = MemoryTier(budget_bytes=1 << 20), RedisTier(url, budget_bytes=4 << 20)
+def test_a_hit_below_memory_is_read_layer_by_layer_then_promoted(redis_url: str) -> None:
+    memory, remote = MemoryTier(budget_bytes=1 << 20), RedisTier(redis_url, budget_bytes=4 << 20)
     entry = chunk(tokens=512)
     assert remote.put(entry)
     store = ChunkStore([memory, remote])
@@ -155,8 +146,8 @@ def test_a_hit_below_memory_is_read_layer_by_layer_then_promoted(url: str) -> No
 # --- one Redis, many processes: shared entries, one budget --------------------------------------
 
 
-def test_two_tiers_on_one_server_share_entries_as_two_processes_would(url: str) -> None:
-    one, two = RedisTier(url, budget_bytes=1 << 20), RedisTier(url, budget_bytes=1 << 20)
+def test_two_tiers_on_one_server_share_entries_as_two_processes_would(redis_url: str) -> None:
+    one, two = RedisTier(redis_url, budget_bytes=1 << 20), RedisTier(redis_url, budget_bytes=1 << 20)
     entry = chunk()
     assert one.put(entry)
     assert same(two.get("doc"), entry)
@@ -165,9 +156,9 @@ def test_two_tiers_on_one_server_share_entries_as_two_processes_would(url: str) 
     assert one.get("doc") is None and one.nbytes == 0
 
 
-def test_least_recently_used_entries_go_first_to_keep_the_shared_total_within_budget(url: str) -> None:
+def test_least_recently_used_entries_go_first_to_keep_the_shared_total_within_budget(redis_url: str) -> None:
     size = size_of(chunk())
-    one, two = RedisTier(url, budget_bytes=3 * size), RedisTier(url, budget_bytes=3 * size)
+    one, two = RedisTier(redis_url, budget_bytes=3 * size), RedisTier(redis_url, budget_bytes=3 * size)
     for key in "abc":
         assert one.put(chunk(key))
     assert one.get("a") is not None  # now b is the least recently used
@@ -182,19 +173,19 @@ def test_least_recently_used_entries_go_first_to_keep_the_shared_total_within_bu
     assert sorted(one.keys()) == ["f", "g", "h"] and one.nbytes == 3 * size
 
 
-def test_an_entry_larger_than_the_whole_budget_is_refused_and_evicts_nothing(url: str) -> None:
-    tier = RedisTier(url, budget_bytes=2 * size_of(chunk()))
+def test_an_entry_larger_than_the_whole_budget_is_refused_and_evicts_nothing(redis_url: str) -> None:
+    tier = RedisTier(redis_url, budget_bytes=2 * size_of(chunk()))
     assert tier.put(chunk("small"))
     assert not tier.put(chunk("big", tokens=64))
     assert tier.keys() == ["small"] and tier.stats()["refused"] == 1
 
 
-def test_bookkeeping_left_wrong_by_a_dead_writer_is_repaired(tier: RedisTier, server: RedisServer) -> None:
+def test_bookkeeping_left_wrong_by_a_dead_writer_is_repaired(tier: RedisTier, redis_server: RedisServer) -> None:
     kept, orphan = chunk("kept"), chunk("orphan")
     assert tier.put(kept) and tier.put(chunk("gone"))
     nested = RedisTier(tier.url, budget_bytes=1 << 20, prefix=tier.prefix + "v2:")  # another deployment's
     assert nested.put(chunk("doc"))
-    with server.client() as raw:
+    with redis_server.client() as raw:
         raw.delete(tier.value_key("gone"))  # counted, but the value is gone
         raw.set(tier.value_key("orphan"), orphan.to_bytes())  # stored, never counted: its writer died in between
 
@@ -213,12 +204,12 @@ def test_bookkeeping_left_wrong_by_a_dead_writer_is_repaired(tier: RedisTier, se
 
 
 def test_a_dead_server_is_a_quick_miss_and_is_used_again_once_back() -> None:
-    with RedisServer() as server:
-        tier = RedisTier(server.url, budget_bytes=1 << 20, retry_s=0.5)
+    with RedisServer() as redis_server:
+        tier = RedisTier(redis_server.url, budget_bytes=1 << 20, retry_s=0.5)
         entry = chunk()
         assert tier.put(entry) and tier.nbytes == size_of(entry)
 
-        server.kill()
+        redis_server.kill()
         start = time.monotonic()
         assert tier.get("doc") is None  # finds the server gone
         assert time.monotonic() - start < 1.0
@@ -230,18 +221,18 @@ def test_a_dead_server_is_a_quick_miss_and_is_used_again_once_back() -> None:
         stats = tier.stats()  # the byte count last read from the server
         assert (stats["available"], stats["errors"], stats["bytes"]) == (0, 21, size_of(entry))
 
-        server.start()  # on the same port, empty
+        redis_server.start()  # on the same port, empty
         time.sleep(0.5)
         assert tier.get("doc") is None and tier.put(entry)
         assert same(tier.get("doc"), entry) and tier.stats()["available"] == 1
 
 
 def test_a_server_dying_mid_load_fails_the_load_not_the_caller() -> None:
-    with RedisServer() as server:
-        tier = RedisTier(server.url, budget_bytes=4 << 20)
+    with RedisServer() as redis_server:
+        tier = RedisTier(redis_server.url, budget_bytes=4 << 20)
         assert tier.put(chunk(tokens=512))
         header, read = tier.open("doc")
-        server.kill()
+        redis_server.kill()
         with ThreadPoolExecutor(1) as pool:
             loading = Loading(tier, header, read, pool)
             with pytest.raises(LoadFailed):
@@ -261,8 +252,8 @@ def test_a_server_down_from_the_start_is_a_miss_not_an_error() -> None:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RedisServer]:
-    with RedisServer(cluster=True) as server:
-        yield server
+    with RedisServer(cluster=True) as redis_server:
+        yield redis_server
 
 
 def test_on_a_cluster_entries_round_trip_share_a_budget_and_damage_is_a_miss(cluster: RedisServer) -> None:
@@ -284,13 +275,13 @@ def test_on_a_cluster_entries_round_trip_share_a_budget_and_damage_is_a_miss(clu
 
 
 def test_a_cluster_node_that_comes_back_is_used_again() -> None:
-    with RedisServer(cluster=True) as server:
-        tier = RedisTier(server.url, budget_bytes=1 << 20, retry_s=0.2)
+    with RedisServer(cluster=True) as redis_server:
+        tier = RedisTier(redis_server.url, budget_bytes=1 << 20, retry_s=0.2)
         entry = chunk()
         assert tier.put(entry)
-        server.kill()
+        redis_server.kill()
         assert tier.get("doc") is None and not tier.put(entry)
-        server.start()  # keeps its slots (the cluster config file), loses its data
+        redis_server.start()  # keeps its slots (the cluster config file), loses its data
         time.sleep(0.2)
         assert tier.put(entry) and same(tier.get("doc"), entry)
         assert tier.stats()["cluster"] == 1
