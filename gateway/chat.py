@@ -24,9 +24,9 @@ router = APIRouter()
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     served: Served = request.app.state.served
+    allow_model(request, body.model)
     served.check_model(body.model)
     messages = [m.for_template(i) for i, m in enumerate(body.messages)]
-    allow_model(request, body.model)
     queued = served.engine.load_stats["waiting"]
     cached = await semantic.consult(request, served.semantic, served.identity, queued, body, messages)
     if cached.status == "hit":
@@ -56,7 +56,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 
         async def keep(whole: Result, counted: dict[str, Any]) -> None:
             await programs.end(request, served, turn)
-            await account(request, served, counted, whole)
+            await account(request, served.name, counted, whole)
             await semantic.keep(served.semantic, cached, whole.text, whole.finish_reason, counted)
 
         chunks = render(served, body.logprobs)
@@ -67,7 +67,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     finally:
         await programs.end(request, served, turn)
     counted = usage(len(prompt), sum(f.completion_tokens for f in done.values()), done[0].cached_tokens)
-    await account(request, served, counted, done[0])
+    await account(request, served.name, counted, done[0])
     await semantic.keep(served.semantic, cached, done[0].text, done[0].finish_reason, counted)
     return JSONResponse(
         {

@@ -43,13 +43,13 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         chunks = render(served, body.logprobs)
 
         async def count(whole: Result, counted: dict[str, Any]) -> None:
-            await account(request, served, counted, whole)
+            await account(request, served.name, counted, whole)
 
         return await streamed(served, body, choices, chunk_head, prompt_tokens, opening, chunks, on_done=count)
 
     done = await collect(request, served.engine, choices)
     counted = usage(prompt_tokens, sum(f.completion_tokens for f in done.values()))
-    await account(request, served, counted, done[0])
+    await account(request, served.name, counted, done[0])
     return JSONResponse(
         {
             **head,

@@ -151,7 +151,7 @@ async def authenticate(request: Request) -> None:
         raise APIError(401, said, code="invalid_api_key")
     request.state.key = key
     request.state.tenant = key.tenant if key else "anon-" + digest(token)[:24]
-    limits = key.limits if key else keys.default
+    limits = limits_of(request)
     if limits.rpm is None and limits.tpm is None:
         return
     limiter: Limiter = request.app.state.limiter
@@ -171,6 +171,12 @@ async def authenticate(request: Request) -> None:
         )
 
 
+def limits_of(request: Request) -> Limits:
+    """The key's limits, or the defaults for a caller without a key (of its own)."""
+    key: Key | None = request.state.key
+    return key.limits if key else request.app.state.keys.default
+
+
 def budget_of(request: Request) -> str:
     """Whose rate limits: the key's; a caller without a key is counted by address (a bearer token it
     makes up must not buy a new budget)."""
@@ -186,8 +192,7 @@ def allow_model(request: Request, model: str) -> None:
 
 async def spend(request: Request, tokens: int) -> None:
     """Tokens a finished request used, against its key's tokens-per-minute limit."""
-    key: Key | None = getattr(request.state, "key", None)
-    limits = key.limits if key else request.app.state.keys.default
+    limits = limits_of(request)
     if limits.tpm is not None and tokens > 0:
         limiter: Limiter = request.app.state.limiter
         await limiter.spend(budget_of(request), limits, tokens)

@@ -24,10 +24,10 @@ from starlette.types import Receive, Scope, Send
 from gateway import semantic
 from gateway.admission import ProgramClock
 from gateway.errors import APIError, bad_request
-from gateway.keys import allow_model, spend
+from gateway.keys import allow_model
 from gateway.programs import HEADER, program_of
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, DocumentRequest
-from gateway.serving import SSE_HEADERS, hang_up, sse
+from gateway.serving import SSE_HEADERS, account, hang_up, sse
 from gateway.settings import Settings
 from gateway.upstreams import Opened, Pool, ProxyConfig, Upstream
 from semantic_cache import SemanticCache
@@ -83,7 +83,8 @@ def affinity(front: Front, body: dict[str, Any], program: str | None) -> list[st
     if program is not None:
         return ["program:" + program]
     keys = []
-    for doc in body.get("documents") or ():
+    documents = body.get("documents")
+    for doc in documents if isinstance(documents, list) else ():  # a malformed one is the upstream's to refuse
         if isinstance(doc, dict) and isinstance(doc.get("id"), str):  # where the text it was stored from went
             keys.append(front.owners.get(doc["id"], doc["id"]))
         elif isinstance(doc, dict) and isinstance(doc.get("text"), str):
@@ -192,14 +193,18 @@ async def whole(request: Request, opened: Opened) -> bytes:
             raise APIError(499, "the client closed the request")
         return reading.result()
     except httpx.HTTPError as exc:
-        name = opened.upstream.name
-        status = 504 if isinstance(exc, httpx.TimeoutException) else 502
-        raise APIError(
-            status, f"upstream {name} failed mid-answer: {type(exc).__name__}", code="upstream_error"
-        ) from exc
+        raise failed(opened, exc, "mid-answer") from exc
     finally:
         watching.cancel()
         await opened.close()
+
+
+def failed(opened: Opened, exc: httpx.HTTPError, where: str) -> APIError:
+    """An upstream that failed after its first bytes (`where`: mid-answer, mid-stream): nothing is
+    retried, the client is told."""
+    status = 504 if isinstance(exc, httpx.TimeoutException) else 502
+    said = f"upstream {opened.upstream.name} failed {where}: {type(exc).__name__}"
+    return APIError(status, said, code="upstream_error")
 
 
 async def consult(request: Request, front: Front, body: dict[str, Any]) -> semantic.Consult:
@@ -250,9 +255,7 @@ class Relay:
                 if event.strip() and self.read(event):
                     yield event + b"\n\n"
         except httpx.HTTPError as exc:
-            name = self.opened.upstream.name
-            error = APIError(502, f"upstream {name} failed mid-stream: {type(exc).__name__}", code="upstream_error")
-            yield sse(error.body()).encode()
+            yield sse(failed(self.opened, exc, "mid-stream").body()).encode()
             yield sse("[DONE]").encode()
             return
         finally:
@@ -297,8 +300,7 @@ class Relay:
         await self.settle()
 
     async def settle(self) -> None:
-        self.request.app.state.metrics.usage(self.model, self.usage)
-        await spend(self.request, self.usage.get("total_tokens") or 0)
+        await account(self.request, self.model, self.usage)
         if self.done:
             await semantic.keep(self.front.semantic, self.cached, "".join(self.text), self.finish_reason, self.usage)
 

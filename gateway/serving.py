@@ -152,12 +152,14 @@ def reuse_headers(done: Output | Result) -> dict[str, str]:
     return headers
 
 
-async def account(request: Request, served: Served, counted: dict[str, Any], done: Output | Result) -> None:
-    """A finished request in the metrics, and its tokens against the key's limit."""
+async def account(request: Request, model: str, counted: dict[str, Any], done: Output | Result | None = None) -> None:
+    """A finished request in the metrics (with what reuse did, when the runtime is ours), and its
+    tokens against the key's limit."""
     metrics = request.app.state.metrics
-    metrics.usage(served.name, counted)
-    metrics.reuse(done.reuse, done.cached_tokens, done.recomputed_tokens)
-    await spend(request, counted["total_tokens"])
+    metrics.usage(model, counted)
+    if done is not None:
+        metrics.reuse(done.reuse, done.cached_tokens, done.recomputed_tokens)
+    await spend(request, counted.get("total_tokens") or 0)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
