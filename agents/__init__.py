@@ -1,6 +1,8 @@
 """Agent programs (Continuum): KV pinned across tool calls for a predicted time-to-live, and
-program-level FCFS (the runtime's `queue_order="program"`)."""
+program-level FCFS (the runtime's `queue_order="program"`); and KVCOMM's anchor pool, with which
+one agent reuses the KV of text another agent read or wrote."""
 
+from agents.anchors import Anchor, AnchorConfig, AnchorPool
 from agents.config import AgentConfig
 from agents.costs import Costs, EngineCosts
 from agents.predictor import ANY, Predictor, Prior
@@ -11,6 +13,9 @@ __all__ = [
     "ANY",
     "PINS",
     "AgentConfig",
+    "Anchor",
+    "AnchorConfig",
+    "AnchorPool",
     "Costs",
     "EngineCosts",
     "Expirer",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from agents.anchors import AnchorConfig
 from agents.predictor import Prior
 from agents.ttl import PinPolicy
 
@@ -17,3 +18,6 @@ class AgentConfig:
     idle_s: float = 3600.0
     # How fast KV reads back from the tier below memory, when there is one.
     reload_bytes_per_s: float = 1e9
+    # KVCOMM: agents reuse the KV of messages other agents read or wrote, offset by anchors.
+    kvcomm: bool = True
+    anchors: AnchorConfig = AnchorConfig()

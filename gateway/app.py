@@ -233,6 +233,13 @@ def engine_metrics(served: Served) -> Iterator[Metric]:
     yield gauge("kvgate_pinned_programs", "agent programs whose context is pinned", programs["pinned"])
     yield counter("kvgate_program_turns", "agent turns ended", programs["turns_ended"])
     yield counter("kvgate_tool_returns", "agent turns that followed a tool call", programs["tool_returns"])
+    if served.anchors is not None:
+        anchors = served.anchors.stats()
+        yield gauge("kvgate_kvcomm_anchors", "KVCOMM anchors held", anchors["anchors"])
+        yield gauge("kvgate_kvcomm_anchor_bytes", "bytes of KVCOMM anchor deviations", anchors["bytes"])
+        yield counter("kvgate_kvcomm_estimates", "spans reused with offsets from anchors", anchors["estimates"])
+        yield counter("kvgate_kvcomm_gated", "spans no anchor was close to (dense prefill)", anchors["gated"])
+        yield counter("kvgate_kvcomm_anchor_evictions", "KVCOMM anchors evicted", anchors["evicted"])
 
 
 def gate_metrics(front: Front) -> Iterator[Metric]:

@@ -31,10 +31,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     cached = await semantic.consult(request, served.semantic, served.identity, queued, body, messages)
     if cached.status == "hit":
         return semantic.replay(cached, body, response_head("chatcmpl", request, served))
+    program = programs.of(request, body)
+    scope = documents.scope_of(request)
     plan = None
     # Off the event loop: rendering and tokenizing a long prompt takes seconds.
     if body.documents:
-        plan = await asyncio.to_thread(documents.plan, served, body, messages, documents.scope_of(request))
+        plan = await asyncio.to_thread(documents.plan, served, body, messages, scope)
+    elif program is not None:
+        plan = await asyncio.to_thread(programs.plan, served, body, messages, program, scope)
+    if plan is not None:
         prompt = [t for piece in plan.pieces for t in piece]
     else:
         try:
@@ -43,7 +48,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             )
         except TemplateError as exc:
             raise bad_request(str(exc), "messages", "invalid_messages") from exc
-    turn = programs.begin(request, served, body, messages, len(prompt))
+    turn = programs.begin(request, served, program, messages, len(prompt))
     choices = served.choices([prompt], body, body.max_new_tokens, body.logprobs_k, "messages", plan, turn)
     head = response_head("chatcmpl", request, served)
     sent = cached.headers | programs.headers(turn)

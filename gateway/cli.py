@@ -14,6 +14,7 @@ from runtime.loader import ModelNotFound
 
 # The shared evaluation data sits beside the project: ../shared/data.
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_rag_dev.jsonl"
+GSM8K = DATA.with_name("gsm8k_dev.jsonl")
 QQP = DATA.with_name("qqp_pairs_dev.jsonl")
 
 
@@ -80,6 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     agents.add_argument("--data", type=Path, default=DATA, help="MuSiQue jsonl: the text of prompts and tool results")
     agents.add_argument("--sim-programs", type=int, default=300, help="programs in the simulator (0: no simulation)")
     agents.add_argument("--output", type=Path, default=Path("benchmarks/BENCHMARKS.md"))
+
+    multiagent = kinds.add_parser("multiagent", help="agents reading each other's answers: KVCOMM against dense")
+    multiagent.add_argument("--data", type=Path, default=GSM8K, help="GSM8K jsonl: the questions")
+    multiagent.add_argument("--questions", type=int, default=8)
+    multiagent.add_argument("--agents", type=int, default=5, help="2 to 5")
+    multiagent.add_argument("--ratio", type=float, default=0.15, help="span tokens blend and kvcomm recompute")
+    multiagent.add_argument("--written", type=int, default=128, help="tokens each agent's answer has at most")
+    multiagent.add_argument("--output", type=Path, default=Path("benchmarks/BENCHMARKS.md"))
 
     gateway = kinds.add_parser("gateway", help="latency proxy mode adds, against calling the upstream directly")
     gateway.add_argument("--requests", type=int, default=2000, help="timed requests per path")
@@ -172,6 +181,15 @@ def run(args: argparse.Namespace, settings: Settings, argv: list[str] | None) ->
             args.output,
             command,
         )
+        return 0
+    if args.command == "bench" and args.kind == "multiagent":
+        from benchmarks.multiagent import bench_multiagent
+
+        if not args.data.is_file():
+            print(f"kvgate: error: {args.data} is missing (the shared evaluation data)", file=sys.stderr)
+            return 2
+        config = settings.engine_config()
+        bench_multiagent(config, args.data, args.questions, args.agents, args.ratio, args.output, command, args.written)
         return 0
     if args.command == "bench" and args.kind == "gateway":
         from benchmarks.gateway import bench_gateway

@@ -87,5 +87,7 @@ def plan(served: Served, body: ChatCompletionRequest, messages: list[dict[str, A
     except TemplateError as exc:
         raise bad_request(str(exc), "messages", "invalid_messages") from exc
     options = body.kvgate
-    reuse = Reuse(options.reuse, options.recompute_ratio) if options else Reuse()
+    reuse = Reuse()
+    if options is not None:  # documents have no anchors: kvcomm is blend for them
+        reuse = Reuse("blend" if options.reuse == "kvcomm" else options.reuse, options.recompute_ratio)
     return Plan([head, *docs, tail], [False, *[True] * len(docs), False], reuse, scope)

@@ -1,5 +1,6 @@
 """Agent programs at the gateway: the program id of a request (header `x-kvgate-program-id` or
-body `kvgate.program_id`), its turn in the program, and the headers that report the turn."""
+body `kvgate.program_id`), its prompt cut at its messages for KVCOMM, its turn in the program,
+and the headers that report the turn."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from fastapi import Request
 from gateway.errors import bad_request
 from gateway.protocol import ChatCompletionRequest
 from gateway.serving import Served
-from runtime.sequence import Turn
+from runtime.documents import message_pieces
+from runtime.reuse import Reuse
+from runtime.sequence import Plan, Turn
+from runtime.tokens import TemplateError
 
 HEADER = "x-kvgate-program-id"
 PROGRAM_ID = re.compile(r"^[A-Za-z0-9._:/@+=-]{1,256}$")
@@ -31,11 +35,35 @@ def program_of(request: Request, given: object) -> str | None:
     return program
 
 
+def of(request: Request, body: ChatCompletionRequest) -> str | None:
+    return program_of(request, body.kvgate.program_id if body.kvgate else None)
+
+
+def plan(
+    served: Served, body: ChatCompletionRequest, messages: list[dict[str, Any]], program: str, scope: str
+) -> Plan | None:
+    """A program's prompt cut at its messages' contents, which may be spans other programs read
+    or wrote (runs in a worker thread). None: the program reuses only its own context, because
+    it asked for "prefix", KVCOMM is off, or the chat template alters message contents."""
+    options = body.kvgate
+    mode = options.reuse if options is not None and "reuse" in options.model_fields_set else "kvcomm"
+    if mode == "prefix" or (mode == "kvcomm" and served.anchors is None):
+        return None
+    try:
+        pieces, spans = message_pieces(served.tokenizer, messages, body.add_generation_prompt, body.tools)
+    except TemplateError:
+        return None
+    ratio = options.recompute_ratio if options is not None else None
+    if ratio is None and mode == "kvcomm":
+        ratio = served.settings.kvcomm_recompute_ratio
+    reuse = Reuse(mode, ratio)
+    return Plan(pieces, [False] * len(pieces), reuse, scope, spans, program)
+
+
 def begin(
-    request: Request, served: Served, body: ChatCompletionRequest, messages: list[dict[str, Any]], tokens: int
+    request: Request, served: Served, program: str | None, messages: list[dict[str, Any]], tokens: int
 ) -> Turn | None:
     """The request's turn in its program; None for a request without a program id."""
-    program = program_of(request, body.kvgate.program_id if body.kvgate else None)
     if program is None:
         return None
     return served.programs.begin(program, request.state.tenant, messages, tokens)

@@ -167,7 +167,9 @@ class ReuseOptions(Body):
     """kvgate extension: how documents' KV is reused, whether the semantic cache may answer, and
     which agent program the request belongs to."""
 
-    reuse: Literal["full", "prefix", "naive", "blend"] = "blend"
+    # Documents: how their KV is reused ("kvcomm" is "blend" for them). An agent program's messages
+    # that other programs read or wrote: kvcomm unless set; "prefix" reuses its own context only.
+    reuse: Literal["full", "prefix", "naive", "blend", "kvcomm"] = "blend"
     recompute_ratio: float | None = Field(None, ge=0.0, le=1.0)
     # None: look up and store temperature-0 requests only; true: also others; false: never.
     cache: bool | None = None

@@ -13,7 +13,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from agents import EngineCosts, Expirer, Programs
+from agents import AnchorPool, EngineCosts, Expirer, Programs
 from gateway.errors import APIError, bad_request, internal
 from gateway.keys import spend
 from gateway.protocol import Sampling
@@ -50,6 +50,8 @@ class Served:
         config = settings.agent_config()
         self.programs = Programs(config, engine.reuser.store, EngineCosts(engine, config.reload_bytes_per_s))
         self.expirer = Expirer(self.programs)
+        self.anchors = AnchorPool(config.anchors) if config.kvcomm else None
+        engine.spans.offsets = self.anchors
         self.identity = {"model": self.name, "weights": engine.model_fp}  # what answers, for the semantic cache
         self.tenant_kv = settings.tenant_scoped_kv
 

@@ -10,7 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from agents import AgentConfig, PinPolicy, Prior
+from agents import AgentConfig, AnchorConfig, PinPolicy, Prior
 from chunk_cache import ChunkCacheConfig
 from gateway.limits import Limits
 from gateway.upstreams import ProxyConfig, Upstream
@@ -69,6 +69,13 @@ class Settings(BaseSettings):
     agent_max_ttl_s: float = Field(300.0, ge=0.0)
     agent_memory_weight: float = Field(1.0, ge=0.0)  # seconds of compute one second of all memory is worth
     agent_tool_prior_s: float = Field(2.0, gt=0.0)  # median tool duration before any is observed
+    # KVCOMM: a program's messages that another program read or wrote reuse that KV, offset by anchors.
+    kvcomm: bool = True
+    kvcomm_anchors: int = Field(32, ge=1)  # anchor pool size; a new anchor evicts the least used
+    kvcomm_max_distance: float = Field(0.6, ge=0.0)  # the gate: farther from every anchor is prefilled densely
+    kvcomm_temperature: float = Field(0.05, gt=0.0)  # softmax temperature over anchor distances
+    # Span tokens recomputed (CacheBlend) on top of the offsets; measured: offsets alone beat blend at 15%.
+    kvcomm_recompute_ratio: float = Field(0.0, ge=0.0, le=1.0)
     queue_order: Literal["fcfs", "program"] = "program"  # the runtime's admission queue
     # API key (or "sha256:<hex>" of it) -> tenant, or {tenant, models, rpm, tpm}; more keys via POST /admin/keys.
     api_keys: dict[str, str | dict[str, Any]] = Field(default_factory=dict)
@@ -154,7 +161,9 @@ class Settings(BaseSettings):
 
     def agent_config(self) -> AgentConfig:
         pins = PinPolicy(self.agent_pins, self.agent_fixed_ttl_s, self.agent_max_ttl_s, self.agent_memory_weight)
-        return AgentConfig(pins=pins, prior=Prior(median_s=self.agent_tool_prior_s))
+        anchors = AnchorConfig(self.kvcomm_anchors, self.kvcomm_max_distance, self.kvcomm_temperature)
+        prior = Prior(median_s=self.agent_tool_prior_s)
+        return AgentConfig(pins=pins, prior=prior, kvcomm=self.kvcomm, anchors=anchors)
 
     @property
     def keys_required(self) -> bool:

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from runtime.kernels import gather_rows, rope_shift, scatter_rows, token_deviation
 from runtime.kv import KVCache
-from runtime.model import finish_layer, logits_of, project, project_keys
+from runtime.model import attend, finish_layer, logits_of, project, project_keys
 from runtime.rope import angles
 
 
@@ -64,11 +64,17 @@ class Blended:
     recomputed_mask: torch.Tensor  # [N] bool: the reused tokens computed again
 
 
-def place(kv: KVCache, layer: int, pieces: list[Piece], shifts: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
-    """Write layer `layer` of every reused piece's KV at its offset in `kv`, keys RoPE-shifted there
-    (`shifts`: each piece's cos/sin, None for none). Called per layer just before it runs, so a
-    piece still loading is waited for one layer at a time."""
-    offset = 0
+def place(
+    kv: KVCache,
+    layer: int,
+    pieces: list[Piece],
+    shifts: list[tuple[torch.Tensor, torch.Tensor] | None],
+    start: int = 0,
+) -> None:
+    """Write layer `layer` of every reused piece's KV at its offset in `kv` (the pieces begin at
+    `start`), keys RoPE-shifted there (`shifts`: each piece's cos/sin, None for none). Called per
+    layer just before it runs, so a piece still loading is waited for one layer at a time."""
+    offset = start
     for piece, angle in zip(pieces, shifts):
         n = len(piece.token_ids)
         if piece.cached is not None:
@@ -149,26 +155,29 @@ def first_tokens(pieces: list[Piece], k: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def prefill(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: BlendConfig) -> Blended:
-    """Fill `kv` with the prompt's KV (reused where it can be) and return the last token's logits."""
+    """Fill `kv` with the prompt's KV (reused where it can be) and return the last token's logits.
+    The pieces follow whatever `kv` already holds (an exact prefix), which their tokens attend to."""
     inner = model.model
     reused_all = torch.cat([torch.full((len(p.token_ids),), p.reused) for p in pieces])
-    total = len(reused_all)
+    start = len(kv)
+    n = len(reused_all)
+    total = start + n
     kv.reserve(total)
     kv.lengths = [total] * kv.num_layers
-    starts = torch.tensor([0] + [len(p.token_ids) for p in pieces[:-1]]).cumsum(0).tolist()
+    starts = (start + torch.tensor([0] + [len(p.token_ids) for p in pieces[:-1]]).cumsum(0)).tolist()
     shifts = [angles(model, s, kv.keys[0].device) if p.reused and s else None for p, s in zip(pieces, starts)]
     ids = torch.tensor([t for p in pieces for t in p.token_ids], device=model.device)
-    positions = torch.arange(total, device=model.device)
     h = inner.embed_tokens(ids)
+    positions = torch.arange(start, total, device=model.device)
     cos_all, sin_all = (t[0] for t in inner.rotary_emb(h[None], positions[None]))
     forced_all = first_tokens(pieces, config.first_k)
     n_reused = int(reused_all.sum())
-    sel = positions  # the tokens being computed, sorted
+    sel = torch.arange(n, device=model.device)  # the tokens being computed (indices into the pieces), sorted
     checks = sorted(config.check_layers) if n_reused else []
     deviation = 0.0
 
     for i, layer in enumerate(inner.layers):
-        place(kv, i, pieces, shifts)
+        place(kv, i, pieces, shifts, start)
         cos, sin = cos_all[sel], sin_all[sel]
         if i in checks:
             j = checks.index(i)
@@ -177,7 +186,7 @@ def prefill(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: Bl
             score = torch.zeros(len(sel))
             if keep > 0 and config.select != "random":
                 fresh = project_keys(layer, h, cos, sin).transpose(0, 1)  # [kv_heads, n, d]
-                cached = gather_rows(kv.keys[i], sel)
+                cached = gather_rows(kv.keys[i], sel + start)
                 score = token_deviation(fresh, cached)
                 if j == 0:
                     norm = cached.float().pow(2).sum((0, 2))
@@ -188,26 +197,20 @@ def prefill(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: Bl
             sel, h, cos, sin = sel[picked], h[picked], cos[picked], sin[picked]
 
         q, k, v = project(layer, h, cos, sin)
-        if len(sel) == total:
-            kv.keys[i][:, :total] = k.transpose(0, 1)
-            kv.values[i][:, :total] = v.transpose(0, 1)
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None],
-                kv.keys[i][None, :, :total],
-                kv.values[i][None, :, :total],
-                is_causal=True,
-                scale=layer.self_attn.scaling,
-                enable_gqa=True,
-            )[0]
+        if len(sel) == n:
+            kv.keys[i][:, start:total] = k.transpose(0, 1)
+            kv.values[i][:, start:total] = v.transpose(0, 1)
+            out = attend(q.transpose(0, 1), kv.keys[i][:, :total], kv.values[i][:, :total], layer.self_attn.scaling)
         else:
-            scatter_rows(kv.keys[i], sel, k.transpose(0, 1))
-            scatter_rows(kv.values[i], sel, v.transpose(0, 1))
+            rows = sel + start
+            scatter_rows(kv.keys[i], rows, k.transpose(0, 1))
+            scatter_rows(kv.values[i], rows, v.transpose(0, 1))
             out = attend_rows(
-                q.transpose(0, 1), kv.keys[i][:, :total], kv.values[i][:, :total], sel, layer.self_attn.scaling
+                q.transpose(0, 1), kv.keys[i][:, :total], kv.values[i][:, :total], rows, layer.self_attn.scaling
             )
         h = finish_layer(layer, h, out.transpose(0, 1))
 
-    computed = torch.zeros(total, dtype=torch.bool)
+    computed = torch.zeros(n, dtype=torch.bool)
     computed[sel.cpu()] = True
     recomputed = int(reused_all[sel.cpu()].sum())
     return Blended(logits_of(model, h[-1]), n_reused - recomputed, recomputed, deviation, reused_all & computed)

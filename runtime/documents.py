@@ -46,13 +46,51 @@ def chat_pieces(
         raise TemplateError("documents need a user message to precede")
     marked = [dict(m) for m in messages]
     marked[first_user]["content"] = _MARKER + (marked[first_user].get("content") or "")
-    try:
-        text = tokenizer.apply_chat_template(
-            marked, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
-        )
-    except Exception as exc:  # jinja raises its own errors for messages a template rejects
-        raise TemplateError(f"the model's chat template rejected the messages: {exc}") from exc
+    text = render(tokenizer, marked, add_generation_prompt, tools)
     head, found, tail = text.partition(_MARKER)
     if not found or _MARKER in tail:
         raise TemplateError("the model's chat template does not render the user message verbatim")
     return tokenizer.encode(head, add_special_tokens=False), tokenizer.encode(tail, add_special_tokens=False)
+
+
+def message_pieces(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+) -> tuple[list[list[int]], list[bool]]:
+    """The chat prompt cut around every message's content: token ids of the template's text and
+    of each content, tokenized alone (so it is the same span wherever it reappears); and which
+    pieces are contents."""
+    if not tokenizer.chat_template:
+        raise TemplateError("this model has no chat template")
+    marked, contents = [], []
+    for m in messages:
+        m = dict(m)
+        if isinstance(m.get("content"), str) and m["content"]:
+            contents.append(m["content"])
+            m["content"] = _MARKER + m["content"] + _MARKER
+        marked.append(m)
+    parts = render(tokenizer, marked, add_generation_prompt, tools).split(_MARKER)
+    if parts[1::2] != contents or len(parts) != 2 * len(contents) + 1:
+        raise TemplateError("the model's chat template does not render message contents verbatim")
+    pieces, spans = [], []
+    for i, part in enumerate(parts):
+        if part:
+            pieces.append(tokenizer.encode(part, add_special_tokens=False))
+            spans.append(i % 2 == 1)
+    return pieces, spans
+
+
+def render(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None,
+) -> str:
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+    except Exception as exc:  # jinja raises its own errors for messages a template rejects
+        raise TemplateError(f"the model's chat template rejected the messages: {exc}") from exc

@@ -25,6 +25,7 @@ from runtime.reuse import Reuser
 from runtime.sampling import SamplingParams, TokenLogprob, choose, logprob_of, penalise
 from runtime.scheduler import Scheduler
 from runtime.sequence import Output, Plan, Sequence, Turn
+from runtime.shared import Spans
 
 log = logging.getLogger("kvgate.engine")
 
@@ -80,6 +81,7 @@ class Engine:
         self.model_fp = model_fingerprint(self.loaded)
         self.calibration = load_calibration(calibration_path(config.cache_dir, self.model_fp))
         self.reuser = self.make_reuser(self.calibration)
+        self.spans = Spans(self.reuser)  # the gateway lends it its anchor pool (agents.AnchorPool)
         budget = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.scheduler = Scheduler(config.max_num_seqs, budget, config.queue_order)
         self.prefill_s_per_token: float | None = None  # measured: a moving average over prefill steps
@@ -264,6 +266,8 @@ class Engine:
                 continue
             if seq.plan is not None and seq.plan.reuse.mode == "prefix" and not seq.output_ids:
                 self.reuser.store_prefix(seq.kv, seq.plan.pieces, seq.plan.scope)
+            if seq.shared is not None:
+                self.settle(seq)
             try:
                 self.sample(seq, row)
             except Exception as exc:  # e.g. a NaN distribution: only this sequence ends
@@ -281,19 +285,39 @@ class Engine:
         context; the first token's logits when the whole prompt is done, else None (the rest is
         prefilled in the usual steps)."""
         plan = seq.plan
-        if plan is None:
-            assert seq.turn is not None
+        if plan is None or plan.spans:
             seq.planned = True
-            seq.cached_tokens = self.reuser.resume(seq.kv, seq.prompt_ids, seq.turn.resume)
-            seq.reuse = "program" if seq.cached_tokens else ""
-            if seq.turn.keep:  # the KV now lives in the sequence: the stored copy would count twice
-                self.reuser.store.delete(seq.turn.resume)
-            return None
+            if seq.turn is not None and seq.turn.resume:
+                seq.cached_tokens = self.reuser.resume(seq.kv, seq.prompt_ids, seq.turn.resume)
+                seq.reuse = "program" if seq.cached_tokens else ""
+                if seq.turn.keep:  # the KV now lives in the sequence: the stored copy would count twice
+                    self.reuser.store.delete(seq.turn.resume)
+            if plan is None:
+                return None
+            reuse = plan.reuse
+            ratio = reuse.ratio if reuse.ratio is not None else self.reuser.blend.ratio
+            seq.shared = self.spans.prefill(seq.kv, plan.pieces, plan.spans, reuse.mode, plan.agent, plan.scope, ratio)
+            done = seq.shared.prefilled
+            label = seq.reuse if done.mode == "full" else done.mode  # "full": no span reused
+            seq.cached_tokens, seq.recomputed_tokens = done.reused, done.recomputed
+            seq.reuse = "; ".join(x for x in (label, done.note) if x)
+            if done.logits is not None:
+                self.settle(seq)
+            return done.logits
         done = self.reuser.prefill(seq.kv, plan.pieces, plan.documents, plan.reuse, plan.scope)
         seq.planned = True
         seq.cached_tokens, seq.recomputed_tokens = done.reused, done.recomputed
         seq.reuse = done.mode + (f"; {done.note}" if done.note else "")
         return done.logits
+
+    def settle(self, seq: Sequence) -> None:
+        """The prompt's KV is complete: its new spans become sources, its dense ones anchors."""
+        assert seq.shared is not None and seq.plan is not None
+        shared, seq.shared = seq.shared, None
+        try:
+            self.spans.settle(seq.kv, shared, seq.plan.agent, seq.plan.scope)
+        except Exception:  # the answer stands; later prompts compute these spans again
+            log.exception("request %d: storing its shared spans failed", seq.id)
 
     def sample(self, seq: Sequence, logits: torch.Tensor) -> None:
         params = seq.params
@@ -316,6 +340,9 @@ class Engine:
         until = time.monotonic() + turn.pin_s if turn.pin_s > 0 else None
         try:
             self.reuser.keep(seq.kv, seq.all_ids, turn.keep, self.prefill_s(len(seq.kv)), until)
+            plan = seq.plan
+            if plan is not None and plan.spans:  # its answer: a span other agents may read
+                self.spans.wrote(seq.kv, len(seq.prompt_ids), seq.output_ids, seq.text, plan.agent, plan.scope)
         except Exception:  # the answer stands; the next turn computes its prompt again
             log.exception("request %d: keeping its context failed", seq.id)
 

@@ -89,7 +89,7 @@ class Reuser:
         max_ratio: float = 0.5,
         deviation_limit: float | None = None,
     ) -> None:
-        self.model, self.store, self.blend = model, store, blend
+        self.model, self.tokenizer, self.store, self.blend = model, tokenizer, store, blend
         self.model_fp, self.tokenizer_fp = model_fp, tokenizer_fingerprint(tokenizer)
         self.shiftable = can_shift(model)
         # A request whose key deviation is above this (calibrated) limit gets `max_ratio`.

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from runtime.kv import KVCache
 from runtime.reuse import Reuse
 from runtime.sampling import SamplingParams, TokenLogprob
+from runtime.shared import Shared
 
 _ids = itertools.count()
 
@@ -25,6 +26,9 @@ class Plan:
     documents: list[bool]
     reuse: Reuse = Reuse()
     scope: str = ""
+    # Which pieces are message contents an agent (`agent`) shares with others (runtime/shared.py).
+    spans: list[bool] = field(default_factory=list)
+    agent: str = ""
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,7 @@ class Sequence:
     plan: Plan | None = None
     turn: Turn | None = None
     planned: bool = False  # the plan's (or the turn's) reuse has run
+    shared: Shared | None = None  # a span prefill whose lessons wait for the prompt's KV to complete
     arrival: float = field(default_factory=time.monotonic)
     cached_tokens: int = 0
     recomputed_tokens: int = 0

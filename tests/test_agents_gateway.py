@@ -36,11 +36,9 @@ def turn(url: str, messages: list, program: str | None, key: str = "agent-key", 
     return client(url, key).chat.completions.with_raw_response.create(
         model="SmolLM2-135M-Instruct",
         messages=messages,
-        tools=TOOLS,
-        max_tokens=8,
         temperature=0,
         extra_headers=headers,
-        **kw,
+        **{"tools": TOOLS, "max_tokens": 8, **kw},
     )
 
 
@@ -133,3 +131,50 @@ def test_a_pin_holds_until_its_ttl_then_the_context_moves_to_disk(engine: Engine
     finally:
         engine.reuser.store = shared
         store.close()
+
+
+SOLVER = "You are a careful math tutor. Solve the problem step by step."
+CHECKER = "You are a strict reviewer. Check the solution above and give the final number."
+QUESTIONS = [
+    "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total does it take?",
+    "Josh buys a house for $80,000 and puts in $50,000 in repairs. How much profit did he make?",
+    "Every day, Wendi feeds each of her 20 chickens three cups of mixed chicken feed. How many cups is that?",
+]
+
+
+def test_a_second_agent_reuses_the_question_and_the_first_agents_answer(url: str, loaded) -> None:
+    """Two agents (programs) with their own system prompts: the checker's request holds the
+    question and the solver's answer as plain messages. Once each has been read once (its anchor
+    learnt from that dense prefill), the checker's requests reuse their KV from the solver's."""
+    count = lambda text: len(loaded.tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    for i, question in enumerate(QUESTIONS):
+        solver = [{"role": "system", "content": SOLVER}, {"role": "user", "content": question}]
+        answer = turn(url, solver, "kvcomm-solver", max_tokens=24, tools=None).parse().choices[0].message.content
+        checker = [
+            {"role": "system", "content": CHECKER},
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "Your turn: is the answer above right?"},
+        ]
+        raw = turn(url, checker, "kvcomm-checker", tools=None)
+        reused = int(raw.headers["x-kvgate-reused-tokens"])
+        assert raw.parse().usage.prompt_tokens_details.cached_tokens == reused
+        if i == 0:  # nothing learnt yet: computed densely, and learnt
+            assert reused < count(question) and "no close anchor" in raw.headers["x-kvgate-reuse"]
+        else:
+            assert reused >= count(question) + count(answer), raw.headers["x-kvgate-reuse"]
+            assert raw.headers["x-kvgate-reuse"].startswith("kvcomm")
+    metrics = httpx.get(f"{url}/metrics").text
+    assert "kvgate_kvcomm_estimates_total" in metrics
+
+
+def test_prefix_reuse_keeps_a_program_to_its_own_context(url: str) -> None:
+    solver = [{"role": "system", "content": SOLVER}, {"role": "user", "content": QUESTIONS[0]}]
+    answer = turn(url, solver, "prefix-solver", tools=None).parse().choices[0].message.content
+    checker = [{"role": "system", "content": CHECKER}, {"role": "user", "content": QUESTIONS[0]}]
+    checker.append({"role": "assistant", "content": answer})
+    reuses = []
+    for _ in range(2):
+        raw = turn(url, checker, "prefix-checker", tools=None, extra_body={"kvgate": {"reuse": "prefix"}})
+        reuses.append(raw.headers.get("x-kvgate-reuse"))
+    assert reuses == [None, "program"]  # the solver's answer is not looked up; its own context is

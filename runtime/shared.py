@@ -1,0 +1,192 @@
+"""Shared spans across agents (KVCOMM): message contents whose KV was computed under another prefix.
+
+A span is one message's content, tokenized alone. The first time a span is computed its KV, keys
+moved to positions 0..T-1, is stored as the span's source, under the slot it came from: said to
+an agent (a message it read) or written by one (its answer). When another agent's prompt holds
+the span, the source is reused, RoPE-shifted to its new place and corrected by an offset: the
+deviation that agent's different prefix makes, estimated from anchors (`Offsets`, kept by the
+agents package). A span the anchors cannot vouch for is computed densely in place, and the
+deviation it shows (its KV minus its source's) becomes an anchor.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from chunk_cache import ChunkKV
+from runtime.blend import Piece, prefill
+from runtime.kernels import rope_shift
+from runtime.kv import KVCache
+from runtime.model import Run, forward
+from runtime.reuse import Prefilled, Reuser
+from runtime.rope import angles, rope_type
+
+MODES = ("full", "naive", "blend", "kvcomm")
+
+
+class Offsets(Protocol):
+    """The anchor pool: deviations of spans' KV under an agent's prefix from their sources' KV."""
+
+    def estimate(self, slot: str, reader: str, source: ChunkKV) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The offset [layers, kv_heads, T, head_dim] of keys and values to add to `source` when
+        `reader` reads it; None when no anchor is close enough (the gate)."""
+        ...
+
+    def observe(self, slot: str, reader: str, source: ChunkKV, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The real deviation of `source`'s KV under `reader`'s prefix, from a dense prefill."""
+        ...
+
+
+@dataclass
+class Corrected:
+    """A source's KV plus an offset, handed out layer by layer like a stored entry."""
+
+    source: ChunkKV
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.source.layer(i)
+        return k + self.keys[i], v + self.values[i]
+
+
+@dataclass
+class Span:
+    start: int  # offset in the prompt
+    token_ids: list[int]
+    source: ChunkKV | None
+    slot: str = ""
+    dense: bool = True  # computed in this prompt, not reused: what it shows is learnt
+
+
+@dataclass
+class Shared:
+    """What a span prefill did, and what it leaves to learn once the prompt's KV is complete."""
+
+    prefilled: Prefilled
+    spans: list[Span] = field(default_factory=list)
+
+    @property
+    def gated(self) -> int:
+        """Spans with a source that were computed densely (no anchor close enough, or mode full)."""
+        return sum(s.dense and s.source is not None for s in self.spans)
+
+
+def local(model: torch.nn.Module, kv: KVCache, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the KV rows start..start+n of every layer, keys moved to positions 0..n-1:
+    [layers, kv_heads, n, head_dim] each."""
+    cos, sin = angles(model, -start, kv.keys[0].device)
+    keys = torch.stack([rope_shift(k[:, start : start + n].contiguous(), cos, sin) for k in kv.keys])
+    values = torch.stack([v[:, start : start + n] for v in kv.values])
+    return keys, values
+
+
+class Spans:
+    """The sources of spans of one engine, and the prefill that reuses them."""
+
+    def __init__(self, reuser: Reuser, offsets: Offsets | None = None, remembered: int = 65536) -> None:
+        self.reuser, self.offsets = reuser, offsets
+        self.slots: OrderedDict[str, str] = OrderedDict()  # source key -> slot, the latest `remembered`
+        self.remembered = remembered
+        self.lock = threading.Lock()
+
+    def key(self, token_ids: list[int], scope: str) -> str:
+        return self.reuser.key(token_ids, "span:" + scope)
+
+    def source(self, token_ids: list[int], scope: str) -> tuple[ChunkKV, str] | None:
+        key = self.key(token_ids, scope)
+        with self.lock:
+            slot = self.slots.get(key)
+        entry = self.reuser.store.get(key, self.reuser.model_fp) if slot is not None else None
+        if entry is None or entry.token_ids != tuple(token_ids):
+            return None
+        return entry, slot
+
+    def store(self, kv: KVCache, start: int, token_ids: list[int], scope: str, slot: str) -> None:
+        key = self.key(token_ids, scope)
+        with self.lock:
+            if key in self.slots and key in self.reuser.store:
+                return
+        keys, values = local(self.reuser.model, kv, start, len(token_ids))
+        cost = float(len(token_ids))
+        self.reuser.store.put(ChunkKV(key, tuple(token_ids), keys, values, cost, self.reuser.model_fp))
+        with self.lock:
+            self.slots[key] = slot
+            self.slots.move_to_end(key)
+            while len(self.slots) > self.remembered:
+                self.slots.popitem(last=False)
+
+    # ---- a prompt -----------------------------------------------------------------------
+
+    def prefill(
+        self, kv: KVCache, pieces: list[list[int]], spans: list[bool], mode: str, reader: str, scope: str, ratio: float
+    ) -> Shared:
+        """Continue the prompt's KV after the exact prefix `kv` holds: spans from their sources as
+        `mode` says ("full": none), the rest computed. Logits are None when the caller is left to
+        compute the prompt from `len(kv)` on (a dense prefill)."""
+        done = len(kv)
+        if not self.reuser.shiftable:  # no span can move: none is stored either
+            note = f"rope type {rope_type(self.reuser.model)} cannot shift cached keys"
+            return Shared(Prefilled(None, "full", reused=done, note=note))
+        parts: list[tuple[list[int], Span | None]] = []
+        offset = 0
+        for ids, is_span in zip(pieces, spans):  # a span the exact prefix cuts into is computed
+            if is_span and offset >= done:
+                source, slot = self.source(ids, scope) or (None, "")
+                parts.append((ids, Span(offset, ids, source, slot)))
+            elif offset + len(ids) > done:
+                parts.append((ids[max(0, done - offset) :], None))
+            offset += len(ids)
+        known = [s for _, s in parts if s is not None]
+        sourced = [s for s in known if s.source is not None]
+        note = ""
+        cached: dict[int, Corrected | ChunkKV] = {}
+        for s in sourced if mode != "full" else []:
+            assert s.source is not None
+            if mode != "kvcomm":
+                cached[id(s)] = s.source
+            elif (offset_kv := self.offsets.estimate(s.slot, reader, s.source) if self.offsets else None) is not None:
+                cached[id(s)] = Corrected(s.source, *offset_kv)
+        for s in known:
+            s.dense = id(s) not in cached
+        if mode == "kvcomm" and len(cached) < len(sourced):  # the gate
+            note = f"kvcomm: {len(sourced) - len(cached)} of {len(sourced)} spans had no close anchor: computed, learnt"
+        if not cached:  # nothing to reuse: the caller prefills the rest as usual
+            return Shared(Prefilled(None, "full", reused=done, note=note), known)
+        blend = self.reuser.config(0.0 if mode == "naive" else ratio, mode)
+        pieces_kv = [Piece(ids, cached.get(id(s)) if s is not None else None) for ids, s in parts]
+        found = torch.cat([torch.full((len(ids),), s is not None and id(s) in cached) for ids, s in parts])
+        out = prefill(self.reuser.model, kv, pieces_kv, blend)
+        recomputed = int((found & out.recomputed_mask).sum())
+        reused = done + int(found.sum()) - recomputed
+        return Shared(Prefilled(out.logits, mode, reused, recomputed, out.deviation, note), known)
+
+    def settle(self, kv: KVCache, shared: Shared, reader: str, scope: str) -> None:
+        """The prompt's KV is complete: spans seen for the first time become sources said to
+        `reader`; spans with a source that were computed here teach the anchors their deviation."""
+        for s in shared.spans:
+            if s.source is None:
+                self.store(kv, s.start, s.token_ids, scope, f"said:{scope}:{reader}")
+            elif s.dense and self.offsets is not None:
+                keys, values = local(self.reuser.model, kv, s.start, len(s.token_ids))
+                keys, values = keys - s.source.keys, values - s.source.values
+                # Under the very context of its source, a span teaches nothing (and would vouch, with
+                # a zero offset, for the contexts that do move it).
+                if float(values.norm()) > 1e-3 * float(s.source.values.norm()):
+                    self.offsets.observe(s.slot, reader, s.source, keys, values)
+
+    def wrote(self, kv: KVCache, prompt_len: int, output_ids: list[int], text: str, reader: str, scope: str) -> None:
+        """A finished turn's answer becomes a span written by `reader`, as a later prompt will
+        hold it: its text tokenized alone, when that is how it was generated."""
+        ids = self.reuser.tokenizer.encode(text, add_special_tokens=False) if text else []
+        if not ids or output_ids[: len(ids)] != ids or not self.reuser.shiftable:
+            return
+        missing = prompt_len + len(ids) - len(kv)
+        if missing > 0:  # the last sampled tokens never went through the model
+            forward(self.reuser.model, [Run(kv, ids[-missing:], len(kv))])
+        self.store(kv, prompt_len, ids, scope, f"wrote:{scope}:{reader}")

@@ -1,0 +1,173 @@
+"""Spans shared across agents (KVCOMM) on the real model: sources, anchors, the gate, the modes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from agents.anchors import AnchorConfig, AnchorPool
+from benchmarks.multiagent import messages, write
+from chunk_cache import ChunkStore, fingerprint
+from runtime.blend import BlendConfig
+from runtime.documents import message_pieces
+from runtime.loader import LoadedModel
+from runtime.model import Run, forward
+from runtime.reuse import Reuser
+from runtime.shared import Shared, Span, Spans, local
+
+SOLVER = "You are a careful math tutor. Solve the problem step by step."
+CHECKER = "You are a strict reviewer. Check the solution above and give the final number."
+QUESTION = "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total does it take?"
+OTHER = "Josh buys a house for $80,000 and puts in $50,000 in repairs. How much profit did he make?"
+GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_dev.jsonl"
+UNRELATED = "Lorem ipsum: 0xDEADBEEF; ¿Dónde está la biblioteca? 東京は日本の首都です。🙂🙂 #!/usr/bin/env zsh"
+
+
+@pytest.fixture
+def spans(loaded: LoadedModel) -> Spans:
+    reuser = Reuser(loaded.model, loaded.tokenizer, ChunkStore.from_config(), fingerprint("test"), BlendConfig())
+    return Spans(reuser, AnchorPool(AnchorConfig()))
+
+
+def prompt(spans: Spans, system: str, *contents: str, cue: bool = False) -> tuple[list[list[int]], list[bool]]:
+    """[system][user: the first content][assistant: each other content], then the agent's cue."""
+    roles = ["user", *["assistant"] * (len(contents) - 1)]
+    messages = [{"role": "system", "content": system}]
+    messages += [{"role": r, "content": c} for r, c in zip(roles, contents)]
+    if cue:
+        messages.append({"role": "user", "content": "Your turn: is the answer above right?"})
+    return message_pieces(spans.reuser.tokenizer, messages)
+
+
+def run(spans: Spans, pieces, kinds, mode: str, agent: str, ratio: float = 0.0):
+    """The prompt's KV and last logits under `mode`, its lessons learnt as the engine does."""
+    kv = spans.reuser.new_kv()
+    shared = spans.prefill(kv, pieces, kinds, mode, agent, "", ratio)
+    logits = shared.prefilled.logits
+    if logits is None:
+        ids = [t for p in pieces for t in p]
+        logits = forward(spans.reuser.model, [Run(kv, ids[len(kv) :], len(kv))])[0]
+    spans.settle(kv, shared, agent, "")
+    return kv, logits, shared
+
+
+def question(spans: Spans, shared: Shared, text: str = QUESTION) -> Span:
+    ids = spans.reuser.tokenizer.encode(text, add_special_tokens=False)
+    return next(s for s in shared.spans if s.token_ids == ids)
+
+
+def kl(p: torch.Tensor, q: torch.Tensor) -> float:
+    p, q = p.log_softmax(-1), q.log_softmax(-1)
+    return float((p.exp() * (p - q)).sum())
+
+
+def test_message_pieces_cut_at_every_content_and_join_to_the_prompt(spans: Spans) -> None:
+    pieces, kinds = prompt(spans, SOLVER, QUESTION, "It takes 3 bolts.")
+    tok = spans.reuser.tokenizer
+    assert kinds.count(True) == 3
+    contents = [tok.decode(p) for p, k in zip(pieces, kinds) if k]
+    assert contents == [SOLVER, QUESTION, "It takes 3 bolts."]
+    assert tok.decode([t for p in pieces for t in p]).startswith("<|im_start|>system\n" + SOLVER)
+
+
+def test_a_span_is_stored_where_first_computed_and_found_under_another_prefix(spans: Spans) -> None:
+    pieces, kinds = prompt(spans, SOLVER, QUESTION)
+    run(spans, pieces, kinds, "full", "solver")
+    ids = spans.reuser.tokenizer.encode(QUESTION, add_special_tokens=False)
+    found = spans.source(ids, "")
+    assert found is not None and found[1] == "said::solver"
+    assert spans.source(ids, "another tenant") is None
+
+
+def test_offsets_from_the_same_content_under_the_same_prefix_reproduce_dense_kv(spans: Spans) -> None:
+    run(spans, *prompt(spans, SOLVER, QUESTION), "full", "solver")
+    checker = prompt(spans, CHECKER, QUESTION)
+    dense_kv, dense, first = run(spans, *checker, "kvcomm", "checker")
+    # No anchor yet: the question is computed densely (so is everything), and becomes an anchor.
+    assert first.gated == 1 and first.prefilled.logits is None
+    assert first.prefilled.note.startswith("kvcomm: 1 of 1 spans had no close anchor")
+    assert len(spans.offsets) == 1
+
+    kv, logits, again = run(spans, *checker, "kvcomm", "checker")
+    span = question(spans, again)
+    assert not span.dense and again.prefilled.mode == "kvcomm"
+    assert again.prefilled.reused == len(span.token_ids)
+    n = len(span.token_ids)
+    for got, want in zip(
+        local(spans.reuser.model, kv, span.start, n), local(spans.reuser.model, dense_kv, span.start, n)
+    ):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+    assert kl(dense, logits) < 1e-6
+    # Naive reuse of the same source, without the offset, moves the answer.
+    _, naive, _ = run(spans, *checker, "naive", "checker")
+    assert kl(dense, naive) > 100 * kl(dense, logits)
+
+
+def test_a_similar_span_passes_the_gate_an_unrelated_one_adds_an_anchor(spans: Spans) -> None:
+    for text in (QUESTION, OTHER, UNRELATED):
+        run(spans, *prompt(spans, SOLVER, text), "full", "solver")
+    run(spans, *prompt(spans, CHECKER, QUESTION), "kvcomm", "checker")  # the question's anchor
+
+    _, _, similar = run(spans, *prompt(spans, CHECKER, OTHER), "kvcomm", "checker")
+    assert not question(spans, similar, OTHER).dense and similar.prefilled.reused >= len(
+        question(spans, similar, OTHER).token_ids
+    )
+    before = len(spans.offsets)
+    _, _, unrelated = run(spans, *prompt(spans, CHECKER, UNRELATED), "kvcomm", "checker")
+    assert question(spans, unrelated, UNRELATED).dense
+    assert len(spans.offsets) == before + 1
+
+
+def test_in_a_pipeline_kvcomm_moves_the_answer_less_than_naive_reuse_and_blend(spans: Spans) -> None:
+    """The benchmark's pipeline, two agents: a checker reads each GSM8K question, the solver's
+    greedy answer and its own cue. From the third question on, those spans come from the solver's
+    context (or its own, under other messages) with offsets learnt on the first two."""
+    if not GSM8K.is_file():
+        pytest.skip(f"{GSM8K} is missing (the shared evaluation data)")
+    with GSM8K.open() as f:
+        questions = [json.loads(line)["question"] for _, line in zip(range(5), f)]
+    model, eos = spans.reuser.model, frozenset({spans.reuser.tokenizer.eos_token_id})
+    moved: dict[str, list[float]] = {"naive": [], "blend": [], "kvcomm": []}
+    for i, question in enumerate(questions):
+        pieces, kinds = message_pieces(spans.reuser.tokenizer, messages(question, [], 0))
+        kv, first, _ = run(spans, pieces, kinds, "full", "solver")
+        n = len(kv)
+        answer = write(spans.reuser, kv, first, eos, 32)
+        ids = spans.reuser.tokenizer.encode(answer, add_special_tokens=False)
+        kv.truncate(n)
+        forward(model, [Run(kv, ids, n)])
+        spans.wrote(kv, n, ids, answer, "solver", "")
+        checker = message_pieces(spans.reuser.tokenizer, messages(question, [answer], 1))
+        dense = forward(model, [Run(spans.reuser.new_kv(), [t for p in checker[0] for t in p], 0)])[0]
+        for mode in moved:
+            _, logits, _ = run(spans, *checker, mode, "checker", ratio=0.15 if mode == "blend" else 0.0)
+            if i >= 2:
+                moved[mode].append(kl(dense, logits))
+    mean = {mode: sum(v) / len(v) for mode, v in moved.items()}
+    assert mean["kvcomm"] < mean["blend"] and mean["kvcomm"] < mean["naive"], mean
+
+
+def test_an_answer_becomes_a_span_written_by_its_agent(spans: Spans) -> None:
+    pieces, kinds = prompt(spans, SOLVER, QUESTION)
+    kv, logits, _ = run(spans, pieces, kinds, "full", "solver")
+    text = "It takes 2 + 1 = 3 bolts."
+    ids = spans.reuser.tokenizer.encode(text, add_special_tokens=False)
+    prompt_len = len(kv)
+    forward(spans.reuser.model, [Run(kv, ids[:-1], prompt_len)])  # as decoding leaves it: the last token unfed
+    spans.wrote(kv, prompt_len, ids + [2], text, "solver", "")
+    found = spans.source(ids, "")
+    assert found is not None and found[1] == "wrote::solver"
+    # Its KV is the answer's KV in the solver's context.
+    whole = spans.reuser.new_kv()
+    forward(spans.reuser.model, [Run(whole, [t for p in pieces for t in p] + ids, 0)])
+    want = local(spans.reuser.model, whole, prompt_len, len(ids))[1]
+    torch.testing.assert_close(found[0].values, want, atol=1e-4, rtol=0)  # one batch against token by token
+
+
+def test_without_sources_a_span_prefill_is_dense(spans: Spans) -> None:
+    kv = spans.reuser.new_kv()
+    shared: Shared = spans.prefill(kv, *prompt(spans, SOLVER, QUESTION), "kvcomm", "solver", "", 0.1)
+    assert shared.prefilled.logits is None and len(kv) == 0 and shared.gated == 0
