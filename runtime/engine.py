@@ -281,9 +281,9 @@ class Engine:
             self.prefill_s_per_token = rate if old is None else 0.8 * old + 0.2 * rate
 
     def reuse(self, seq: Sequence) -> torch.Tensor | None:
-        """Start the KV of a prompt with documents as its plan says, or from its program's stored
-        context; the first token's logits when the whole prompt is done, else None (the rest is
-        prefilled in the usual steps)."""
+        """Start the KV of a prompt as its plan says: documents reused, or a program's stored
+        context resumed and then its shared spans reused (KVCOMM); the first token's logits when
+        the whole prompt is done, else None (the rest is prefilled in the usual steps)."""
         plan = seq.plan
         if plan is None or plan.spans:
             seq.planned = True

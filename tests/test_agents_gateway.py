@@ -113,7 +113,8 @@ def test_a_pin_holds_until_its_ttl_then_the_context_moves_to_disk(engine: Engine
     try:
         with serving(settings, engine) as base:
             messages = [{"role": "user", "content": "Run the tests."}]
-            raw = turn(base, messages, "program-ttl", key="ttl-key")
+            # "prefix": the program's own context only, so no shared message is stored beside it.
+            raw = turn(base, messages, "program-ttl", key="ttl-key", extra_body={"kvgate": {"reuse": "prefix"}})
             memory, disk = store.tiers
             assert isinstance(memory, MemoryTier) and isinstance(disk, DiskTier)
             kept = memory.keys()  # the store is new: the turn's context is all it holds
