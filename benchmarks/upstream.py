@@ -168,6 +168,10 @@ class Upstream:
         prompt = body.get("messages") if chat else body.get("prompt")
         if prompt is None or (chat and not isinstance(prompt, list)):
             return _error(400, "'messages' must be a list." if chat else "'prompt' is required.")
+        if not isinstance(body.get("stream", False), bool | None):
+            return _error(400, "'stream' must be a boolean.")
+        if not isinstance(body.get("stream_options", {}), dict | None):
+            return _error(400, "'stream_options' must be an object.")
         model = body.get("model")
         if model not in self.models:
             return _error(404, f"The model `{model}` does not exist.", "model_not_found")

@@ -85,6 +85,16 @@ def test_forwards_the_body_as_sent(tmp_path, upstreams):
         assert stats["last_headers"]["x-kvgate-program-id"] == "p-1"
 
 
+def test_an_upstreams_400_for_a_malformed_body_is_passed_on(tmp_path, upstreams):
+    """Fuzzing found `"stream": [null]`: the gateway forwards it untouched (as vLLM would, the stub
+    refuses it) and passes the refusal on, never a 5xx."""
+    a, _ = upstreams
+    with serving(front(tmp_path, a), None) as url:
+        body = {"model": "stub-a", "prompt": "hi", "stream": [None], "stream_options": [None]}
+        answer = httpx.post(url + "/v1/completions", json=body)
+        assert answer.status_code == 400 and "stream" in answer.json()["error"]["message"]
+
+
 def test_model_aliases_and_upstream_keys(tmp_path):
     with serve_upstream(models=("real-name",), api_key="sk-upstream") as up:
         settings = Settings(
