@@ -26,8 +26,6 @@ from runtime.model import Run, forward
 from runtime.reuse import Prefilled, Reuser
 from runtime.rope import angles, rope_type
 
-MODES = ("full", "naive", "blend", "kvcomm")
-
 
 class Offsets(Protocol):
     """The anchor pool: deviations of spans' KV under an agent's prefix from their sources' KV."""
