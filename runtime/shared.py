@@ -156,7 +156,8 @@ class Spans:
             note = f"kvcomm: {len(sourced) - len(cached)} of {len(sourced)} spans had no close anchor: computed, learnt"
         if not cached:  # nothing to reuse: the caller prefills the rest as usual
             return Shared(Prefilled(None, "full", reused=done, note=note), known)
-        blend = self.reuser.config(0.0 if mode == "naive" else ratio, mode)
+        # Nothing to recompute: no layer needs to run over the reused tokens to pick some.
+        blend = self.reuser.config(0.0, "naive") if mode == "naive" or ratio == 0 else self.reuser.config(ratio, mode)
         pieces_kv = [Piece(ids, cached.get(id(s)) if s is not None else None) for ids, s in parts]
         found = torch.cat([torch.full((len(ids),), s is not None and id(s) in cached) for ids, s in parts])
         out = prefill(self.reuser.model, kv, pieces_kv, blend)
