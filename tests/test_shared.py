@@ -73,7 +73,7 @@ def test_message_pieces_cut_at_every_content_and_join_to_the_prompt(spans: Spans
     assert tok.decode([t for p in pieces for t in p]).startswith("<|im_start|>system\n" + SOLVER)
 
 
-def test_a_span_is_stored_where_first_computed_and_found_under_another_prefix(spans: Spans) -> None:
+def test_a_span_is_stored_where_first_computed_under_its_slot_and_tenant(spans: Spans) -> None:
     pieces, kinds = prompt(spans, SOLVER, QUESTION)
     run(spans, pieces, kinds, "full", "solver")
     ids = spans.reuser.tokenizer.encode(QUESTION, add_special_tokens=False)
