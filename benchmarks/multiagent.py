@@ -41,8 +41,8 @@ from runtime.documents import message_pieces
 from runtime.kv import KVCache
 from runtime.loader import load
 from runtime.model import Run, forward
-from runtime.reuse import Prefilled, Reuser, copy_prefix, snapshot
-from runtime.shared import Spans
+from runtime.reuse import Prefilled, Reuser, snapshot
+from runtime.shared import Shared, Spans
 
 ROLES = [
     ("solver", "You are a careful math tutor. Solve the problem step by step and end with the final number."),
@@ -86,29 +86,17 @@ def messages(question: str, answers: list[str], agent: int) -> list[dict[str, st
             {"role": "user", "content": f"Your turn, {name}."}]  # fmt: skip
 
 
-def common(a: tuple[int, ...], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def start(
     reuser: Reuser, spans: Spans, mode: str, pieces: list[list[int]], kinds: list[bool], agent: str,
-    previous: object, ratio: float,
-) -> tuple[KVCache, torch.Tensor, Prefilled, object]:  # fmt: skip
+    previous: str, ratio: float,
+) -> tuple[KVCache, torch.Tensor, Prefilled, Shared | None]:  # fmt: skip
     """A turn's prompt KV and first-token logits under `mode`."""
     kv = reuser.new_kv()
     ids = [t for p in pieces for t in p]
     if mode == "dense":  # the layer loop over the whole prompt, nothing looked up
         logits = forward(reuser.model, [Run(kv, ids, 0)])[0]
         return kv, logits, Prefilled(logits, "full"), None
-    if previous is not None:  # the agent's own previous prompt, exact
-        n = min(common(previous.token_ids, ids), len(ids) - 1)
-        if n:
-            copy_prefix(kv, previous, n)
+    reuser.resume(kv, ids, previous)  # the agent's own previous prompt, exact (Continuum)
     shared = spans.prefill(kv, pieces, kinds, "full" if mode in ("dense", "prefix") else mode, agent, SCOPE, ratio)
     logits = shared.prefilled.logits
     if logits is None:
@@ -159,7 +147,7 @@ def bench_multiagent(
     pools = {name: AnchorPool(anchors or AnchorConfig()) for name, (mode, _) in MODES.items() if mode == "kvcomm"}
     tok, eos = loaded.tokenizer, loaded.eos_token_ids
     results = {m: {k: Turns() for k in range(agents)} for m in MODES}
-    previous: dict[int, object] = {}
+    previous: dict[int, str] = {}  # per agent, the key of its previous prompt's KV
     for q, question in enumerate(questions(data, limit)):
         answers: list[str] = []
         for k in range(agents):
@@ -178,7 +166,7 @@ def bench_multiagent(
                 for _ in range(repeats):  # the fastest: these machines are shared
                     began_turn = time.perf_counter()
                     kv, logits, prefilled, shared = start(
-                        reuser, spans, mode, pieces, kinds, agent, previous.get(k), ratio if r is None else r
+                        reuser, spans, mode, pieces, kinds, agent, previous.get(k, ""), ratio if r is None else r
                     )
                     seconds.append(time.perf_counter() - began_turn)
                 learn = time.perf_counter()
@@ -205,7 +193,8 @@ def bench_multiagent(
                 t.gated.append(shared is not None and shared.gated > 0)
                 t.learn_s.append(learn_s)
             ref_kv.truncate(len(ids))
-            previous[k] = snapshot(ref_kv, "", ids, 0.0, "")
+            previous[k] = f"previous:{agent}"
+            reuser.store.put(snapshot(ref_kv, previous[k], ids, 0.0, reuser.model_fp))
             full = tok.encode(text, add_special_tokens=False)
             kv = reuser.new_kv()
             forward(reuser.model, [Run(kv, ids + full, 0)])  # the answer's KV as it was written
