@@ -185,8 +185,14 @@ def run(args: argparse.Namespace, settings: Settings, argv: list[str] | None) ->
     if args.command == "bench" and args.kind == "multiagent":
         from benchmarks.multiagent import bench_multiagent
 
-        if not args.data.is_file():
-            print(f"kvgate: error: {args.data} is missing (the shared evaluation data)", file=sys.stderr)
+        checks = [
+            (args.data.is_file(), f"{args.data} is missing (the shared evaluation data)"),
+            (2 <= args.agents <= 5, "--agents must be 2 to 5"),
+            (args.questions >= 1 and args.written >= 1, "--questions and --written must be at least 1"),
+            (0 <= args.ratio <= 1, "--ratio must be within 0 and 1"),
+        ]
+        if problem := next((message for ok, message in checks if not ok), ""):
+            print(f"kvgate: error: {problem}", file=sys.stderr)
             return 2
         config = settings.engine_config()
         bench_multiagent(config, args.data, args.questions, args.agents, args.ratio, args.output, command, args.written)

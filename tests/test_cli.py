@@ -89,6 +89,7 @@ def test_bench_prefill_writes_its_table(tmp_path: Path) -> None:
 
 
 MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_rag_dev.jsonl"
+GSM8K = MUSIQUE.with_name("gsm8k_dev.jsonl")
 
 
 def need_musique() -> None:
@@ -119,6 +120,24 @@ def test_bench_refuses_bad_ratios_and_missing_data(tmp_path: Path) -> None:
             text=True,
             timeout=120,
         )
+        assert proc.returncode == 2 and "kvgate: error:" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_multiagent_writes_a_table_and_a_plot(tmp_path: Path) -> None:
+    if not GSM8K.is_file():
+        pytest.skip(f"{GSM8K} is missing (the shared evaluation data)")
+    out = tmp_path / "BENCHMARKS.md"
+    args = ["bench", "multiagent", "--questions", "3", "--agents", "2", "--written", "8"]
+    proc = subprocess.run([KVGATE, *args, "--output", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    assert "kvgate bench multiagent --questions 3 --agents 2 --written 8" in text and "(multiagent.png)" in text
+    rows = {line.split("|")[1].strip(): line.split("|") for line in text.splitlines() if line.startswith("| ")}
+    assert {"dense", "prefix", "naive", "kvcomm 0%", "blend 15%", "kvcomm 15%"} <= rows.keys()
+    assert float(rows["prefix"][6]) < 1e-3  # the agent's own previous prompt is exact
+    assert (tmp_path / "multiagent.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for bad in (["--agents", "6"], ["--questions", "0"], ["--data", str(tmp_path / "none.jsonl")]):
+        proc = subprocess.run([KVGATE, "bench", "multiagent", *bad], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and "kvgate: error:" in proc.stderr and "Traceback" not in proc.stderr
 
 
