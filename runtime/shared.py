@@ -59,6 +59,9 @@ class Span:
     token_ids: list[int]
     source: ChunkKV | None
     slot: str = ""
+    # Who reads it, as the anchors know readers: the agent, and for a source the prompt already
+    # holds (two agents wrote the same answer) which time it reads it, since the context differs.
+    reader: str = ""
     dense: bool = True  # computed in this prompt, not reused: what it shows is learnt
 
 
@@ -133,10 +136,14 @@ class Spans:
             return Shared(Prefilled(None, "full", reused=done, note=note))
         parts: list[tuple[list[int], Span | None]] = []
         offset = 0
+        times: dict[str, int] = {}  # source key -> how often the prompt read it so far
         for ids, is_span in zip(pieces, spans):  # a span the exact prefix cuts into is computed
             if is_span and offset >= done:
                 source, slot = self.source(ids, scope) or (None, "")
-                parts.append((ids, Span(offset, ids, source, slot)))
+                n = 1
+                if source is not None:
+                    n = times[source.key] = times.get(source.key, 0) + 1
+                parts.append((ids, Span(offset, ids, source, slot, reader if n == 1 else f"{reader}#{n}")))
             elif offset + len(ids) > done:
                 parts.append((ids[max(0, done - offset) :], None))
             offset += len(ids)
@@ -148,7 +155,7 @@ class Spans:
             assert s.source is not None
             if mode != "kvcomm":
                 cached[id(s)] = s.source
-            elif (offset_kv := self.offsets.estimate(s.slot, reader, s.source) if self.offsets else None) is not None:
+            elif (offset_kv := self.offsets.estimate(s.slot, s.reader, s.source) if self.offsets else None) is not None:
                 cached[id(s)] = Corrected(s.source, *offset_kv)
         for s in known:
             s.dense = id(s) not in cached
@@ -177,7 +184,7 @@ class Spans:
                 # Under the very context of its source, a span teaches nothing (and would vouch, with
                 # a zero offset, for the contexts that do move it).
                 if float(values.norm()) > 1e-3 * float(s.source.values.norm()):
-                    self.offsets.observe(s.slot, reader, s.source, keys, values)
+                    self.offsets.observe(s.slot, s.reader, s.source, keys, values)
 
     def wrote(self, kv: KVCache, prompt_len: int, output_ids: list[int], text: str, reader: str, scope: str) -> None:
         """A finished turn's answer becomes a span written by `reader`, as a later prompt will

@@ -106,6 +106,25 @@ def test_offsets_from_the_same_content_under_the_same_prefix_reproduce_dense_kv(
     assert kl(dense, naive) > 100 * kl(dense, logits)
 
 
+def test_a_span_read_twice_in_one_prompt_gets_an_offset_for_each_place(spans: Spans) -> None:
+    """Two agents wrote the same answer: the reader reads one source twice, in two contexts."""
+    answer = "It takes 2 + 1 = 3 bolts."
+    run(spans, *prompt(spans, SOLVER, QUESTION, answer), "full", "solver")
+    checker = prompt(spans, CHECKER, QUESTION, answer, answer)
+    dense_kv, dense, first = run(spans, *checker, "kvcomm", "checker")
+    assert first.gated == 3
+    kv, logits, again = run(spans, *checker, "kvcomm", "checker")
+    ids = spans.reuser.tokenizer.encode(answer, add_special_tokens=False)
+    twice = [s for s in again.spans if s.token_ids == ids]
+    assert [s.reader for s in twice] == ["checker", "checker#2"] and not any(s.dense for s in twice)
+    for s in twice:
+        for got, want in zip(
+            local(spans.reuser.model, kv, s.start, len(ids)), local(spans.reuser.model, dense_kv, s.start, len(ids))
+        ):
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+    assert kl(dense, logits) < 1e-6
+
+
 def test_a_similar_span_passes_the_gate_an_unrelated_one_adds_an_anchor(spans: Spans) -> None:
     for text in (QUESTION, OTHER, UNRELATED):
         run(spans, *prompt(spans, SOLVER, text), "full", "solver")
