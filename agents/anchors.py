@@ -7,12 +7,12 @@ its KV under that agent's prefix minus the source KV, per layer, head and token.
 offset mixes the deviations of its slot's anchors read by the same agent, weighted by a softmax
 over the distance between its source's feature and theirs. The gate: when the nearest anchor is
 farther than `max_distance`, there is no estimate and the prompt is prefilled densely, which adds
-an anchor. The pool holds at most `max_anchors`; a new one evicts the least used.
+an anchor. The pool holds at most `max_anchors` and `max_bytes` of deviations; past either, the
+least used anchor goes, the newest few excepted (they have had no time to be used yet).
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 from dataclasses import dataclass, field
 
@@ -24,6 +24,7 @@ from chunk_cache import ChunkKV
 @dataclass(frozen=True)
 class AnchorConfig:
     max_anchors: int = 32
+    max_bytes: int = 1 << 30
     # The gate: the nearest anchor's relative feature distance must not exceed this. Measured on
     # SmolLM2-135M: the same text under two prefixes ~0.05, two GSM8K questions 0.34-0.55, a
     # question and a line of code 0.67-0.73.
@@ -32,8 +33,13 @@ class AnchorConfig:
     temperature: float = 0.05
 
     def __post_init__(self) -> None:
-        if self.max_anchors < 1 or self.max_distance < 0 or self.temperature <= 0:
-            raise ValueError("max_anchors must be at least 1, max_distance >= 0 and temperature > 0")
+        if self.max_anchors < 1 or self.max_bytes < 1 or self.max_distance < 0 or self.temperature <= 0:
+            raise ValueError("max_anchors and max_bytes must be at least 1, max_distance >= 0 and temperature > 0")
+
+    @property
+    def grace(self) -> int:
+        """How many of the newest anchors eviction spares while others are left to evict."""
+        return max(1, self.max_anchors // 4)
 
 
 @dataclass
@@ -76,7 +82,7 @@ class AnchorPool:
     def __init__(self, config: AnchorConfig = AnchorConfig()) -> None:
         self.config = config
         self.anchors: dict[tuple[str, str], Anchor] = {}
-        self.born = itertools.count()
+        self.births = 0
         self.lock = threading.Lock()
         self.estimates = self.gated = self.added = self.evicted = 0
 
@@ -115,14 +121,28 @@ class AnchorPool:
         with self.lock:
             anchor = self.anchors.get((slot, source.key))
             if anchor is None:
-                while len(self.anchors) >= self.config.max_anchors:
-                    least = min(self.anchors.values(), key=lambda a: (a.uses, a.born))
-                    del self.anchors[(least.slot, least.content)]
-                    self.evicted += 1
-                anchor = Anchor(slot, source.key, feature(source), born=next(self.born))
+                anchor = Anchor(slot, source.key, feature(source), born=self.births)
                 self.anchors[(slot, source.key)] = anchor
+                self.births += 1
                 self.added += 1
             anchor.deviations[reader] = (keys, values)
+            self.shrink()
+
+    def shrink(self) -> None:
+        """Evict the least used anchors, sparing the newest, until the pool is within bounds (lock held)."""
+        c = self.config
+        held = sum(a.nbytes for a in self.anchors.values())
+        while self.anchors and (len(self.anchors) > c.max_anchors or held > c.max_bytes):
+            old = [a for a in self.anchors.values() if a.born < self.births - c.grace]
+            least = min(old or self.anchors.values(), key=lambda a: (a.uses, a.born))
+            del self.anchors[(least.slot, least.content)]
+            held -= least.nbytes
+            self.evicted += 1
+
+    def forget(self, source: str) -> None:
+        with self.lock:
+            for key in [k for k, a in self.anchors.items() if a.content == source]:
+                del self.anchors[key]
 
     def stats(self) -> dict[str, int]:
         with self.lock:

@@ -38,7 +38,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     if body.documents:
         plan = await asyncio.to_thread(documents.plan, served, body, messages, scope)
     elif program is not None:
-        plan = await asyncio.to_thread(programs.plan, served, body, messages, program, scope)
+        # Spans are computed in their first reader's context: shared within a tenant only, always.
+        plan = await asyncio.to_thread(programs.plan, served, body, messages, program, request.state.tenant)
     if plan is not None:
         prompt = [t for piece in plan.pieces for t in piece]
     else:

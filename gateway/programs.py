@@ -5,11 +5,14 @@ and the headers that report the turn."""
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import re
 from typing import Any
 
 from fastapi import Request
 
+from chunk_cache import fingerprint
 from gateway.errors import bad_request
 from gateway.protocol import ChatCompletionRequest
 from gateway.serving import Served
@@ -57,7 +60,15 @@ def plan(
     if ratio is None and mode == "kvcomm":
         ratio = served.settings.kvcomm_recompute_ratio
     reuse = Reuse(mode, ratio)
-    return Plan(pieces, [False] * len(pieces), reuse, scope, spans, program)
+    return Plan(pieces, [False] * len(pieces), reuse, scope, spans, agent_of(messages, body.tools))
+
+
+def agent_of(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+    """Which agent reads a prompt, as KVCOMM's anchors know agents: by its prefix (the leading
+    system messages and the tools), not its program id, which is new for every task of a
+    pipeline while the agent's prefix, and so how it moves what it reads, stays the same."""
+    lead = [m.get("content") for m in itertools.takewhile(lambda m: m.get("role") in ("system", "developer"), messages)]
+    return "agent-" + fingerprint(json.dumps([lead, tools], sort_keys=True, default=str))[:16]
 
 
 def begin(

@@ -72,6 +72,7 @@ class Settings(BaseSettings):
     # KVCOMM: a program's messages that another program read or wrote reuse that KV, offset by anchors.
     kvcomm: bool = True
     kvcomm_anchors: int = Field(32, ge=1)  # anchor pool size; a new anchor evicts the least used
+    kvcomm_anchor_bytes: int = Field(1 << 30, ge=1)  # and the bytes its deviations may hold
     kvcomm_max_distance: float = Field(0.6, ge=0.0)  # the gate: farther from every anchor is prefilled densely
     kvcomm_temperature: float = Field(0.05, gt=0.0)  # softmax temperature over anchor distances
     # Span tokens recomputed (CacheBlend) on top of the offsets; measured: offsets alone beat blend at 15%.
@@ -161,7 +162,9 @@ class Settings(BaseSettings):
 
     def agent_config(self) -> AgentConfig:
         pins = PinPolicy(self.agent_pins, self.agent_fixed_ttl_s, self.agent_max_ttl_s, self.agent_memory_weight)
-        anchors = AnchorConfig(self.kvcomm_anchors, self.kvcomm_max_distance, self.kvcomm_temperature)
+        anchors = AnchorConfig(
+            self.kvcomm_anchors, self.kvcomm_anchor_bytes, self.kvcomm_max_distance, self.kvcomm_temperature
+        )
         prior = Prior(median_s=self.agent_tool_prior_s)
         return AgentConfig(pins=pins, prior=prior, kvcomm=self.kvcomm, anchors=anchors)
 

@@ -72,7 +72,10 @@ def message_pieces(
             m["content"] = _MARKER + m["content"] + _MARKER
         marked.append(m)
     parts = render(tokenizer, marked, add_generation_prompt, tools).split(_MARKER)
-    if parts[1::2] != contents or len(parts) != 2 * len(contents) + 1:
+    # A template that trims or escapes contents would pass the markers through yet render the
+    # unmarked messages otherwise: the pieces must join to the very prompt.
+    verbatim = parts[1::2] == contents and len(parts) == 2 * len(contents) + 1
+    if not verbatim or "".join(parts) != render(tokenizer, messages, add_generation_prompt, tools):
         raise TemplateError("the model's chat template does not render message contents verbatim")
     pieces, spans = [], []
     for i, part in enumerate(parts):

@@ -81,7 +81,7 @@ class Engine:
         self.model_fp = model_fingerprint(self.loaded)
         self.calibration = load_calibration(calibration_path(config.cache_dir, self.model_fp))
         self.reuser = self.make_reuser(self.calibration)
-        self.spans = Spans(self.reuser)  # the gateway lends it its anchor pool (agents.AnchorPool)
+        self.spans = Spans(self.reuser, cost=self.prefill_s)  # the gateway lends it its anchor pool (agents.AnchorPool)
         budget = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.scheduler = Scheduler(config.max_num_seqs, budget, config.queue_order)
         self.prefill_s_per_token: float | None = None  # measured: a moving average over prefill steps
@@ -245,6 +245,7 @@ class Engine:
                 logits = self.reuse(seq)
                 if logits is not None:  # the whole prompt is in the KV: straight to the first token
                     self.sample(seq, logits)
+                    self.settle(seq)
                     continue
             except Exception as exc:
                 self.fail(seq, exc)
@@ -264,14 +265,13 @@ class Engine:
         for (seq, _), row in zip(batch, logits):
             if seq.prefilling:
                 continue
-            if seq.plan is not None and seq.plan.reuse.mode == "prefix" and not seq.output_ids:
-                self.reuser.store_prefix(seq.kv, seq.plan.pieces, seq.plan.scope)
-            if seq.shared is not None:
-                self.settle(seq)
+            first = not seq.output_ids
             try:
                 self.sample(seq, row)
             except Exception as exc:  # e.g. a NaN distribution: only this sequence ends
                 self.fail(seq, exc)
+            if first:
+                self.settle(seq)
 
     def measure(self, seconds: float, batch: list[tuple[Sequence, list[int]]]) -> None:
         tokens = sum(len(t) for _, t in batch)
@@ -301,8 +301,6 @@ class Engine:
             label = seq.reuse if done.mode == "full" else done.mode  # "full": no span reused
             seq.cached_tokens, seq.recomputed_tokens = done.reused, done.recomputed
             seq.reuse = "; ".join(x for x in (label, done.note) if x)
-            if done.logits is not None:
-                self.settle(seq)
             return done.logits
         done = self.reuser.prefill(seq.kv, plan.pieces, plan.documents, plan.reuse, plan.scope)
         seq.planned = True
@@ -311,13 +309,17 @@ class Engine:
         return done.logits
 
     def settle(self, seq: Sequence) -> None:
-        """The prompt's KV is complete: its new spans become sources, its dense ones anchors."""
-        assert seq.shared is not None and seq.plan is not None
-        shared, seq.shared = seq.shared, None
+        """The prompt's KV is complete and its first token out (sampling leaves the prompt's rows
+        as they are): what it leaves to store, its exact prefix or its new spans as sources and
+        its dense ones as anchors."""
+        plan, shared, seq.shared = seq.plan, seq.shared, None
         try:
-            self.spans.settle(seq.kv, shared, seq.plan.agent, seq.plan.scope)
-        except Exception:  # the answer stands; later prompts compute these spans again
-            log.exception("request %d: storing its shared spans failed", seq.id)
+            if plan is not None and plan.reuse.mode == "prefix":
+                self.reuser.store_prefix(seq.kv, plan.pieces, plan.scope)
+            if shared is not None and plan is not None:
+                self.spans.settle(seq.kv, shared, plan.agent, plan.scope)
+        except Exception:  # the answer stands; later prompts compute these again
+            log.exception("request %d: storing its prompt's KV failed", seq.id)
 
     def sample(self, seq: Sequence, logits: torch.Tensor) -> None:
         params = seq.params

@@ -26,7 +26,8 @@ class Plan:
     documents: list[bool]
     reuse: Reuse = Reuse()
     scope: str = ""
-    # Which pieces are message contents an agent (`agent`) shares with others (runtime/shared.py).
+    # Which pieces are message contents agents share (runtime/shared.py), and who reads them: the
+    # agent as its prefix identifies it, the same across its tasks.
     spans: list[bool] = field(default_factory=list)
     agent: str = ""
 

@@ -11,8 +11,11 @@ deviation it shows (its KV minus its source's) becomes an anchor.
 
 from __future__ import annotations
 
+import hashlib
 import threading
+from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -39,6 +42,10 @@ class Offsets(Protocol):
         """The real deviation of `source`'s KV under `reader`'s prefix, from a dense prefill."""
         ...
 
+    def forget(self, source: str) -> None:
+        """The source with this key is replaced: deviations measured against the old one are void."""
+        ...
+
 
 @dataclass
 class Corrected:
@@ -59,9 +66,11 @@ class Span:
     token_ids: list[int]
     source: ChunkKV | None
     slot: str = ""
-    # Who reads it, as the anchors know readers: the agent, and for a source the prompt already
+    # Who reads it, as the anchors know readers: the agent, and for a span the prompt already
     # holds (two agents wrote the same answer) which time it reads it, since the context differs.
     reader: str = ""
+    context: str = ""  # a digest of the prompt's tokens before it
+    exact: bool = False  # its source was computed after the very same tokens: its KV as it is
     dense: bool = True  # computed in this prompt, not reused: what it shows is learnt
 
 
@@ -90,34 +99,45 @@ def local(model: torch.nn.Module, kv: KVCache, start: int, n: int) -> tuple[torc
 class Spans:
     """The sources of spans of one engine, and the prefill that reuses them."""
 
-    def __init__(self, reuser: Reuser, offsets: Offsets | None = None, remembered: int = 65536) -> None:
-        self.reuser, self.offsets = reuser, offsets
-        self.slots: OrderedDict[str, str] = OrderedDict()  # source key -> slot, the latest `remembered`
+    def __init__(
+        self,
+        reuser: Reuser,
+        offsets: Offsets | None = None,
+        remembered: int = 65536,
+        cost: Callable[[int], float] = lambda tokens: tokens / 300,
+    ) -> None:
+        self.reuser, self.offsets, self.cost = reuser, offsets, cost  # cost: seconds to compute n tokens
+        # source key -> (slot, context it was computed in), the latest `remembered`
+        self.slots: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self.remembered = remembered
         self.lock = threading.Lock()
 
     def key(self, token_ids: list[int], scope: str) -> str:
         return self.reuser.key(token_ids, "span:" + scope)
 
-    def source(self, token_ids: list[int], scope: str) -> tuple[ChunkKV, str] | None:
+    def source(self, token_ids: list[int], scope: str) -> tuple[ChunkKV, str, str] | None:
+        """A span's source on the model's device (a lower tier gives it on the CPU), its slot and
+        the context it was computed in."""
         key = self.key(token_ids, scope)
         with self.lock:
-            slot = self.slots.get(key)
-        entry = self.reuser.store.get(key, self.reuser.model_fp) if slot is not None else None
-        if entry is None or entry.token_ids != tuple(token_ids):
+            found = self.slots.get(key)
+        entry = self.reuser.store.get(key, self.reuser.model_fp) if found is not None else None
+        if found is None or entry is None or entry.token_ids != tuple(token_ids):
             return None
-        return entry, slot
+        return entry.to(self.reuser.model.device), *found
 
-    def store(self, kv: KVCache, start: int, token_ids: list[int], scope: str, slot: str) -> None:
+    def store(self, kv: KVCache, start: int, token_ids: list[int], scope: str, slot: str, context: str = "") -> None:
         key = self.key(token_ids, scope)
         with self.lock:
             if key in self.slots and key in self.reuser.store:
                 return
         keys, values = local(self.reuser.model, kv, start, len(token_ids))
-        cost = float(len(token_ids))
+        cost = self.cost(len(token_ids))
         self.reuser.store.put(ChunkKV(key, tuple(token_ids), keys, values, cost, self.reuser.model_fp))
+        if self.offsets is not None:  # an evicted source computed anew, maybe elsewhere
+            self.offsets.forget(key)
         with self.lock:
-            self.slots[key] = slot
+            self.slots[key] = (slot, context)
             self.slots.move_to_end(key)
             while len(self.slots) > self.remembered:
                 self.slots.popitem(last=False)
@@ -136,31 +156,40 @@ class Spans:
             return Shared(Prefilled(None, "full", reused=done, note=note))
         parts: list[tuple[list[int], Span | None]] = []
         offset = 0
-        times: dict[str, int] = {}  # source key -> how often the prompt read it so far
+        times: dict[tuple[int, ...], int] = {}  # span -> how often the prompt read it so far
+        before = hashlib.blake2b(digest_size=16)  # the tokens before the current piece
         for ids, is_span in zip(pieces, spans):  # a span the exact prefix cuts into is computed
+            n = 0
+            if is_span:
+                n = times[tuple(ids)] = times.get(tuple(ids), 0) + 1
             if is_span and offset >= done:
-                source, slot = self.source(ids, scope) or (None, "")
-                n = 1
-                if source is not None:
-                    n = times[source.key] = times.get(source.key, 0) + 1
-                parts.append((ids, Span(offset, ids, source, slot, reader if n == 1 else f"{reader}#{n}")))
+                source, slot, context = self.source(ids, scope) or (None, "", "")
+                here = before.hexdigest()
+                span = Span(offset, ids, source, slot, reader if n == 1 else f"{reader}#{n}", here, context == here)
+                parts.append((ids, span))
             elif offset + len(ids) > done:
                 parts.append((ids[max(0, done - offset) :], None))
+            before.update(array("q", ids).tobytes())
             offset += len(ids)
         known = [s for _, s in parts if s is not None]
         sourced = [s for s in known if s.source is not None]
         note = ""
         cached: dict[int, Corrected | ChunkKV] = {}
+        gated = 0
         for s in sourced if mode != "full" else []:
             assert s.source is not None
-            if mode != "kvcomm":
+            if s.exact or mode != "kvcomm":
                 cached[id(s)] = s.source
             elif (offset_kv := self.offsets.estimate(s.slot, s.reader, s.source) if self.offsets else None) is not None:
                 cached[id(s)] = Corrected(s.source, *offset_kv)
+            else:
+                gated += 1
+        if parts and parts[-1][1] is not None:  # the last token is computed: its logits start the answer
+            cached.pop(id(parts[-1][1]), None)
         for s in known:
             s.dense = id(s) not in cached
-        if mode == "kvcomm" and len(cached) < len(sourced):  # the gate
-            note = f"kvcomm: {len(sourced) - len(cached)} of {len(sourced)} spans had no close anchor: computed, learnt"
+        if gated:
+            note = f"kvcomm: {gated} of {len(sourced)} spans had no close anchor: computed, learnt"
         if not cached:  # nothing to reuse: the caller prefills the rest as usual
             return Shared(Prefilled(None, "full", reused=done, note=note), known)
         # Nothing to recompute: no layer needs to run over the reused tokens to pick some.
@@ -177,8 +206,8 @@ class Spans:
         `reader`; spans with a source that were computed here teach the anchors their deviation."""
         for s in shared.spans:
             if s.source is None:
-                self.store(kv, s.start, s.token_ids, scope, f"said:{scope}:{reader}")
-            elif s.dense and self.offsets is not None:
+                self.store(kv, s.start, s.token_ids, scope, f"said:{scope}:{reader}", s.context)
+            elif s.dense and not s.exact and self.offsets is not None:
                 keys, values = local(self.reuser.model, kv, s.start, len(s.token_ids))
                 keys, values = keys - s.source.keys, values - s.source.values
                 # Under the very context of its source, a span teaches nothing (and would vouch, with

@@ -144,20 +144,21 @@ QUESTIONS = [
 
 
 def test_a_second_agent_reuses_the_question_and_the_first_agents_answer(url: str, loaded) -> None:
-    """Two agents (programs) with their own system prompts: the checker's request holds the
-    question and the solver's answer as plain messages. Once each has been read once (its anchor
-    learnt from that dense prefill), the checker's requests reuse their KV from the solver's."""
+    """Two agents with their own system prompts, a new pair of programs per task: the checker's
+    request holds the question and the solver's answer as plain messages. Once each has been read
+    once (its anchor learnt from that dense prefill), the checker's requests of later tasks reuse
+    their KV from the solver's: anchors know an agent by its prefix, not by its program id."""
     count = lambda text: len(loaded.tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
     for i, question in enumerate(QUESTIONS):
         solver = [{"role": "system", "content": SOLVER}, {"role": "user", "content": question}]
-        answer = turn(url, solver, "kvcomm-solver", max_tokens=24, tools=None).parse().choices[0].message.content
+        answer = turn(url, solver, f"task-{i}-solver", max_tokens=24, tools=None).parse().choices[0].message.content
         checker = [
             {"role": "system", "content": CHECKER},
             {"role": "user", "content": question},
             {"role": "assistant", "content": answer},
             {"role": "user", "content": "Your turn: is the answer above right?"},
         ]
-        raw = turn(url, checker, "kvcomm-checker", tools=None)
+        raw = turn(url, checker, f"task-{i}-checker", tools=None)
         reused = int(raw.headers["x-kvgate-reused-tokens"])
         assert raw.parse().usage.prompt_tokens_details.cached_tokens == reused
         if i == 0:  # nothing learnt yet: computed densely, and learnt
@@ -167,6 +168,9 @@ def test_a_second_agent_reuses_the_question_and_the_first_agents_answer(url: str
             assert raw.headers["x-kvgate-reuse"].startswith("kvcomm")
     metrics = httpx.get(f"{url}/metrics").text
     assert "kvgate_kvcomm_estimates_total" in metrics
+    # Another tenant's agents share none of it: spans hold their first reader's context.
+    raw = turn(url, checker, "task-other-checker", key="tenant-b", tools=None)
+    assert raw.headers["x-kvgate-reused-tokens"] == "0"
 
 
 def test_prefix_reuse_keeps_a_program_to_its_own_context(url: str) -> None:

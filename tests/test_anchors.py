@@ -82,8 +82,46 @@ def test_a_full_pool_evicts_its_least_used_anchor() -> None:
     assert len(pool) == 2 and pool.stats()["evicted"] == 1
 
 
+def test_the_newest_anchors_are_spared_while_older_ones_can_go() -> None:
+    """A pool's new anchors have had no chance to be used: a full pool evicts an old one instead,
+    however little it was used, so the anchors of one dense prefill do not evict each other."""
+    pool = AnchorPool(AnchorConfig(max_anchors=8))
+    assert pool.config.grace == 2
+    old = [span(f"old{i}", 4, seed=i) for i in range(8)]
+    for a in old:
+        pool.observe("s", "r", a, *deviation(4, 1.0))
+    for a in old:
+        pool.estimate("s", "r", a)
+    new = [span(f"new{i}", 4, seed=10 + i) for i in range(2)]
+    for a in new:
+        pool.observe("s", "r", a, *deviation(4, 1.0))
+    assert {"new0", "new1"} <= {a.content for a in pool.anchors.values()}
+    assert len(pool) == 8 and pool.stats()["evicted"] == 2
+
+
+def test_the_pool_keeps_to_its_byte_budget() -> None:
+    one = 2 * 2 * 4 * 4 * 4  # K and V, [2 layers, 1 head, 4 tokens, 4 dims] of float32
+    pool = AnchorPool(AnchorConfig(max_anchors=100, max_bytes=3 * one))
+    for i in range(5):
+        pool.observe("s", "r", span(str(i), 4, seed=i), *deviation(4, 1.0))
+        assert pool.nbytes <= 3 * one
+    assert len(pool) == 3 and pool.stats()["evicted"] == 2
+
+
+def test_a_replaced_source_takes_its_anchors_with_it() -> None:
+    pool = AnchorPool()
+    a, b = span("a", 4, seed=1), span("b", 4, seed=2)
+    pool.observe("s", "r", a, *deviation(4, 1.0))
+    pool.observe("t", "r", a, *deviation(4, 1.0))
+    pool.observe("s", "r", b, *deviation(4, 1.0))
+    pool.forget("a")
+    assert {anchor.content for anchor in pool.anchors.values()} == {"b"}
+
+
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError):
         AnchorConfig(max_anchors=0)
     with pytest.raises(ValueError):
         AnchorConfig(temperature=0)
+    with pytest.raises(ValueError):
+        AnchorConfig(max_bytes=0)

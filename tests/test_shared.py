@@ -17,6 +17,7 @@ from runtime.loader import LoadedModel
 from runtime.model import Run, forward
 from runtime.reuse import Reuser
 from runtime.shared import Shared, Span, Spans, local
+from runtime.tokens import TemplateError
 
 SOLVER = "You are a careful math tutor. Solve the problem step by step."
 CHECKER = "You are a strict reviewer. Check the solution above and give the final number."
@@ -73,6 +74,19 @@ def test_message_pieces_cut_at_every_content_and_join_to_the_prompt(spans: Spans
     assert tok.decode([t for p in pieces for t in p]).startswith("<|im_start|>system\n" + SOLVER)
 
 
+def test_a_template_that_trims_contents_gets_no_pieces(spans: Spans) -> None:
+    """Llama 3's template trims each content: the markers hide that, the joined pieces do not."""
+    tok = spans.reuser.tokenizer
+    template = tok.chat_template
+    tok.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}\n{% endfor %}"
+    try:
+        message_pieces(tok, [{"role": "user", "content": "plain"}])  # nothing to trim: fine
+        with pytest.raises(TemplateError):
+            message_pieces(tok, [{"role": "user", "content": " padded "}])
+    finally:
+        tok.chat_template = template
+
+
 def test_a_span_is_stored_where_first_computed_under_its_slot_and_tenant(spans: Spans) -> None:
     pieces, kinds = prompt(spans, SOLVER, QUESTION)
     run(spans, pieces, kinds, "full", "solver")
@@ -93,8 +107,9 @@ def test_offsets_from_the_same_content_under_the_same_prefix_reproduce_dense_kv(
 
     kv, logits, again = run(spans, *checker, "kvcomm", "checker")
     span = question(spans, again)
-    assert not span.dense and again.prefilled.mode == "kvcomm"
-    assert again.prefilled.reused == len(span.token_ids)
+    system = again.spans[0]  # exact: its source was computed after the same tokens (the first checker's)
+    assert not span.dense and not span.exact and system.exact and again.prefilled.mode == "kvcomm"
+    assert again.prefilled.reused == len(span.token_ids) + len(system.token_ids)
     n = len(span.token_ids)
     for got, want in zip(
         local(spans.reuser.model, kv, span.start, n), local(spans.reuser.model, dense_kv, span.start, n)
@@ -123,6 +138,28 @@ def test_a_span_read_twice_in_one_prompt_gets_an_offset_for_each_place(spans: Sp
         ):
             torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
     assert kl(dense, logits) < 1e-6
+
+
+def test_a_span_after_the_same_tokens_as_its_source_is_reused_as_it_is(spans: Spans) -> None:
+    """Another task of the same agent: a new program, so no context of its own to resume, but its
+    system prompt's source was computed after the very same template tokens."""
+    run(spans, *prompt(spans, CHECKER, QUESTION), "full", "checker")
+    pieces, kinds = prompt(spans, CHECKER, OTHER)
+    dense = forward(spans.reuser.model, [Run(spans.reuser.new_kv(), [t for p in pieces for t in p], 0)])[0]
+    _, logits, shared = run(spans, pieces, kinds, "kvcomm", "checker")
+    system = shared.spans[0]
+    assert system.exact and not system.dense and shared.gated == 0
+    assert shared.prefilled.reused == len(system.token_ids) and kl(dense, logits) < 1e-6
+
+
+def test_a_prompt_that_ends_in_a_span_computes_it_for_the_first_token(spans: Spans) -> None:
+    run(spans, *prompt(spans, SOLVER, QUESTION), "full", "solver")
+    pieces, kinds = prompt(spans, CHECKER, QUESTION)
+    end = max(i for i, k in enumerate(kinds) if k) + 1  # cut after the question: the prompt ends in it
+    pieces, kinds = pieces[:end], kinds[:end]
+    dense = forward(spans.reuser.model, [Run(spans.reuser.new_kv(), [t for p in pieces for t in p], 0)])[0]
+    _, logits, shared = run(spans, pieces, kinds, "naive", "checker")
+    assert question(spans, shared).dense and kl(dense, logits) < 1e-6
 
 
 def test_a_similar_span_passes_the_gate_an_unrelated_one_adds_an_anchor(spans: Spans) -> None:
