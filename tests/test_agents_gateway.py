@@ -183,3 +183,21 @@ def test_prefix_reuse_keeps_a_program_to_its_own_context(url: str) -> None:
         raw = turn(url, checker, "prefix-checker", tools=None, extra_body={"kvgate": {"reuse": "prefix"}})
         reuses.append(raw.headers.get("x-kvgate-reuse"))
     assert reuses == [None, "program"]  # the solver's answer is not looked up; its own context is
+
+
+def test_spans_stay_within_a_tenant_even_where_documents_are_shared(engine: Engine) -> None:
+    """`tenant_scoped_kv: false` shares documents, computed alone; a span's KV holds its first
+    reader's context, so spans stay with their tenant."""
+    settings = Settings(max_num_seqs=4, semantic_cache=False, tenant_scoped_kv=False)
+    offsets = engine.spans.offsets
+    system = "You answer questions about tenants, and nothing else."  # no other test's: nobody has its KV
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Which tenant asks this?"}]
+    try:
+        with serving(settings, engine) as base:
+            turn(base, messages, "first-agent", key="tenant-a", tools=None)
+            raw = turn(base, messages, "other-agent", key="tenant-b", tools=None)
+            assert raw.headers["x-kvgate-reused-tokens"] == "0"
+            raw = turn(base, messages, "same-agent", key="tenant-a", tools=None)  # exact spans: its own tenant's
+            assert int(raw.headers["x-kvgate-reused-tokens"]) > 0
+    finally:
+        engine.spans.offsets = offsets
