@@ -228,12 +228,11 @@ def summary(results: dict[str, dict[int, Turns]], agents: range, since: int = 0)
     return pooled
 
 
-def speedup(dense: Turns, t: Turns, turns: list[int] | None = None) -> float:
-    """Mean dense TTFT over mean mode TTFT, over the given turns (all by default)."""
-    turns = list(range(len(t.seconds))) if turns is None else turns
-    if not turns:
+def speedup(dense: Turns, t: Turns) -> float:
+    """Mean dense TTFT over mean mode TTFT."""
+    if not t.seconds:
         return float("nan")
-    return statistics.fmean(dense.seconds[i] for i in turns) / statistics.fmean(t.seconds[i] for i in turns)
+    return statistics.fmean(dense.seconds) / statistics.fmean(t.seconds)
 
 
 def verdicts(later: dict[str, Turns], every: dict[str, Turns]) -> str:
