@@ -2,12 +2,12 @@
 program-level FCFS (the runtime's `queue_order="program"`); and KVCOMM's anchor pool, with which
 one agent reuses the KV of text another agent read or wrote."""
 
-from agents.anchors import Anchor, AnchorConfig, AnchorPool
-from agents.config import AgentConfig
-from agents.costs import Costs, EngineCosts
-from agents.predictor import ANY, Predictor, Prior
-from agents.programs import Expirer, Program, Programs, context_key, tool_return
-from agents.ttl import PINS, PinPolicy, benefit, decide
+from kvgate.agents.anchors import Anchor, AnchorConfig, AnchorPool
+from kvgate.agents.config import AgentConfig
+from kvgate.agents.costs import Costs, EngineCosts
+from kvgate.agents.predictor import ANY, Predictor, Prior
+from kvgate.agents.programs import Expirer, Program, Programs, context_key, tool_return
+from kvgate.agents.ttl import PINS, PinPolicy, benefit, decide
 
 __all__ = [
     "ANY",

@@ -17,8 +17,7 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
-
-from chunk_cache import ChunkKV
+from kvgate.chunk_cache import ChunkKV
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agents.anchors import AnchorConfig
-from agents.predictor import Prior
-from agents.ttl import PinPolicy
+from kvgate.agents.anchors import AnchorConfig
+from kvgate.agents.predictor import Prior
+from kvgate.agents.ttl import PinPolicy
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from runtime.engine import Engine
+from kvgate.runtime.engine import Engine
 
 
 class Costs(Protocol):

@@ -19,12 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from agents.config import AgentConfig
-from agents.costs import Costs
-from agents.predictor import Predictor
-from agents.ttl import decide
-from chunk_cache import ChunkStore
-from runtime.sequence import Turn
+from kvgate.agents.config import AgentConfig
+from kvgate.agents.costs import Costs
+from kvgate.agents.predictor import Predictor
+from kvgate.agents.ttl import decide
+from kvgate.chunk_cache import ChunkStore
+from kvgate.runtime.sequence import Turn
 
 
 @dataclass

@@ -14,13 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import openai
-
-from benchmarks.agent_workload import ProgramSpec, generate
-from benchmarks.report import table, write_section
-from benchmarks.server import gateway
-from gateway.settings import Settings
-from runtime.engine import Engine
-from runtime.loader import LoadedModel, load
+from kvgate.bench.agent_workload import ProgramSpec, generate
+from kvgate.bench.report import table, write_section
+from kvgate.bench.server import gateway
+from kvgate.gateway.settings import Settings
+from kvgate.runtime.engine import Engine
+from kvgate.runtime.loader import LoadedModel, load
 
 # (arrivals per second, KV memory MiB): an engine busy but keeping up, and one overloaded.
 SIMULATED = [(0.2, 192), (0.25, 128)]
@@ -163,7 +162,7 @@ def bench_agents(
         + table(HEADER, rows(runs))
     )
     if sim_programs:
-        from benchmarks.agents_sim import bench_sim, measure, report
+        from kvgate.bench.agents_sim import bench_sim, measure, report
 
         engine = Engine(base.engine_config(), loaded)
         try:

@@ -18,18 +18,17 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from agents.config import AgentConfig
-from agents.predictor import Prior
-from agents.programs import Programs
-from agents.ttl import PinPolicy
-from benchmarks.agent_workload import ProgramSpec, generate
-from benchmarks.report import table
-from chunk_cache import ChunkKV, ChunkStore, MemoryTier
-from runtime.engine import Engine
-from runtime.sampling import SamplingParams
-from runtime.scheduler import Scheduler
-from runtime.sequence import Status, Turn
+from kvgate.agents.config import AgentConfig
+from kvgate.agents.predictor import Prior
+from kvgate.agents.programs import Programs
+from kvgate.agents.ttl import PinPolicy
+from kvgate.bench.agent_workload import ProgramSpec, generate
+from kvgate.bench.report import table
+from kvgate.chunk_cache import ChunkKV, ChunkStore, MemoryTier
+from kvgate.runtime.engine import Engine
+from kvgate.runtime.sampling import SamplingParams
+from kvgate.runtime.scheduler import Scheduler
+from kvgate.runtime.sequence import Status, Turn
 
 TEMPLATE_TOKENS = 12  # chat template tokens around each turn's new messages
 SCOPE = "sim"

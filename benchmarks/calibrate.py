@@ -14,12 +14,12 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.fidelity import Scores, load_items, make_reuser, measure
-from benchmarks.report import table, write_section
-from runtime.calibration import METRICS, Calibration, meets, model_fingerprint, path, pick_ratio, save
-from runtime.config import EngineConfig
-from runtime.loader import load
-from runtime.reuse import Reuse
+from kvgate.bench.fidelity import Scores, load_items, make_reuser, measure
+from kvgate.bench.report import table, write_section
+from kvgate.runtime.calibration import METRICS, Calibration, meets, model_fingerprint, path, pick_ratio, save
+from kvgate.runtime.config import EngineConfig
+from kvgate.runtime.loader import load
+from kvgate.runtime.reuse import Reuse
 
 MARGIN = 1.5  # deviation limit = MARGIN x the largest per-item deviation seen at the chosen ratio
 

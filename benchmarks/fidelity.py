@@ -18,18 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from kvgate.bench.report import table, write_section
+from kvgate.chunk_cache import ChunkCacheConfig, ChunkStore
+from kvgate.runtime.blend import BlendConfig
+from kvgate.runtime.calibration import model_fingerprint
+from kvgate.runtime.config import EngineConfig
+from kvgate.runtime.documents import chat_pieces, document_ids
+from kvgate.runtime.kv import KVCache
+from kvgate.runtime.loader import LoadedModel, load
+from kvgate.runtime.model import Run, forward
+from kvgate.runtime.reuse import Prefilled, Reuse, Reuser
 from transformers import PreTrainedTokenizerBase
-
-from benchmarks.report import table, write_section
-from chunk_cache import ChunkCacheConfig, ChunkStore
-from runtime.blend import BlendConfig
-from runtime.calibration import model_fingerprint
-from runtime.config import EngineConfig
-from runtime.documents import chat_pieces, document_ids
-from runtime.kv import KVCache
-from runtime.loader import LoadedModel, load
-from runtime.model import Run, forward
-from runtime.reuse import Prefilled, Reuse, Reuser
 
 RATIOS = (0.0, 0.05, 0.10, 0.15, 0.20, 0.30, 0.50)
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_rag_dev.jsonl"

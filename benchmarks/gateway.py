@@ -14,10 +14,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-
-from benchmarks.report import table, write_section
-from benchmarks.upstream import serve_upstream
-from gateway.workers import serving
+from kvgate.bench.report import table, write_section
+from kvgate.bench.upstream import serve_upstream
+from kvgate.gateway.workers import serving
 
 MODEL = "stub-a"
 

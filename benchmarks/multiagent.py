@@ -32,17 +32,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-from agents.anchors import AnchorConfig, AnchorPool
-from benchmarks.fidelity import greedy, kl, make_reuser, teacher_forced, top1
-from benchmarks.report import table, write_section
-from runtime.config import EngineConfig
-from runtime.documents import message_pieces
-from runtime.kv import KVCache
-from runtime.loader import load
-from runtime.model import Run, forward
-from runtime.reuse import Prefilled, Reuser, snapshot
-from runtime.shared import Shared, Spans
+from kvgate.agents.anchors import AnchorConfig, AnchorPool
+from kvgate.bench.fidelity import greedy, kl, make_reuser, teacher_forced, top1
+from kvgate.bench.report import table, write_section
+from kvgate.runtime.config import EngineConfig
+from kvgate.runtime.documents import message_pieces
+from kvgate.runtime.kv import KVCache
+from kvgate.runtime.loader import load
+from kvgate.runtime.model import Run, forward
+from kvgate.runtime.reuse import Prefilled, Reuser, snapshot
+from kvgate.runtime.shared import Shared, Spans
 
 ROLES = [
     ("solver", "You are a careful math tutor. Solve the problem step by step and end with the final number."),

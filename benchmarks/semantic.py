@@ -13,16 +13,15 @@ from pathlib import Path
 
 import numpy as np
 import xxhash
-
-from benchmarks.fidelity import DataError
-from benchmarks.report import table, write_section
-from benchmarks.semantic_hit import bench_hit
-from benchmarks.semantic_latency import SEED, Pair, latency_pool, latency_section
-from benchmarks.traps import Served, pct, section, serve, traps_for
-from gateway.settings import Settings
-from semantic_cache import MiniLM, SemanticCacheConfig
-from semantic_cache.embedder import Embedder
-from semantic_cache.policy import Classifier
+from kvgate.bench.fidelity import DataError
+from kvgate.bench.report import table, write_section
+from kvgate.bench.semantic_hit import bench_hit
+from kvgate.bench.semantic_latency import SEED, Pair, latency_pool, latency_section
+from kvgate.bench.traps import Served, pct, section, serve, traps_for
+from kvgate.gateway.settings import Settings
+from kvgate.semantic_cache import MiniLM, SemanticCacheConfig
+from kvgate.semantic_cache.embedder import Embedder
+from kvgate.semantic_cache.policy import Classifier
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "qqp_pairs_dev.jsonl"
 REFERENCES = {"GPTCache-like, 0.7": 0.7, "RedisVL-like, 0.9 (distance 0.1)": 0.9}

@@ -9,10 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import openai
-
-from benchmarks.report import table
-from benchmarks.server import gateway
-from gateway.settings import Settings
+from kvgate.bench.report import table
+from kvgate.bench.server import gateway
+from kvgate.gateway.settings import Settings
 
 
 def timed(

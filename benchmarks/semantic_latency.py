@@ -11,12 +11,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
-
-from benchmarks.report import table
-from benchmarks.traps import pct
-from semantic_cache import Entry, SemanticCache, SemanticCacheConfig
-from semantic_cache.embedder import Embedder
-from semantic_cache.sqlite_store import SQLiteStore
+from kvgate.bench.report import table
+from kvgate.bench.traps import pct
+from kvgate.semantic_cache import Entry, SemanticCache, SemanticCacheConfig
+from kvgate.semantic_cache.embedder import Embedder
+from kvgate.semantic_cache.sqlite_store import SQLiteStore
 
 SEED = 0
 Pair = tuple[str, str, bool]

@@ -8,11 +8,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import uvicorn
-
-from gateway.app import create_app
-from gateway.settings import Settings
-from runtime.engine import Engine
-from runtime.loader import LoadedModel
+from kvgate.gateway.app import create_app
+from kvgate.gateway.settings import Settings
+from kvgate.runtime.engine import Engine
+from kvgate.runtime.loader import LoadedModel
 
 
 @contextmanager

@@ -22,15 +22,14 @@ from pathlib import Path
 
 import redis
 import torch
-
-from benchmarks.fidelity import Item, load_items, start
-from benchmarks.report import table, write_section
-from chunk_cache import ByteTier, ChunkKV, ChunkStore, DiskTier, Loading, MemoryTier, Tier, make_tier
-from runtime.blend import BlendConfig
-from runtime.calibration import model_fingerprint
-from runtime.config import EngineConfig
-from runtime.loader import load
-from runtime.reuse import Reuse, Reuser
+from kvgate.bench.fidelity import Item, load_items, start
+from kvgate.bench.report import table, write_section
+from kvgate.chunk_cache import ByteTier, ChunkKV, ChunkStore, DiskTier, Loading, MemoryTier, Tier, make_tier
+from kvgate.runtime.blend import BlendConfig
+from kvgate.runtime.calibration import model_fingerprint
+from kvgate.runtime.config import EngineConfig
+from kvgate.runtime.loader import load
+from kvgate.runtime.reuse import Reuse, Reuser
 
 TARGET_BANDWIDTH = 0.70  # of the medium's limit
 TARGET_SPEEDUP = 3.0  # blend from disk against full prefill

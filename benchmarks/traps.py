@@ -14,14 +14,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-
-from benchmarks.report import table
-from semantic_cache.config import SemanticCacheConfig
-from semantic_cache.guards import GUARDS, refusal, words
+from kvgate.bench.report import table
+from kvgate.semantic_cache.config import SemanticCacheConfig
+from kvgate.semantic_cache.guards import GUARDS, refusal, words
 
 if TYPE_CHECKING:
-    from benchmarks.semantic import Half
-    from semantic_cache.policy import Classifier
+    from kvgate.bench.semantic import Half
+    from kvgate.semantic_cache.policy import Classifier
 
 NATURAL = 0.7  # natural traps: QQP non-duplicates at least this similar (the lowest threshold compared)
 

@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-from benchmarks.fidelity import (
+from kvgate.bench.fidelity import (
     ANSWER,
     TARGET_KL,
     TARGET_TOP1,
@@ -34,13 +33,13 @@ from benchmarks.fidelity import (
     teacher_forced,
     top1,
 )
-from benchmarks.report import table, write_section
-from runtime.blend import BlendConfig
-from runtime.calibration import load as load_calibration
-from runtime.calibration import model_fingerprint, path
-from runtime.config import EngineConfig
-from runtime.loader import load
-from runtime.reuse import Reuse, Reuser
+from kvgate.bench.report import table, write_section
+from kvgate.runtime.blend import BlendConfig
+from kvgate.runtime.calibration import load as load_calibration
+from kvgate.runtime.calibration import model_fingerprint, path
+from kvgate.runtime.config import EngineConfig
+from kvgate.runtime.loader import load
+from kvgate.runtime.reuse import Reuse, Reuser
 
 TARGET_SPEEDUP = 4.0  # the target, against the fastest full prefill, on shuffled documents
 ORDERS = ("stored", "shuffled")

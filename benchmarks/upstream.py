@@ -242,7 +242,7 @@ def _free_port() -> int:
 def serve_upstream(models: Sequence[str] = ("stub-a",), words: int = 8, api_key: str | None = None) -> Iterator[str]:
     """The upstream in a subprocess on a free loopback port; yields its base URL (no /v1)."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "benchmarks.upstream", "--port", str(port), "--models", ",".join(models)]
+    cmd = [sys.executable, "-m", "kvgate.bench.upstream", "--port", str(port), "--models", ",".join(models)]
     cmd += ["--words", str(words)] + (["--api-key", api_key] if api_key is not None else [])
     root = str(Path(__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}

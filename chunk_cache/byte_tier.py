@@ -13,9 +13,8 @@ from abc import abstractmethod
 from collections.abc import Callable
 
 import torch
-
-from chunk_cache.entry import ChunkKV, CorruptEntry, Header
-from chunk_cache.tier import Tier
+from kvgate.chunk_cache.entry import ChunkKV, CorruptEntry, Header
+from kvgate.chunk_cache.tier import Tier
 
 log = logging.getLogger(__name__)
 

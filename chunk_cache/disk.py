@@ -15,9 +15,9 @@ import threading
 import time
 from pathlib import Path
 
-from chunk_cache.byte_tier import ByteTier, Read
-from chunk_cache.entry import CorruptEntry, Header
-from chunk_cache.tier import register_tier
+from kvgate.chunk_cache.byte_tier import ByteTier, Read
+from kvgate.chunk_cache.entry import CorruptEntry, Header
+from kvgate.chunk_cache.tier import register_tier
 
 SUFFIX = ".kvc"
 

@@ -28,9 +28,8 @@ from typing import Any, TypeVar
 
 import torch
 import xxhash
-
-from chunk_cache.entry import ChunkKV
-from chunk_cache.tier import Tier, register_tier
+from kvgate.chunk_cache.entry import ChunkKV
+from kvgate.chunk_cache.tier import Tier, register_tier
 
 os.environ["LMCACHE_TRACK_USAGE"] = "false"  # no usage telemetry from inside a gateway
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")  # it logs every store and retrieve at INFO

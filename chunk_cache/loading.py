@@ -8,9 +8,8 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 
 import torch
-
-from chunk_cache.byte_tier import ByteTier, Read
-from chunk_cache.entry import ChunkKV, CorruptEntry, Header
+from kvgate.chunk_cache.byte_tier import ByteTier, Read
+from kvgate.chunk_cache.entry import ChunkKV, CorruptEntry, Header
 
 
 class LoadFailed(RuntimeError):

@@ -17,9 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-from chunk_cache.entry import ChunkKV
-from chunk_cache.tier import Tier, register_tier
+from kvgate.chunk_cache.entry import ChunkKV
+from kvgate.chunk_cache.tier import Tier, register_tier
 
 log = logging.getLogger(__name__)
 

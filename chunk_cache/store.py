@@ -15,11 +15,11 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from chunk_cache.byte_tier import ByteTier
-from chunk_cache.config import ChunkCacheConfig
-from chunk_cache.entry import ChunkKV
-from chunk_cache.loading import LoadFailed, Loading
-from chunk_cache.tier import Tier, make_tier
+from kvgate.chunk_cache.byte_tier import ByteTier
+from kvgate.chunk_cache.config import ChunkCacheConfig
+from kvgate.chunk_cache.entry import ChunkKV
+from kvgate.chunk_cache.loading import LoadFailed, Loading
+from kvgate.chunk_cache.tier import Tier, make_tier
 
 log = logging.getLogger(__name__)
 

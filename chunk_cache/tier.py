@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
-from chunk_cache.entry import ChunkKV
+from kvgate.chunk_cache.entry import ChunkKV
 
 
 class Tier(ABC):
@@ -95,9 +95,9 @@ def make_tier(name: str, **config: Any) -> Tier:
     so an optional backend's dependencies are imported only when it is asked for."""
     if name not in _TIERS:
         try:
-            importlib.import_module(f"chunk_cache.{name}_tier")
+            importlib.import_module(f"kvgate.chunk_cache.{name}_tier")
         except ModuleNotFoundError as e:
-            if e.name != f"chunk_cache.{name}_tier":
+            if e.name != f"kvgate.chunk_cache.{name}_tier":
                 raise
     try:
         cls = _TIERS[name]

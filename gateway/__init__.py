@@ -1,1 +1,1 @@
-"""kvgate: an OpenAI-compatible gateway in front of its own runtime (see DESIGN.md)."""
+"""The gateway: OpenAI-compatible routes over a backend; keys, limits, metrics; the command line."""

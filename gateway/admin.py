@@ -8,13 +8,12 @@ import hmac
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
+from kvgate.gateway.errors import APIError
+from kvgate.gateway.keys import Keys, bearer
+from kvgate.gateway.limits import Limits
+from kvgate.gateway.protocol import Body
+from kvgate.semantic_cache import SemanticCache
 from pydantic import Field
-
-from gateway.errors import APIError
-from gateway.keys import Keys, bearer
-from gateway.limits import Limits
-from gateway.protocol import Body
-from semantic_cache import SemanticCache
 
 
 async def admin_only(request: Request) -> None:

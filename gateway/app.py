@@ -12,19 +12,18 @@ from typing import Any
 
 from fastapi import Depends, FastAPI
 from fastapi.responses import Response
+from kvgate.gateway import admin, chat, completions, documents, errors, proxy
+from kvgate.gateway.errors import APIError, internal
+from kvgate.gateway.keys import Keys, authenticate
+from kvgate.gateway.limits import limiter as make_limiter
+from kvgate.gateway.metrics import CONTENT_TYPE, Metrics, Observe, counter, gauge, merged, tier_metrics
+from kvgate.gateway.proxy import Front
+from kvgate.gateway.serving import Served
+from kvgate.gateway.settings import Settings
+from kvgate.gateway.upstreams import Upstream
+from kvgate.runtime.engine import Engine
 from prometheus_client.core import GaugeMetricFamily, Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from gateway import admin, chat, completions, documents, errors, proxy
-from gateway.errors import APIError, internal
-from gateway.keys import Keys, authenticate
-from gateway.limits import limiter as make_limiter
-from gateway.metrics import CONTENT_TYPE, Metrics, Observe, counter, gauge, merged, tier_metrics
-from gateway.proxy import Front
-from gateway.serving import Served
-from gateway.settings import Settings
-from gateway.upstreams import Upstream
-from runtime.engine import Engine
 
 log = logging.getLogger("kvgate")
 

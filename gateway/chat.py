@@ -8,15 +8,23 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-
-from gateway import documents, programs, semantic
-from gateway.errors import bad_request
-from gateway.keys import allow_model
-from gateway.protocol import ChatCompletionRequest
-from gateway.serving import Served, account, chat_logprobs, collect, response_head, reuse_headers, streamed, usage
-from runtime.engine import Result
-from runtime.sequence import Output
-from runtime.tokens import TemplateError, chat_prompt
+from kvgate.gateway import documents, programs, semantic
+from kvgate.gateway.errors import bad_request
+from kvgate.gateway.keys import allow_model
+from kvgate.gateway.protocol import ChatCompletionRequest
+from kvgate.gateway.serving import (
+    Served,
+    account,
+    chat_logprobs,
+    collect,
+    response_head,
+    reuse_headers,
+    streamed,
+    usage,
+)
+from kvgate.runtime.engine import Result
+from kvgate.runtime.sequence import Output
+from kvgate.runtime.tokens import TemplateError, chat_prompt
 
 router = APIRouter()
 

@@ -7,10 +7,9 @@ import logging
 import sys
 from pathlib import Path
 
+from kvgate.gateway.settings import Settings
+from kvgate.runtime.loader import ModelNotFound
 from pydantic import ValidationError
-
-from gateway.settings import Settings
-from runtime.loader import ModelNotFound
 
 # The shared evaluation data sits beside the project: ../shared/data.
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_rag_dev.jsonl"
@@ -133,7 +132,7 @@ def musique_args(parser: argparse.ArgumentParser, limit: int, offset: int) -> No
 
 
 def check_numbers(args: argparse.Namespace) -> None:
-    from benchmarks.fidelity import DataError
+    from kvgate.bench.fidelity import DataError
 
     for name in ("docs", "limit", "repeats"):
         value = getattr(args, name, None)
@@ -150,7 +149,7 @@ def run(args: argparse.Namespace, settings: Settings, argv: list[str] | None) ->
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     if args.command == "convert":
-        from runtime.loader import resolve
+        from kvgate.runtime.loader import resolve
 
         print(resolve(settings.engine_config(), progress=True))
         return 0
@@ -158,7 +157,7 @@ def run(args: argparse.Namespace, settings: Settings, argv: list[str] | None) ->
     if args.command == "calibrate" or (
         args.command == "bench" and args.kind in ("fidelity", "ttft", "tiers", "semantic")
     ):
-        from benchmarks.fidelity import DataError
+        from kvgate.bench.fidelity import DataError
 
         try:
             return measure(args, settings, command)
@@ -166,7 +165,7 @@ def run(args: argparse.Namespace, settings: Settings, argv: list[str] | None) ->
             print(f"kvgate: error: {exc}", file=sys.stderr)
             return 2
     if args.command == "bench" and args.kind == "agents":
-        from benchmarks.agents import bench_agents
+        from kvgate.bench.agents import bench_agents
 
         bench_agents(
             settings,
@@ -183,7 +182,7 @@ def run(args: argparse.Namespace, settings: Settings, argv: list[str] | None) ->
         )
         return 0
     if args.command == "bench" and args.kind == "multiagent":
-        from benchmarks.multiagent import bench_multiagent
+        from kvgate.bench.multiagent import bench_multiagent
 
         checks = [
             (args.data.is_file(), f"{args.data} is missing (the shared evaluation data)"),
@@ -198,27 +197,29 @@ def run(args: argparse.Namespace, settings: Settings, argv: list[str] | None) ->
         bench_multiagent(config, args.data, args.questions, args.agents, args.ratio, args.output, command, args.written)
         return 0
     if args.command == "bench" and args.kind == "gateway":
-        from benchmarks.gateway import bench_gateway
+        from kvgate.bench.gateway import bench_gateway
 
         for name, found in bench_gateway(args.requests, args.output, command).items():
             print(f"{name}: p50 {found['p50']:.2f} ms, p99 {found['p99']:.2f} ms")
         return 0
     if args.command == "bench":
-        from benchmarks.prefill import bench_prefill
+        from kvgate.bench.prefill import bench_prefill
 
         lengths = [int(x) for x in args.lengths.split(",")]
         bench_prefill(settings.engine_config(), lengths, args.decode_tokens, args.repeats, args.output, command)
         return 0
+    from kvgate.gateway.serve import serve_forever
+
     return serve_forever(settings)
 
 
 def measure(args: argparse.Namespace, settings: Settings, command: str) -> int:
     """`kvgate calibrate`, `kvgate bench fidelity` and `kvgate bench ttft`."""
-    from benchmarks.fidelity import parse_ratios
+    from kvgate.bench.fidelity import parse_ratios
 
     check_numbers(args)
     if args.command == "calibrate":
-        from benchmarks.calibrate import calibrate
+        from kvgate.bench.calibrate import calibrate
 
         calibrate(
             settings.engine_config(),
@@ -236,7 +237,7 @@ def measure(args: argparse.Namespace, settings: Settings, command: str) -> int:
         )
         return 0
     if args.command == "bench" and args.kind == "fidelity":
-        from benchmarks.fidelity import bench_fidelity
+        from kvgate.bench.fidelity import bench_fidelity
 
         bench_fidelity(
             settings.engine_config(),
@@ -252,7 +253,7 @@ def measure(args: argparse.Namespace, settings: Settings, command: str) -> int:
         )
         return 0
     if args.command == "bench" and args.kind == "ttft":
-        from benchmarks.ttft import bench_ttft
+        from kvgate.bench.ttft import bench_ttft
 
         bench_ttft(
             settings.engine_config(),
@@ -269,7 +270,7 @@ def measure(args: argparse.Namespace, settings: Settings, command: str) -> int:
         )
         return 0
     if args.command == "bench" and args.kind == "tiers":
-        from benchmarks.tiers import bench_tiers
+        from kvgate.bench.tiers import bench_tiers
 
         bench_tiers(
             settings.engine_config(),
@@ -284,8 +285,8 @@ def measure(args: argparse.Namespace, settings: Settings, command: str) -> int:
         )
         return 0
     if args.command == "bench" and args.kind == "semantic":
-        from benchmarks.fidelity import DataError
-        from benchmarks.semantic import bench_semantic
+        from kvgate.bench.fidelity import DataError
+        from kvgate.bench.semantic import bench_semantic
 
         try:
             sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
@@ -296,34 +297,6 @@ def measure(args: argparse.Namespace, settings: Settings, command: str) -> int:
         )
         return 0
     raise AssertionError(f"not a measurement: {args.command}")
-
-
-def serve_forever(settings: Settings) -> int:
-    """In-process runtime; or a front over upstreams (proxy mode) or over runtime workers."""
-    import uvicorn
-
-    from gateway.app import create_app
-    from gateway.workers import running
-    from runtime.engine import Engine
-    from runtime.loader import resolve
-
-    def serve(app: object) -> None:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)  # type: ignore[arg-type]
-
-    if settings.upstreams and not settings.workers:
-        serve(create_app(settings, None))
-        return 0
-    resolve(settings.engine_config(), progress=True)  # convert once, with a progress bar, before loading
-    if settings.workers:
-        with running(settings, settings.workers) as workers:
-            serve(create_app(settings, None, workers))
-        return 0
-    engine = Engine(settings.engine_config())
-    try:
-        serve(create_app(settings, engine))
-    finally:
-        engine.shutdown()
-    return 0
 
 
 if __name__ == "__main__":

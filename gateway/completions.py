@@ -8,14 +8,22 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-
-from gateway.errors import bad_request
-from gateway.keys import allow_model
-from gateway.protocol import CompletionRequest
-from gateway.serving import Served, account, collect, completion_logprobs, response_head, reuse_headers, streamed, usage
-from runtime.engine import Result
-from runtime.sequence import Output
-from runtime.tokens import text_prompt
+from kvgate.gateway.errors import bad_request
+from kvgate.gateway.keys import allow_model
+from kvgate.gateway.protocol import CompletionRequest
+from kvgate.gateway.serving import (
+    Served,
+    account,
+    collect,
+    completion_logprobs,
+    response_head,
+    reuse_headers,
+    streamed,
+    usage,
+)
+from kvgate.runtime.engine import Result
+from kvgate.runtime.sequence import Output
+from kvgate.runtime.tokens import text_prompt
 
 router = APIRouter()
 

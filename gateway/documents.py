@@ -7,14 +7,13 @@ import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
-
-from gateway.errors import APIError, bad_request
-from gateway.protocol import ChatCompletionRequest, DocumentRequest
-from gateway.serving import Served
-from runtime.documents import chat_pieces, document_ids
-from runtime.reuse import Reuse
-from runtime.sequence import Plan
-from runtime.tokens import TemplateError
+from kvgate.gateway.errors import APIError, bad_request
+from kvgate.gateway.protocol import ChatCompletionRequest, DocumentRequest
+from kvgate.gateway.serving import Served
+from kvgate.runtime.documents import chat_pieces, document_ids
+from kvgate.runtime.reuse import Reuse
+from kvgate.runtime.sequence import Plan
+from kvgate.runtime.tokens import TemplateError
 
 router = APIRouter()
 PREFIX = "doc-"

@@ -9,9 +9,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from kvgate.runtime.engine import EngineError
 from starlette.exceptions import HTTPException
-
-from runtime.engine import EngineError
 
 TYPES = {
     400: "invalid_request_error",

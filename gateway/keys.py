@@ -16,9 +16,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from fastapi import Request
-
-from gateway.errors import APIError
-from gateway.limits import Limiter, Limits
+from kvgate.gateway.errors import APIError
+from kvgate.gateway.limits import Limiter, Limits
 
 log = logging.getLogger("kvgate.keys")
 REDIS_PREFIX = "kvgate:key:"

@@ -11,15 +11,14 @@ import re
 from typing import Any
 
 from fastapi import Request
-
-from chunk_cache import fingerprint
-from gateway.errors import bad_request
-from gateway.protocol import ChatCompletionRequest
-from gateway.serving import Served
-from runtime.documents import message_pieces
-from runtime.reuse import Reuse
-from runtime.sequence import Plan, Turn
-from runtime.tokens import TemplateError
+from kvgate.chunk_cache import fingerprint
+from kvgate.gateway.errors import bad_request
+from kvgate.gateway.protocol import ChatCompletionRequest
+from kvgate.gateway.serving import Served
+from kvgate.runtime.documents import message_pieces
+from kvgate.runtime.reuse import Reuse
+from kvgate.runtime.sequence import Plan, Turn
+from kvgate.runtime.tokens import TemplateError
 
 HEADER = "x-kvgate-program-id"
 PROGRAM_ID = re.compile(r"^[A-Za-z0-9._:/@+=-]{1,256}$")

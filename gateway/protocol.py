@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
+from kvgate.gateway.errors import bad_request
+from kvgate.runtime.sampling import SamplingParams
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
-from gateway.errors import bad_request
-from runtime.sampling import SamplingParams
 
 SEED_BOUND = 2**63  # seeds are signed 64-bit integers
 

@@ -17,20 +17,19 @@ from urllib.parse import quote
 import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from kvgate.gateway import semantic
+from kvgate.gateway.admission import ProgramClock
+from kvgate.gateway.errors import APIError, bad_request
+from kvgate.gateway.keys import allow_model
+from kvgate.gateway.programs import HEADER, program_of
+from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest, DocumentRequest
+from kvgate.gateway.serving import SSE_HEADERS, account, hang_up, sse
+from kvgate.gateway.settings import Settings
+from kvgate.gateway.upstreams import Opened, Pool, ProxyConfig, Upstream
+from kvgate.semantic_cache import SemanticCache
 from pydantic import ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.types import Receive, Scope, Send
-
-from gateway import semantic
-from gateway.admission import ProgramClock
-from gateway.errors import APIError, bad_request
-from gateway.keys import allow_model
-from gateway.programs import HEADER, program_of
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, DocumentRequest
-from gateway.serving import SSE_HEADERS, account, hang_up, sse
-from gateway.settings import Settings
-from gateway.upstreams import Opened, Pool, ProxyConfig, Upstream
-from semantic_cache import SemanticCache
 
 router = APIRouter()
 EVENT_END = re.compile(rb"\r?\n\r?\n")

@@ -13,10 +13,9 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
-
-from gateway.protocol import ChatCompletionRequest
-from gateway.serving import SSE_HEADERS, sse, usage
-from semantic_cache import Lookup, SemanticCache
+from kvgate.gateway.protocol import ChatCompletionRequest
+from kvgate.gateway.serving import SSE_HEADERS, sse, usage
+from kvgate.semantic_cache import Lookup, SemanticCache
 
 # Body fields that do not change the answer, left out of the scope. kvgate.cache is taken out below.
 UNSCOPED = {"messages", "stream", "stream_options", "user"}

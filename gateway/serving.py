@@ -10,19 +10,18 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kvgate.agents import AnchorPool, EngineCosts, Expirer, Programs
+from kvgate.gateway.errors import APIError, bad_request, internal
+from kvgate.gateway.keys import spend
+from kvgate.gateway.protocol import Sampling
+from kvgate.gateway.settings import Settings
+from kvgate.runtime.engine import Engine, PromptTooLong, Result
+from kvgate.runtime.sampling import SamplingParams, TokenLogprob
+from kvgate.runtime.sequence import Output, Plan, Turn
+from kvgate.runtime.tokens import TokenBytes
+from kvgate.semantic_cache import SemanticCache
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
-
-from agents import AnchorPool, EngineCosts, Expirer, Programs
-from gateway.errors import APIError, bad_request, internal
-from gateway.keys import spend
-from gateway.protocol import Sampling
-from gateway.settings import Settings
-from runtime.engine import Engine, PromptTooLong, Result
-from runtime.sampling import SamplingParams, TokenLogprob
-from runtime.sequence import Output, Plan, Turn
-from runtime.tokens import TokenBytes
-from semantic_cache import SemanticCache
 
 FINGERPRINT = "kvgate-0.1"
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}  # no proxy may buffer or keep a stream

@@ -7,17 +7,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from kvgate.agents import AgentConfig, AnchorConfig, PinPolicy, Prior
+from kvgate.chunk_cache import ChunkCacheConfig
+from kvgate.gateway.limits import Limits
+from kvgate.gateway.upstreams import ProxyConfig, Upstream
+from kvgate.runtime.config import EngineConfig
+from kvgate.semantic_cache import SemanticCacheConfig
+from kvgate.semantic_cache import categories as semantic_categories
+from kvgate.semantic_cache.guards import GUARDS
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
-
-from agents import AgentConfig, AnchorConfig, PinPolicy, Prior
-from chunk_cache import ChunkCacheConfig
-from gateway.limits import Limits
-from gateway.upstreams import ProxyConfig, Upstream
-from runtime.config import EngineConfig
-from semantic_cache import SemanticCacheConfig
-from semantic_cache import categories as semantic_categories
-from semantic_cache.guards import GUARDS
 
 
 def user_cache_dir() -> Path:

@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 
 import anyio
 import httpx
-
-from gateway.admission import Gate
-from gateway.errors import APIError
-from gateway.routing import Ring
+from kvgate.gateway.admission import Gate
+from kvgate.gateway.errors import APIError
+from kvgate.gateway.routing import Ring
 
 log = logging.getLogger("kvgate.proxy")
 RETRYABLE = {429, 500, 502, 503, 504}

@@ -18,9 +18,8 @@ from typing import IO
 
 import httpx
 import yaml
-
-from gateway.settings import Settings
-from gateway.upstreams import Upstream
+from kvgate.gateway.settings import Settings
+from kvgate.gateway.upstreams import Upstream
 
 READY_S = 600.0  # a worker loads the model (converted once by the front beforehand)
 
@@ -62,7 +61,7 @@ def launch(name: str, values: dict[str, object], folder: Path, output: IO[bytes]
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(values))
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
-    command = [sys.executable, "-m", "gateway.cli", "--config", str(path), "serve"]
+    command = [sys.executable, "-m", "kvgate.gateway.cli", "--config", str(path), "serve"]
     process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT if output else None)
     return Worker(name, f"http://{values.get('host', '127.0.0.1')}:{values['port']}", process)
 

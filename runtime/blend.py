@@ -15,12 +15,11 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from kvgate.runtime.kernels import gather_rows, rope_shift, scatter_rows, token_deviation
+from kvgate.runtime.kv import KVCache
+from kvgate.runtime.model import attend, finish_layer, logits_of, project, project_keys
+from kvgate.runtime.rope import angles
 from transformers import PreTrainedModel
-
-from runtime.kernels import gather_rows, rope_shift, scatter_rows, token_deviation
-from runtime.kv import KVCache
-from runtime.model import attend, finish_layer, logits_of, project, project_keys
-from runtime.rope import angles
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from chunk_cache import fingerprint
-from runtime.loader import LoadedModel
+from kvgate.chunk_cache import fingerprint
+from kvgate.runtime.loader import LoadedModel
 
 log = logging.getLogger("kvgate.calibration")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from chunk_cache import ChunkCacheConfig
+from kvgate.chunk_cache import ChunkCacheConfig
 
 
 @dataclass(frozen=True)

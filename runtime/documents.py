@@ -19,9 +19,8 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
+from kvgate.runtime.tokens import TemplateError
 from transformers import PreTrainedTokenizerBase
-
-from runtime.tokens import TemplateError
 
 DOCUMENT_TEMPLATE = "<document>\n{text}\n</document>\n\n"
 

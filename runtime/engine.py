@@ -11,21 +11,20 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
-
-from chunk_cache import ChunkStore
-from runtime.blend import BlendConfig
-from runtime.calibration import Calibration, model_fingerprint
-from runtime.calibration import load as load_calibration
-from runtime.calibration import path as calibration_path
-from runtime.config import EngineConfig
-from runtime.kv import KVCache
-from runtime.loader import LoadedModel, load
-from runtime.model import Run, forward
-from runtime.reuse import Reuser
-from runtime.sampling import SamplingParams, TokenLogprob, choose, logprob_of, penalise
-from runtime.scheduler import Scheduler
-from runtime.sequence import Output, Plan, Sequence, Turn
-from runtime.shared import Spans
+from kvgate.chunk_cache import ChunkStore
+from kvgate.runtime.blend import BlendConfig
+from kvgate.runtime.calibration import Calibration, model_fingerprint
+from kvgate.runtime.calibration import load as load_calibration
+from kvgate.runtime.calibration import path as calibration_path
+from kvgate.runtime.config import EngineConfig
+from kvgate.runtime.kv import KVCache
+from kvgate.runtime.loader import LoadedModel, load
+from kvgate.runtime.model import Run, forward
+from kvgate.runtime.reuse import Reuser
+from kvgate.runtime.sampling import SamplingParams, TokenLogprob, choose, logprob_of, penalise
+from kvgate.runtime.scheduler import Scheduler
+from kvgate.runtime.sequence import Output, Plan, Sequence, Turn
+from kvgate.runtime.shared import Spans
 
 log = logging.getLogger("kvgate.engine")
 

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from kvgate.runtime.kv import KVCache
 from transformers import PreTrainedModel
-
-from runtime.kv import KVCache
 
 
 @dataclass

@@ -13,13 +13,12 @@ import time
 from dataclasses import dataclass
 
 import torch
+from kvgate.chunk_cache import ChunkKV, ChunkStore, LoadFailed, Loading, chunk_key, fingerprint
+from kvgate.runtime.blend import BlendConfig, Piece, prefill
+from kvgate.runtime.kv import KVCache
+from kvgate.runtime.model import Run, forward
+from kvgate.runtime.rope import can_shift, rope_type
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-from chunk_cache import ChunkKV, ChunkStore, LoadFailed, Loading, chunk_key, fingerprint
-from runtime.blend import BlendConfig, Piece, prefill
-from runtime.kv import KVCache
-from runtime.model import Run, forward
-from runtime.rope import can_shift, rope_type
 
 MODES = ("full", "prefix", "naive", "blend")
 

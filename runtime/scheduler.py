@@ -3,7 +3,7 @@ order in which waiting requests are admitted."""
 
 from __future__ import annotations
 
-from runtime.sequence import Sequence, Status
+from kvgate.runtime.sequence import Sequence, Status
 
 ORDERS = ("fcfs", "program")
 

@@ -8,12 +8,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
+from kvgate.runtime.kv import KVCache
+from kvgate.runtime.reuse import Reuse
+from kvgate.runtime.sampling import SamplingParams, TokenLogprob
+from kvgate.runtime.shared import Shared
 from transformers import PreTrainedTokenizerBase
-
-from runtime.kv import KVCache
-from runtime.reuse import Reuse
-from runtime.sampling import SamplingParams, TokenLogprob
-from runtime.shared import Shared
 
 _ids = itertools.count()
 

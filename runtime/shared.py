@@ -20,14 +20,13 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-
-from chunk_cache import ChunkKV
-from runtime.blend import Piece, prefill
-from runtime.kernels import rope_shift
-from runtime.kv import KVCache
-from runtime.model import Run, forward
-from runtime.reuse import Prefilled, Reuser
-from runtime.rope import angles, rope_type
+from kvgate.chunk_cache import ChunkKV
+from kvgate.runtime.blend import Piece, prefill
+from kvgate.runtime.kernels import rope_shift
+from kvgate.runtime.kv import KVCache
+from kvgate.runtime.model import Run, forward
+from kvgate.runtime.reuse import Prefilled, Reuser
+from kvgate.runtime.rope import angles, rope_type
 
 
 class Offsets(Protocol):

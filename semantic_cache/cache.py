@@ -11,14 +11,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from semantic_cache.config import Category, SemanticCacheConfig
-from semantic_cache.embedder import Embedder, make_embedder
-from semantic_cache.entry import Entry
-from semantic_cache.guards import refusal
-from semantic_cache.index import Index
-from semantic_cache.policy import Classifier, threshold
-from semantic_cache.store import Store, make_store
+from kvgate.semantic_cache.config import Category, SemanticCacheConfig
+from kvgate.semantic_cache.embedder import Embedder, make_embedder
+from kvgate.semantic_cache.entry import Entry
+from kvgate.semantic_cache.guards import refusal
+from kvgate.semantic_cache.index import Index
+from kvgate.semantic_cache.policy import Classifier, threshold
+from kvgate.semantic_cache.store import Store, make_store
 
 log = logging.getLogger("kvgate.semantic")
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import re
 
 import numpy as np
-
-from semantic_cache.config import Category, SemanticCacheConfig
-from semantic_cache.embedder import Embedder
+from kvgate.semantic_cache.config import Category, SemanticCacheConfig
+from kvgate.semantic_cache.embedder import Embedder
 
 
 class Classifier:

@@ -8,8 +8,8 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from semantic_cache.entry import CHECKED, Entry, pack, unpack
-from semantic_cache.store import Change, Store, register_store
+from kvgate.semantic_cache.entry import CHECKED, Entry, pack, unpack
+from kvgate.semantic_cache.store import Change, Store, register_store
 
 COLUMNS = (*CHECKED, "sum", "last_used", "hits")
 TEXT = ("vector", "response", "query")  # kept as bytes; the other checked fields as text

@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
-from semantic_cache.entry import Entry
+from kvgate.semantic_cache.entry import Entry
 
 Change = tuple[str, str]  # ("put" | "del", entry id)
 
@@ -70,7 +70,7 @@ def make_store(name: str, **options: Any) -> Store:
     """`sqlite` or `redis`: a module `semantic_cache/<name>_store.py` registers itself when first asked for."""
     if name not in _STORES:
         try:
-            importlib.import_module(f"semantic_cache.{name}_store")
+            importlib.import_module(f"kvgate.semantic_cache.{name}_store")
         except ModuleNotFoundError as exc:
             raise ValueError(f"no semantic cache store named {name!r}") from exc
     return _STORES[name](**options)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import random
 
 import torch
-
-from chunk_cache import ChunkKV
+from kvgate.chunk_cache import ChunkKV
 
 
 def chunk(

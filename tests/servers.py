@@ -9,11 +9,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import uvicorn
-
-from gateway.app import create_app
-from gateway.settings import Settings
-from gateway.upstreams import Upstream
-from runtime.engine import Engine
+from kvgate.gateway.app import create_app
+from kvgate.gateway.settings import Settings
+from kvgate.gateway.upstreams import Upstream
+from kvgate.runtime.engine import Engine
 
 
 def free_port(cluster: bool = False) -> int:

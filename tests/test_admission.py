@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.admission import Gate, ProgramClock
+from kvgate.gateway.admission import Gate, ProgramClock
 
 
 def test_waiters_are_let_through_by_rank_not_arrival():

@@ -6,10 +6,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-
-from agents.ttl import PinPolicy
-from benchmarks.agent_workload import Call, ProgramSpec, generate
-from benchmarks.agents_sim import HEADER, StepCosts, bench_sim, prompt_tokens, report, simulate
+from kvgate.agents.ttl import PinPolicy
+from kvgate.bench.agent_workload import Call, ProgramSpec, generate
+from kvgate.bench.agents_sim import HEADER, StepCosts, bench_sim, prompt_tokens, report, simulate
 
 # About the 135M model on 2 CPU cores (benchmarks/agents_sim.py `measure`), fp32 KV.
 COSTS = StepCosts(step_s=0.05, prefill_s_per_token=0.0018, decode_s_per_seq=0.007, bytes_per_token=46080)

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from agents.anchors import AnchorConfig, AnchorPool, aligned
-from chunk_cache import ChunkKV
+from kvgate.agents.anchors import AnchorConfig, AnchorPool, aligned
+from kvgate.chunk_cache import ChunkKV
 
 SHAPE = (2, 1, 4)  # layers, kv heads, head dim
 

@@ -9,9 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from benchmarks.semantic_hit import bench_hit
-from gateway.settings import Settings
+from kvgate.bench.semantic_hit import bench_hit
+from kvgate.gateway.settings import Settings
 
 KVGATE = str(Path(sys.executable).parent / "kvgate")
 QQP = Path(__file__).resolve().parents[2] / "shared" / "data" / "qqp_pairs_dev.jsonl"

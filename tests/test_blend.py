@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from chunk_cache import ChunkStore, DiskTier, MemoryTier, fingerprint
-from runtime.blend import BlendConfig, Piece, prefill
-from runtime.documents import chat_pieces, document_ids
-from runtime.loader import LoadedModel
-from runtime.model import Run, forward
-from runtime.reuse import Reuse, Reuser
+from kvgate.chunk_cache import ChunkStore, DiskTier, MemoryTier, fingerprint
+from kvgate.runtime.blend import BlendConfig, Piece, prefill
+from kvgate.runtime.documents import chat_pieces, document_ids
+from kvgate.runtime.loader import LoadedModel
+from kvgate.runtime.model import Run, forward
+from kvgate.runtime.reuse import Reuse, Reuser
 
 MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_rag_dev.jsonl"
 

@@ -7,11 +7,10 @@ import logging
 from pathlib import Path
 
 import pytest
-
-from benchmarks.calibrate import deviation_limit
-from benchmarks.fidelity import Scores
-from runtime.calibration import Calibration, load, model_fingerprint, path, pick_ratio, save
-from runtime.loader import LoadedModel
+from kvgate.bench.calibrate import deviation_limit
+from kvgate.bench.fidelity import Scores
+from kvgate.runtime.calibration import Calibration, load, model_fingerprint, path, pick_ratio, save
+from kvgate.runtime.loader import LoadedModel
 
 
 def sample() -> Calibration:
@@ -74,6 +73,6 @@ def test_the_deviation_limit_comes_from_the_chosen_ratio() -> None:
 def test_the_model_fingerprint_is_the_engines(loaded: LoadedModel) -> None:
     fp = model_fingerprint(loaded)
     assert fp == model_fingerprint(loaded) and len(fp) == 64
-    from chunk_cache import fingerprint
+    from kvgate.chunk_cache import fingerprint
 
     assert fp == fingerprint(str(loaded.path), str(loaded.model.dtype))

@@ -7,8 +7,7 @@ import threading
 
 import pytest
 import torch
-
-from chunk_cache import (
+from kvgate.chunk_cache import (
     ChunkCacheConfig,
     ChunkKV,
     ChunkStore,

@@ -12,11 +12,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from kvgate.chunk_cache import fingerprint
+from kvgate.runtime.calibration import load as load_calibration
+from kvgate.runtime.calibration import path as calibration_path
+from kvgate.runtime.loader import converted_dir, default_gguf, resolve
 
-from chunk_cache import fingerprint
-from runtime.calibration import load as load_calibration
-from runtime.calibration import path as calibration_path
-from runtime.loader import converted_dir, default_gguf, resolve
 from tests.servers import free_port
 
 KVGATE = str(Path(sys.executable).parent / "kvgate")  # the installed console script

@@ -10,9 +10,9 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from kvgate.gateway.app import create_app
+from kvgate.runtime.engine import EngineError
 
-from gateway.app import create_app
-from runtime.engine import EngineError
 from tests.servers import free_port
 
 

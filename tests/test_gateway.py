@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
+from kvgate.runtime.engine import Engine
+from kvgate.runtime.sampling import SamplingParams
 
-from runtime.engine import Engine
-from runtime.sampling import SamplingParams
 from tests.conftest import QUESTIONS
 
 

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from semantic_cache.guards import refusal
+from kvgate.semantic_cache.guards import refusal
 
 PARAPHRASES = [
     ("How do I learn Python quickly?", "What is the fastest way to learn python?"),

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
 
-from runtime import kernels  # noqa: E402
+from kvgate.runtime import kernels  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 T = 37  # not a multiple of any block size

@@ -1,4 +1,4 @@
-"""gateway.limits: rpm and tpm per API key, in one process (on a clock the tests move) and shared
+"""kvgate.gateway.limits: rpm and tpm per API key, in one process (on a clock the tests move) and shared
 through a real redis-server by several limiters, as several gateway processes would share it."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import asyncio
 import time
 
 import pytest
+from kvgate.gateway.limits import WINDOW_S, Limits, MemoryLimiter, RedisLimiter, Verdict, duration, limiter
 
-from gateway.limits import WINDOW_S, Limits, MemoryLimiter, RedisLimiter, Verdict, duration, limiter
 from tests.redis_server import RedisServer
 
 START = 1000 * WINDOW_S + 10.0  # 10 s into a fixed window

@@ -21,8 +21,8 @@ from tests.entries import same
 
 pytest.importorskip("lmcache", reason="LMCache is not installed: pip install 'kvgate[lmcache]'")
 
-from chunk_cache import ChunkKV, ChunkStore, MemoryTier, make_tier  # noqa: E402
-from chunk_cache.lmcache_tier import LMCacheTier  # noqa: E402
+from kvgate.chunk_cache import ChunkKV, ChunkStore, MemoryTier, make_tier  # noqa: E402
+from kvgate.chunk_cache.lmcache_tier import LMCacheTier  # noqa: E402
 
 CHUNK = 16  # tokens per LMCache memory object: small, so entries span several, the last one short
 
@@ -185,9 +185,9 @@ def test_concurrent_puts_and_gets_stay_exact_and_within_budget() -> None:
 
 def test_without_lmcache_the_import_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "lmcache.v1.cache_engine", None)  # an import of it now fails
-    monkeypatch.delitem(sys.modules, "chunk_cache.lmcache_tier")
+    monkeypatch.delitem(sys.modules, "kvgate.chunk_cache.lmcache_tier")
     with pytest.raises(ImportError, match=r"pip install 'kvgate\[lmcache\]'"):
-        importlib.import_module("chunk_cache.lmcache_tier")
+        importlib.import_module("kvgate.chunk_cache.lmcache_tier")
 
 
 def test_built_by_name() -> None:
@@ -209,7 +209,7 @@ def test_close_is_bounded_even_when_lmcache_hangs(monkeypatch: pytest.MonkeyPatc
     # returns, as LMCache's Redis connector's does.
     hanging = LMCacheTier(budget_bytes=1 << 20, chunk_size=CHUNK, close_timeout_s=0.5)
     assert hanging.put(chunk("doc"))
-    monkeypatch.setattr("chunk_cache.lmcache_tier.LMCacheEngineBuilder.destroy", lambda _: time.sleep(3600))
+    monkeypatch.setattr("kvgate.chunk_cache.lmcache_tier.LMCacheEngineBuilder.destroy", lambda _: time.sleep(3600))
     started = time.monotonic()
     hanging.close()
     assert time.monotonic() - started < 3

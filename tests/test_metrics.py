@@ -6,9 +6,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from kvgate.bench.upstream import serve_upstream
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.upstream import serve_upstream
 from tests.servers import serving
 
 DOCS = [{"text": "The lighthouse at Varn was built in 1821."}, {"text": "Its keeper was Ada Moll."}]
@@ -68,7 +68,7 @@ def test_health_is_liveness_and_ready_says_the_model_serves(url, model_name):
 
 
 def test_the_semantic_layer_is_counted_in_proxy_mode(tmp_path):
-    from gateway.settings import Settings
+    from kvgate.gateway.settings import Settings
 
     with serve_upstream(models=("stub-a",)) as up:
         settings = Settings(upstreams=[{"base_url": up, "models": ["stub-a"]}], cache_dir=tmp_path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 
-from agents import ANY, PinPolicy, Predictor, Prior, benefit, decide
+from kvgate.agents import ANY, PinPolicy, Predictor, Prior, benefit, decide
 
 
 def lognormal_cdf(t: float, median: float, sigma: float) -> float:

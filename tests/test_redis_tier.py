@@ -1,4 +1,4 @@
-"""chunk_cache.redis_tier against a real redis-server, single and one-node cluster: exact round trips,
+"""kvgate.chunk_cache.redis_tier against a real redis-server, single and one-node cluster: exact round trips,
 damage as a miss that deletes, layer-by-layer loading, one LRU byte budget shared by every process, outages."""
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-
-from chunk_cache import (
+from kvgate.chunk_cache import (
     ChunkCacheConfig,
     ChunkKV,
     ChunkStore,
@@ -20,7 +19,8 @@ from chunk_cache import (
     MemoryTier,
     make_tier,
 )
-from chunk_cache.redis_tier import RedisTier
+from kvgate.chunk_cache.redis_tier import RedisTier
+
 from tests.entries import chunk, same
 from tests.redis_server import RedisServer
 from tests.servers import free_port

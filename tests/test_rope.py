@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-
-from runtime.kv import KVCache
-from runtime.loader import LoadedModel
-from runtime.model import Run, forward
-from runtime.rope import can_shift, shift
+from kvgate.runtime.kv import KVCache
+from kvgate.runtime.loader import LoadedModel
+from kvgate.runtime.model import Run, forward
+from kvgate.runtime.rope import can_shift, shift
 
 
 def keys_at(loaded: LoadedModel, prefix: list[int], doc: list[int]) -> list[torch.Tensor]:

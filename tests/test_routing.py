@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from gateway.routing import Ring
+from kvgate.gateway.routing import Ring
 
 KEYS = [f"text:{i}" for i in range(2000)]
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from runtime.kv import KVCache
-from runtime.sampling import SamplingParams
-from runtime.scheduler import Scheduler
-from runtime.sequence import Sequence, Turn
+from kvgate.runtime.kv import KVCache
+from kvgate.runtime.sampling import SamplingParams
+from kvgate.runtime.scheduler import Scheduler
+from kvgate.runtime.sequence import Sequence, Turn
 
 
 def request(name: str, arrival: float, turn: Turn | None = None) -> Sequence:

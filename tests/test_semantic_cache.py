@@ -7,9 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from semantic_cache import Category, MiniLM, SemanticCache, SemanticCacheConfig
-from semantic_cache.policy import threshold
+from kvgate.semantic_cache import Category, MiniLM, SemanticCache, SemanticCacheConfig
+from kvgate.semantic_cache.policy import threshold
 
 QUESTION = "What is the capital of France?"
 

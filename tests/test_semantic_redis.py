@@ -8,8 +8,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from kvgate.semantic_cache import MiniLM, SemanticCache, SemanticCacheConfig
 
-from semantic_cache import MiniLM, SemanticCache, SemanticCacheConfig
 from tests.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +25,7 @@ def in_another_process(url: str, code: str) -> str:
     """Run `code` with `cache`, a SemanticCache on `url`, in a fresh Python process; its stdout."""
     script = textwrap.dedent(
         f"""
-        from semantic_cache import SemanticCache, SemanticCacheConfig
+        from kvgate.semantic_cache import SemanticCache, SemanticCacheConfig
         cache = SemanticCache(SemanticCacheConfig(redis_url={url!r}))
         """
     ) + textwrap.dedent(code)

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-
-from runtime.kv import KVCache
-from runtime.loader import LoadedModel
-from runtime.sampling import SamplingParams, choose
-from runtime.sequence import Sequence
+from kvgate.runtime.kv import KVCache
+from kvgate.runtime.loader import LoadedModel
+from kvgate.runtime.sampling import SamplingParams, choose
+from kvgate.runtime.sequence import Sequence
 
 
 def feed(loaded: LoadedModel, text: str, params: SamplingParams) -> tuple[list[str], Sequence]:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pydantic
 import pytest
-
-from gateway.settings import Settings
+from kvgate.gateway.settings import Settings
 
 
 def test_precedence(tmp_path, monkeypatch) -> None:

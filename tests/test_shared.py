@@ -7,17 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from agents.anchors import AnchorConfig, AnchorPool
-from benchmarks.multiagent import messages, write
-from chunk_cache import ChunkStore, fingerprint
-from runtime.blend import BlendConfig
-from runtime.documents import message_pieces
-from runtime.loader import LoadedModel
-from runtime.model import Run, forward
-from runtime.reuse import Reuser
-from runtime.shared import Shared, Span, Spans, local
-from runtime.tokens import TemplateError
+from kvgate.agents.anchors import AnchorConfig, AnchorPool
+from kvgate.bench.multiagent import messages, write
+from kvgate.chunk_cache import ChunkStore, fingerprint
+from kvgate.runtime.blend import BlendConfig
+from kvgate.runtime.documents import message_pieces
+from kvgate.runtime.loader import LoadedModel
+from kvgate.runtime.model import Run, forward
+from kvgate.runtime.reuse import Reuser
+from kvgate.runtime.shared import Shared, Span, Spans, local
+from kvgate.runtime.tokens import TemplateError
 
 SOLVER = "You are a careful math tutor. Solve the problem step by step."
 CHECKER = "You are a strict reviewer. Check the solution above and give the final number."

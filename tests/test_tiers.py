@@ -15,11 +15,11 @@ import httpx
 import pytest
 import redis
 import torch
+from kvgate.chunk_cache import ChunkKV, DiskTier
+from kvgate.gateway.settings import Settings
+from kvgate.runtime.engine import Engine
+from kvgate.runtime.loader import LoadedModel
 
-from chunk_cache import ChunkKV, DiskTier
-from gateway.settings import Settings
-from runtime.engine import Engine
-from runtime.loader import LoadedModel
 from tests.redis_server import RedisServer
 from tests.servers import free_port, serving
 
@@ -187,7 +187,7 @@ def test_a_document_stored_through_one_process_is_a_hit_in_another_through_redis
             "KVGATE_CHUNK_CACHE_DISK_BYTES": "0",
         }
         process = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)],
+            [sys.executable, "-m", "kvgate.gateway.cli", "serve", "--port", str(port)],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,

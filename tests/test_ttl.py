@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from agents import PinPolicy, decide
+from kvgate.agents import PinPolicy, decide
 
 WAITS = [1.0, 2.0, 3.0, 30.0]
 BACK = [0.25, 0.5, 0.9, 1.0]  # P(the next turn has come within each wait)
