@@ -2,30 +2,35 @@
 program-level FCFS (the runtime's `queue_order="program"`); and KVCOMM's anchor pool, with which
 one agent reuses the KV of text another agent read or wrote."""
 
-from kvgate.agents.anchors import Anchor, AnchorConfig, AnchorPool
-from kvgate.agents.config import AgentConfig
-from kvgate.agents.costs import Costs, EngineCosts
-from kvgate.agents.predictor import ANY, Predictor, Prior
-from kvgate.agents.programs import Expirer, Program, Programs, context_key, tool_return
-from kvgate.agents.ttl import PINS, PinPolicy, benefit, decide
+from __future__ import annotations
 
-__all__ = [
-    "ANY",
-    "PINS",
-    "AgentConfig",
-    "Anchor",
-    "AnchorConfig",
-    "AnchorPool",
-    "Costs",
-    "EngineCosts",
-    "Expirer",
-    "PinPolicy",
-    "Predictor",
-    "Prior",
-    "Program",
-    "Programs",
-    "benefit",
-    "context_key",
-    "decide",
-    "tool_return",
-]
+import importlib
+
+_EXPORTS = {
+    "ANY": ".predictor",
+    "AgentConfig": ".config",
+    "Anchor": ".anchors",
+    "AnchorConfig": ".config",
+    "AnchorPool": ".anchors",
+    "Costs": ".costs",
+    "Expirer": ".programs",
+    "PINS": ".ttl",
+    "PinPolicy": ".ttl",
+    "Predictor": ".predictor",
+    "Prior": ".predictor",
+    "Program": ".programs",
+    "Programs": ".programs",
+    "Turn": ".programs",
+    "benefit": ".ttl",
+    "context_key": ".programs",
+    "decide": ".ttl",
+    "tool_return": ".programs",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> object:
+    """Names load on first use, so that a light process (a proxy front) imports no torch through here."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)

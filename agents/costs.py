@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kvgate.runtime.engine import Engine
-
 
 class Costs(Protocol):
     bytes_per_token: int
@@ -20,24 +18,3 @@ class Costs(Protocol):
     def reload_s(self, nbytes: int) -> float | None:
         """Reading KV back from the tier below memory; None when there is none."""
         ...
-
-
-class EngineCosts:
-    """Costs of the engine in this process. A tier below memory is taken to read at
-    `reload_bytes_per_s` (benchmarks/BENCHMARKS.md, the tiers section, measures each one)."""
-
-    def __init__(self, engine: Engine, reload_bytes_per_s: float = 1e9) -> None:
-        self.engine, self.reload_bytes_per_s = engine, reload_bytes_per_s
-        self.bytes_per_token = engine.kv_bytes_per_token
-        tiers = engine.reuser.store.tiers
-        self.memory_bytes = tiers[0].budget
-        self.lower = len(tiers) > 1
-
-    def prefill_s(self, tokens: int) -> float:
-        return self.engine.prefill_s(tokens)
-
-    def queue_s(self) -> float:
-        return self.engine.prefill_s(self.engine.scheduler.passable_tokens)
-
-    def reload_s(self, nbytes: int) -> float | None:
-        return nbytes / self.reload_bytes_per_s if self.lower else None

@@ -24,7 +24,19 @@ from kvgate.agents.costs import Costs
 from kvgate.agents.predictor import Predictor
 from kvgate.agents.ttl import decide
 from kvgate.chunk_cache import ChunkStore
-from kvgate.runtime.sequence import Turn
+
+
+@dataclass(frozen=True)
+class Turn:
+    """A turn of an agent program: where program FCFS queues it, the stored context it continues,
+    and the key to keep its own context under when it ends, pinned for `pin_s` seconds."""
+
+    program: str
+    arrival: float  # the program's first arrival (time.monotonic)
+    pinned: bool = False  # the context it continues is pinned in memory: program FCFS admits it first
+    resume: str = ""
+    keep: str = ""
+    pin_s: float = 0.0
 
 
 @dataclass

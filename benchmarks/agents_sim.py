@@ -18,9 +18,10 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from kvgate.agents.config import AgentConfig
 from kvgate.agents.predictor import Prior
-from kvgate.agents.programs import Programs
+from kvgate.agents.programs import Programs, Turn
 from kvgate.agents.ttl import PinPolicy
 from kvgate.bench.agent_workload import ProgramSpec, generate
 from kvgate.bench.report import table
@@ -28,7 +29,7 @@ from kvgate.chunk_cache import ChunkKV, ChunkStore, MemoryTier
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.sampling import SamplingParams
 from kvgate.runtime.scheduler import Scheduler
-from kvgate.runtime.sequence import Status, Turn
+from kvgate.runtime.sequence import Status
 
 TEMPLATE_TOKENS = 12  # chat template tokens around each turn's new messages
 SCOPE = "sim"

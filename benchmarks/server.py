@@ -8,7 +8,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import uvicorn
+
 from kvgate.gateway.app import create_app
+from kvgate.gateway.backend import make_backend
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel
@@ -18,7 +20,11 @@ from kvgate.runtime.loader import LoadedModel
 def gateway(settings: Settings, loaded: LoadedModel | None = None) -> Iterator[tuple[str, str]]:
     """The gateway on a free loopback port; yields its base URL and the served model's name."""
     engine = Engine(settings.engine_config(), loaded)
-    server = uvicorn.Server(uvicorn.Config(create_app(settings, engine), host="127.0.0.1", port=0, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(settings, make_backend(settings, engine)), host="127.0.0.1", port=0, log_level="warning"
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:

@@ -1,31 +1,33 @@
 """Content-addressed document KV on storage tiers: memory, disk, Redis, LMCache."""
 
-from kvgate.chunk_cache.byte_tier import ByteTier, TierUnavailable
-from kvgate.chunk_cache.config import ChunkCacheConfig
-from kvgate.chunk_cache.disk import DiskTier
-from kvgate.chunk_cache.entry import ChunkKV, CorruptEntry, Header
-from kvgate.chunk_cache.key import chunk_key, fingerprint
-from kvgate.chunk_cache.loading import LoadFailed, Loading
-from kvgate.chunk_cache.memory import MemoryTier
-from kvgate.chunk_cache.store import ChunkStore
-from kvgate.chunk_cache.tier import Tier, make_tier, register_tier, tier_names
+from __future__ import annotations
 
-__all__ = [
-    "ByteTier",
-    "DiskTier",
-    "Header",
-    "LoadFailed",
-    "Loading",
-    "TierUnavailable",
-    "ChunkCacheConfig",
-    "ChunkKV",
-    "ChunkStore",
-    "CorruptEntry",
-    "MemoryTier",
-    "Tier",
-    "chunk_key",
-    "fingerprint",
-    "make_tier",
-    "register_tier",
-    "tier_names",
-]
+import importlib
+
+_EXPORTS = {
+    "ByteTier": ".byte_tier",
+    "ChunkCacheConfig": ".config",
+    "ChunkKV": ".entry",
+    "ChunkStore": ".store",
+    "CorruptEntry": ".entry",
+    "DiskTier": ".disk_tier",
+    "Header": ".entry",
+    "LoadFailed": ".loading",
+    "Loading": ".loading",
+    "MemoryTier": ".memory_tier",
+    "Tier": ".tier",
+    "TierUnavailable": ".byte_tier",
+    "chunk_key": ".key",
+    "fingerprint": ".key",
+    "make_tier": ".tier",
+    "register_tier": ".tier",
+    "tier_names": ".tier",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> object:
+    """Names load on first use, so that a light process (a proxy front) imports no torch through here."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)

@@ -13,6 +13,7 @@ from abc import abstractmethod
 from collections.abc import Callable
 
 import torch
+
 from kvgate.chunk_cache.entry import ChunkKV, CorruptEntry, Header
 from kvgate.chunk_cache.tier import Tier
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import xxhash
-from kvgate.chunk_cache.key import token_bytes
 from safetensors.torch import save
+
+from kvgate.chunk_cache.key import token_bytes
 
 FORMAT = "kvgate.chunk-entry.v2"
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64}

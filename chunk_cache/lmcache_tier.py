@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 import xxhash
+
 from kvgate.chunk_cache.entry import ChunkKV
 from kvgate.chunk_cache.tier import Tier, register_tier
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 
 import torch
+
 from kvgate.chunk_cache.byte_tier import ByteTier, Read
 from kvgate.chunk_cache.entry import ChunkKV, CorruptEntry, Header
 

@@ -21,13 +21,14 @@ import time
 from typing import Any
 
 import redis
-from kvgate.chunk_cache.byte_tier import ByteTier, Read, TierUnavailable
-from kvgate.chunk_cache.entry import CorruptEntry, Header
-from kvgate.chunk_cache.tier import register_tier
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.exceptions import ClusterDownError, RedisClusterException
 from redis.retry import Retry
+
+from kvgate.chunk_cache.byte_tier import ByteTier, Read, TierUnavailable
+from kvgate.chunk_cache.entry import CorruptEntry, Header
+from kvgate.chunk_cache.tier import register_tier
 
 # Errors that mean the server is out of reach, not that one command was wrong.
 OUTAGE = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, RedisClusterException, OSError)

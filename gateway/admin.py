@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, Request
+from pydantic import Field
+
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.keys import Keys, bearer
 from kvgate.gateway.limits import Limits
 from kvgate.gateway.protocol import Body
-from kvgate.semantic_cache import SemanticCache
-from pydantic import Field
+
+if TYPE_CHECKING:
+    from kvgate.semantic_cache import SemanticCache
 
 
 async def admin_only(request: Request) -> None:

@@ -9,7 +9,6 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from kvgate.runtime.engine import EngineError
 from starlette.exceptions import HTTPException
 
 TYPES = {
@@ -63,11 +62,10 @@ class APIError(Exception):
 
 
 def internal(exc: Exception) -> APIError:
-    """The error a client sees for an exception nothing else handled: an engine failure says what failed."""
+    """The error a client sees for an exception nothing else handled (a backend says what failed
+    by raising an APIError of its own)."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, EngineError):
-        return APIError(500, f"generation failed: {exc}", code="internal_error")
     return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from fastapi import Request
+
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.limits import Limiter, Limits
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from kvgate.gateway.errors import bad_request
-from kvgate.runtime.sampling import SamplingParams
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kvgate.gateway.errors import bad_request
 
 SEED_BOUND = 2**63  # seeds are signed 64-bit integers
 
@@ -117,36 +117,6 @@ class Sampling(Body):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
-
-    def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int, choice: int) -> SamplingParams:
-        bias: dict[int, float] = {}
-        for key, value in (self.logit_bias or {}).items():
-            try:
-                token = int(key)
-            except ValueError:
-                token = -1
-            if not 0 <= token < vocab_size:
-                raise bad_request(f"logit_bias key {key!r} is not a token id of this model", "logit_bias")
-            bias[token] = value
-        for token in self.stop_token_ids or ():
-            if not 0 <= token < vocab_size:
-                raise bad_request(f"stop_token_ids holds {token}, not a token id of this model", "stop_token_ids")
-        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            # n choices with one seed must still differ, and stay reproducible (and within int64).
-            seed=None if self.seed is None else (self.seed + choice + SEED_BOUND) % (2 * SEED_BOUND) - SEED_BOUND,
-            stop=tuple(stop),
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            logit_bias=bias,
-            logprobs=logprobs,
-        )
 
 
 class DocumentRef(Body):

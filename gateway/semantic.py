@@ -9,13 +9,18 @@ import json
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvgate.gateway.errors import APIError
 from kvgate.gateway.protocol import ChatCompletionRequest
-from kvgate.gateway.serving import SSE_HEADERS, sse, usage
-from kvgate.semantic_cache import Lookup, SemanticCache
+from kvgate.gateway.render import SSE_HEADERS, response_head, sse, usage
+
+if TYPE_CHECKING:
+    from kvgate.gateway.backend import Outcome
+    from kvgate.semantic_cache import Lookup, SemanticCache
 
 # Body fields that do not change the answer, left out of the scope. kvgate.cache is taken out below.
 UNSCOPED = {"messages", "stream", "stream_options", "user"}
@@ -67,13 +72,16 @@ async def consult(
     identity: dict[str, str],
     queued: int,
     body: ChatCompletionRequest,
-    messages: list[dict[str, Any]],
 ) -> Consult:
     """Whether this request may be answered from the cache or stored in it, and the lookup.
     `identity` names what answers (model and weights, or upstreams); `queued` is the load it is under."""
     opted = body.kvgate.cache if body.kvgate else None
     cacheable = opted is True or (opted is None and body.temperature == 0)
     if cache is None or not cacheable or body.n != 1 or body.logprobs:
+        return Consult(headers={"x-kvgate-cache": "bypass"})
+    try:
+        messages = [m.for_template(i) for i, m in enumerate(body.messages)]
+    except APIError:  # the backend judges what it cannot read
         return Consult(headers={"x-kvgate-cache": "bypass"})
     found = scope_of(identity, body, messages, request.state.tenant)
     if found is None:
@@ -94,20 +102,19 @@ async def consult(
     return out
 
 
-async def keep(
-    cache: SemanticCache | None, consult: Consult, content: str, finish_reason: str | None, usage_: dict
-) -> None:
+async def keep(cache: SemanticCache | None, consult: Consult, outcome: Outcome) -> None:
     """Keep a finished answer (not an error, nor one cut short by the client)."""
-    if not consult.store or cache is None or finish_reason not in ("stop", "length"):
+    if not consult.store or cache is None or outcome.finish_reason not in ("stop", "length"):
         return
-    response = {"content": content, "finish_reason": finish_reason, "usage": usage_}
+    response = {"content": outcome.text, "finish_reason": outcome.finish_reason, "usage": outcome.usage}
     found = consult.found
     vector, category = (found.vector, found.category) if found else (None, None)
     await asyncio.to_thread(cache.put, consult.tenant, consult.scope, consult.query, response, vector, category)
 
 
-def replay(consult: Consult, body: ChatCompletionRequest, head: dict[str, Any]) -> JSONResponse | StreamingResponse:
+def replay(consult: Consult, body: ChatCompletionRequest, model: str, request_id: str) -> Response:
     """A hit, answered as the model's answer was: a chat completion, or its SSE stream."""
+    head = response_head("chatcmpl", request_id, model)
     assert consult.found is not None and consult.found.entry is not None
     stored = consult.found.entry.response
     counted = stored.get("usage", {})

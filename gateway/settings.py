@@ -7,6 +7,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
 from kvgate.agents import AgentConfig, AnchorConfig, PinPolicy, Prior
 from kvgate.chunk_cache import ChunkCacheConfig
 from kvgate.gateway.limits import Limits
@@ -15,8 +18,6 @@ from kvgate.runtime.config import EngineConfig
 from kvgate.semantic_cache import SemanticCacheConfig
 from kvgate.semantic_cache import categories as semantic_categories
 from kvgate.semantic_cache.guards import GUARDS
-from pydantic import BaseModel, ConfigDict, Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 def user_cache_dir() -> Path:

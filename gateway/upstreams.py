@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import anyio
 import httpx
+
 from kvgate.gateway.admission import Gate
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.routing import Ring

@@ -18,6 +18,7 @@ from typing import IO
 
 import httpx
 import yaml
+
 from kvgate.gateway.settings import Settings
 from kvgate.gateway.upstreams import Upstream
 

@@ -15,11 +15,12 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from transformers import PreTrainedModel
+
 from kvgate.runtime.kernels import gather_rows, rope_shift, scatter_rows, token_deviation
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.model import attend, finish_layer, logits_of, project, project_keys
 from kvgate.runtime.rope import angles
-from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,9 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from kvgate.runtime.tokens import TemplateError
 from transformers import PreTrainedTokenizerBase
+
+from kvgate.runtime.tokens import TemplateError
 
 DOCUMENT_TEMPLATE = "<document>\n{text}\n</document>\n\n"
 

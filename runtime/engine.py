@@ -11,6 +11,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
+
+from kvgate.agents.programs import Turn
 from kvgate.chunk_cache import ChunkStore
 from kvgate.runtime.blend import BlendConfig
 from kvgate.runtime.calibration import Calibration, model_fingerprint
@@ -23,7 +25,7 @@ from kvgate.runtime.model import Run, forward
 from kvgate.runtime.reuse import Reuser
 from kvgate.runtime.sampling import SamplingParams, TokenLogprob, choose, logprob_of, penalise
 from kvgate.runtime.scheduler import Scheduler
-from kvgate.runtime.sequence import Output, Plan, Sequence, Turn
+from kvgate.runtime.sequence import Output, Plan, Sequence
 from kvgate.runtime.shared import Spans
 
 log = logging.getLogger("kvgate.engine")

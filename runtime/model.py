@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from kvgate.runtime.kv import KVCache
 from transformers import PreTrainedModel
+
+from kvgate.runtime.kv import KVCache
 
 
 @dataclass

@@ -13,12 +13,13 @@ import time
 from dataclasses import dataclass
 
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 from kvgate.chunk_cache import ChunkKV, ChunkStore, LoadFailed, Loading, chunk_key, fingerprint
 from kvgate.runtime.blend import BlendConfig, Piece, prefill
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.rope import can_shift, rope_type
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 MODES = ("full", "prefix", "naive", "blend")
 

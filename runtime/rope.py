@@ -9,8 +9,9 @@ without recomputing them. This holds only where RoPE is a pure rotation by the p
 from __future__ import annotations
 
 import torch
-from kvgate.runtime.kernels import rope_shift
 from transformers import PreTrainedModel
+
+from kvgate.runtime.kernels import rope_shift
 
 SHIFTABLE = {"default", "linear", "llama3"}
 

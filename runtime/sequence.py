@@ -8,11 +8,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
+from transformers import PreTrainedTokenizerBase
+
+from kvgate.agents.programs import Turn
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.reuse import Reuse
 from kvgate.runtime.sampling import SamplingParams, TokenLogprob
 from kvgate.runtime.shared import Shared
-from transformers import PreTrainedTokenizerBase
 
 _ids = itertools.count()
 
@@ -29,19 +31,6 @@ class Plan:
     # agent as its prefix identifies it, the same across its tasks.
     spans: list[bool] = field(default_factory=list)
     agent: str = ""
-
-
-@dataclass(frozen=True)
-class Turn:
-    """A turn of an agent program: where program FCFS queues it, the stored context it continues,
-    and the key to keep its own context under when it ends, pinned for `pin_s` seconds."""
-
-    program: str
-    arrival: float  # the program's first arrival (time.monotonic)
-    pinned: bool = False  # the context it continues is pinned in memory: program FCFS admits it first
-    resume: str = ""
-    keep: str = ""
-    pin_s: float = 0.0
 
 
 class Status(Enum):

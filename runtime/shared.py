@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
 from kvgate.chunk_cache import ChunkKV
 from kvgate.runtime.blend import Piece, prefill
 from kvgate.runtime.kernels import rope_shift

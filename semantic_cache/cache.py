@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from kvgate.semantic_cache.config import Category, SemanticCacheConfig
 from kvgate.semantic_cache.embedder import Embedder, make_embedder
 from kvgate.semantic_cache.entry import Entry

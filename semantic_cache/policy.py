@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
+
 from kvgate.semantic_cache.config import Category, SemanticCacheConfig
 from kvgate.semantic_cache.embedder import Embedder
 

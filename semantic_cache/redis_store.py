@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import redis
+from redis.cluster import RedisCluster
+
 from kvgate.semantic_cache.entry import Entry, pack, unpack
 from kvgate.semantic_cache.store import Change, Store, register_store
-from redis.cluster import RedisCluster
 
 LOG_KEEP = 100_000  # stream entries kept (roughly); a reader further behind rebuilds its index
 GRACE_S = 3600.0  # Redis drops an entry's hash this long after its expiry, if no sweep did first

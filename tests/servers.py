@@ -9,7 +9,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import uvicorn
+
 from kvgate.gateway.app import create_app
+from kvgate.gateway.backend import make_backend
 from kvgate.gateway.settings import Settings
 from kvgate.gateway.upstreams import Upstream
 from kvgate.runtime.engine import Engine
@@ -37,7 +39,8 @@ def free_port(cluster: bool = False) -> int:
 def serving(settings: Settings, engine: Engine | None, workers: tuple[Upstream, ...] = ()) -> Iterator[str]:
     """The gateway over `engine` (None: over upstreams, or `workers`) on loopback; yields its base URL."""
     port = free_port()
-    config = uvicorn.Config(create_app(settings, engine, workers), host="127.0.0.1", port=port, log_level="warning")
+    app = create_app(settings, make_backend(settings, engine, workers))
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

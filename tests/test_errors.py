@@ -10,9 +10,11 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from kvgate.gateway.app import create_app
-from kvgate.runtime.engine import EngineError
 
+from kvgate.gateway.app import create_app
+from kvgate.gateway.backend import make_backend
+from kvgate.gateway.choices import failed
+from kvgate.runtime.engine import EngineError
 from tests.servers import free_port
 
 
@@ -193,7 +195,7 @@ def test_sdk_raises_typed_errors_and_server_keeps_serving(client, model_name) ->
 @pytest.fixture(scope="module")
 def failing_url(settings, engine) -> Iterator[str]:
     """A second real server whose app also has routes failing as a bug and as the engine would."""
-    app = create_app(settings, engine)
+    app = create_app(settings, make_backend(settings, engine))
 
     @app.get("/bug")
     async def bug() -> None:
@@ -201,7 +203,7 @@ def failing_url(settings, engine) -> Iterator[str]:
 
     @app.get("/engine-failure")
     async def engine_failure() -> None:
-        raise EngineError("RuntimeError: probability tensor contains either `inf`, `nan` or element < 0")
+        raise failed(EngineError("RuntimeError: probability tensor contains either `inf`, `nan` or element < 0"))
 
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="critical"))
     thread = threading.Thread(target=server.run, daemon=True)

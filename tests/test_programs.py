@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from kvgate.agents import AgentConfig, PinPolicy, Programs, tool_return
-from kvgate.chunk_cache import ChunkKV, ChunkStore, MemoryTier
-from kvgate.runtime.sequence import Turn
 
+from kvgate.agents import AgentConfig, PinPolicy, Programs, tool_return
+from kvgate.agents.programs import Turn
+from kvgate.chunk_cache import ChunkKV, ChunkStore, MemoryTier
 from tests.test_chunk_cache import Clock
 
 CALL = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "search", "arguments": {}}}]}

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from kvgate.agents.programs import Turn
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.sampling import SamplingParams
 from kvgate.runtime.scheduler import Scheduler
-from kvgate.runtime.sequence import Sequence, Turn
+from kvgate.runtime.sequence import Sequence
 
 
 def request(name: str, arrival: float, turn: Turn | None = None) -> Sequence:

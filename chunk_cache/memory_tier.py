@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
 from kvgate.chunk_cache.entry import ChunkKV
 from kvgate.chunk_cache.tier import Tier, register_tier
 

@@ -1,0 +1,143 @@
+"""What answers behind the gateway's routes: the `Backend` interface, the request and the reply as
+they cross it, and the registry of backends (the local engine, runtime workers, upstream servers).
+
+The routes (gateway/routes.py) do what every mode shares: keys, limits, the semantic cache,
+accounting, a client that hangs up. A backend turns an OpenAI request into an OpenAI answer."""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
+
+    from kvgate.gateway.settings import Settings
+    from kvgate.gateway.upstreams import Upstream
+    from kvgate.runtime.engine import Engine
+
+
+@dataclass
+class Call:
+    """One OpenAI request as a backend gets it."""
+
+    path: str  # /v1/chat/completions, /v1/completions, /v1/embeddings
+    body: dict[str, Any]  # the JSON object as sent
+    raw: bytes  # and its bytes, forwarded as they came where nothing changes
+    model: str
+    tenant: str
+    request_id: str
+    program: str | None = None
+    # The body read by kvgate's protocol; None where it could not be (an upstream judges it then).
+    parsed: ChatCompletionRequest | CompletionRequest | None = None
+    keep: bool = False  # the answer's text is wanted (the semantic cache keeps it)
+
+    @property
+    def stream(self) -> bool:
+        return self.body.get("stream") is True
+
+
+@dataclass
+class Outcome:
+    """What an answer came to, once it ended: what the gateway counts and keeps."""
+
+    text: str = ""  # the first choice's content
+    finish_reason: str | None = None
+    usage: dict[str, Any] = field(default_factory=dict)
+    reuse: str = ""  # the reuse that ran, where the runtime is this process's
+    reused_tokens: int = 0
+    recomputed_tokens: int = 0
+    done: bool = False  # the answer ended as it should (not an error, not cut short)
+
+
+@dataclass
+class Reply:
+    """A backend's answer: whole (`content`) or an SSE stream (`events`, then `outcome` is filled).
+    `close` lets go of whatever the answer holds (an upstream's connection, the engine's sequences)."""
+
+    status: int = 200
+    headers: dict[str, str] = field(default_factory=dict)
+    content: bytes | None = None
+    events: AsyncIterator[bytes] | None = None
+    outcome: Outcome = field(default_factory=Outcome)
+    close: Callable[[], Awaitable[None]] | None = None
+
+
+class Backend(ABC):
+    """The OpenAI routes' other side. `validates`: requests must pass kvgate's protocol (the local
+    engine); otherwise a body kvgate cannot read is forwarded for the upstream to judge."""
+
+    validates: bool = True
+
+    @abstractmethod
+    def models(self) -> list[dict[str, Any]]:
+        """The model cards this backend serves."""
+
+    def card(self, model: str) -> dict[str, Any] | None:
+        return next((c for c in self.models() if c["id"] == model), None)
+
+    @abstractmethod
+    def serves(self, model: str) -> bool: ...
+
+    @abstractmethod
+    def identity(self, model: str) -> dict[str, str]:
+        """What answers for `model` (the semantic cache's entries are scoped by it)."""
+
+    @abstractmethod
+    def queued(self) -> int:
+        """Requests waiting: the load the semantic cache relaxes its thresholds under."""
+
+    @abstractmethod
+    async def generate(self, call: Call) -> Reply: ...
+
+    @abstractmethod
+    async def add_document(self, text: str, raw: bytes, tenant: str, request_id: str) -> Reply: ...
+
+    @abstractmethod
+    async def document(self, method: str, document_id: str, tenant: str, request_id: str) -> Reply:
+        """GET (its card) or DELETE (forget it) a stored document."""
+
+    @abstractmethod
+    async def ready(self) -> dict[str, Any]:
+        """Readiness (APIError 503 when not ready)."""
+
+    def alive(self) -> bool:
+        return True
+
+    def metrics(self) -> Iterator[Metric]:
+        return iter(())
+
+    async def scrape(self) -> dict[str, str]:
+        """Metrics text of the processes behind this one, by name."""
+        return {}
+
+    async def close(self) -> None:
+        return None
+
+
+# name -> "module:class"; a backend is imported only when asked for (the local one imports torch).
+BACKENDS = {
+    "local": "kvgate.gateway.local:Local",
+    "workers": "kvgate.gateway.proxy:Workers",
+    "upstreams": "kvgate.gateway.proxy:Upstreams",
+}
+
+
+def backend_class(name: str) -> type[Backend]:
+    try:
+        module, _, attr = BACKENDS[name].partition(":")
+    except KeyError:
+        raise ValueError(f"unknown backend {name!r}; known: {', '.join(sorted(BACKENDS))}") from None
+    return getattr(importlib.import_module(module), attr)
+
+
+def make_backend(settings: Settings, engine: Engine | None = None, workers: tuple[Upstream, ...] = ()) -> Backend:
+    """The local engine's backend when given one; else runtime workers when given, else upstreams."""
+    if engine is not None:
+        return backend_class("local")(settings, engine)  # type: ignore[call-arg]
+    return backend_class("workers" if workers else "upstreams")(settings, workers)  # type: ignore[call-arg]

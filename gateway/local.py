@@ -1,0 +1,296 @@
+"""The local backend: the engine in this process. A request becomes a plan (runtime/planner.py),
+n choices run on the engine concurrently, and their outputs become OpenAI's answer or its stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import replace
+from typing import Any
+
+from prometheus_client.core import Metric
+
+from kvgate.agents import AnchorPool, Expirer, Programs, Turn
+from kvgate.gateway.backend import Backend, Call, Reply
+from kvgate.gateway.choices import (
+    CHAT_CHUNK,
+    COMPLETION_CHUNK,
+    NONE,
+    Choice,
+    chat_answer,
+    chat_chunks,
+    collect,
+    completion_answer,
+    completion_chunks,
+    outcome,
+    reuse_headers,
+    run,
+    sampling_params,
+    token_ids,
+)
+from kvgate.gateway.errors import APIError, bad_request
+from kvgate.gateway.metrics import counter, gauge, tier_metrics
+from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest, Sampling
+from kvgate.gateway.render import dumps, response_head, sse, sse_error, usage
+from kvgate.gateway.settings import Settings
+from kvgate.runtime.costs import EngineCosts
+from kvgate.runtime.engine import Engine, PromptTooLong, Result
+from kvgate.runtime.planner import Chat, DocumentNotFound, Planner
+from kvgate.runtime.sequence import Output, Plan
+from kvgate.runtime.tokens import TemplateError, TokenBytes
+
+JSON = {"content-type": "application/json"}
+Render = Callable[[int, Output], list[dict[str, Any]]]
+
+
+class Local(Backend):
+    """The model as the gateway sees it: its name, engine, planner, and agent programs."""
+
+    def __init__(self, settings: Settings, engine: Engine) -> None:
+        self.settings, self.engine = settings, engine
+        self.tokenizer = engine.tokenizer
+        self.name = settings.served_model_name or engine.loaded.name
+        self.token_bytes = TokenBytes(self.tokenizer)
+        self.created = int(time.time())
+        config = settings.agent_config()
+        self.programs = Programs(config, engine.reuser.store, EngineCosts(engine, config.reload_bytes_per_s))
+        self.expirer = Expirer(self.programs)
+        self.anchors = AnchorPool(config.anchors) if config.kvcomm else None
+        engine.spans.offsets = self.anchors
+        self.planner = Planner(engine.reuser, config.kvcomm, settings.kvcomm_recompute_ratio)
+
+    # ---- what is served ----------------------------------------------------------------
+
+    def models(self) -> list[dict[str, Any]]:
+        card = {"id": self.name, "object": "model", "created": self.created, "owned_by": "kvgate"}
+        return [{**card, "root": str(self.engine.loaded.path), "max_model_len": self.engine.max_model_len}]
+
+    def serves(self, model: str) -> bool:
+        return model == self.name
+
+    def identity(self, model: str) -> dict[str, str]:
+        return {"model": self.name, "weights": self.engine.model_fp}
+
+    def queued(self) -> int:
+        return self.engine.load_stats["waiting"]
+
+    def scope(self, tenant: str) -> str:
+        """Whose documents: the tenant's own (tenant_scoped_kv), else everyone's."""
+        return tenant if self.settings.tenant_scoped_kv else ""
+
+    # ---- completions ---------------------------------------------------------------------
+
+    async def generate(self, call: Call) -> Reply:
+        if isinstance(call.parsed, ChatCompletionRequest):
+            return await self.chat(call, call.parsed)
+        if isinstance(call.parsed, CompletionRequest):
+            return await self.complete(call, call.parsed)
+        raise APIError(404, f"{call.path} is not served by this model's runtime", code="unsupported_route")
+
+    async def chat(self, call: Call, body: ChatCompletionRequest) -> Reply:
+        messages = [m.for_template(i) for i, m in enumerate(body.messages)]
+        options = body.kvgate
+        chat = Chat(
+            messages,
+            body.tools,
+            body.add_generation_prompt,
+            [d.model_dump(exclude_none=True) for d in body.documents] if body.documents else None,
+            options.reuse if options is not None and "reuse" in options.model_fields_set else None,
+            options.recompute_ratio if options is not None else None,
+            call.program,
+            self.scope(call.tenant),
+            call.tenant,
+        )
+        try:  # off the event loop: rendering and tokenizing a long prompt takes seconds
+            prompt, plan = await asyncio.to_thread(self.planner.chat, chat)
+        except TemplateError as exc:
+            raise bad_request(str(exc), "messages", "invalid_messages") from exc
+        except DocumentNotFound as exc:
+            raise APIError(404, str(exc), f"documents.{exc.index}.id", "document_not_found") from exc
+        turn = None
+        if call.program is not None:
+            turn = self.programs.begin(call.program, call.tenant, messages, len(prompt))
+        choices = self.choices([prompt], body, body.max_new_tokens, body.logprobs_k, plan, turn)
+        head = response_head("chatcmpl", call.request_id, self.name)
+        headers = {} if turn is None else {"x-kvgate-program-id": turn.program, "x-kvgate-pin-ttl": f"{turn.pin_s:.3f}"}
+        ended = self.ender(call.tenant, turn)
+        if body.stream:
+            opening = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, **NONE} for c in choices]
+            chunks = chat_chunks(self.token_bytes, body.logprobs)
+            return await self.streamed(body, choices, head | CHAT_CHUNK, len(prompt), opening, chunks, headers, ended)
+        try:
+            done = await collect(self.engine, choices)
+        finally:
+            await ended()
+        counted = usage(len(prompt), sum(f.completion_tokens for f in done.values()), done[0].cached_tokens)
+        payload = chat_answer(head, done, counted, self.token_bytes if body.logprobs else None)
+        return Reply(
+            headers=JSON | reuse_headers(done[0]) | headers, content=dumps(payload), outcome=outcome(done[0], counted)
+        )
+
+    async def complete(self, call: Call, body: CompletionRequest) -> Reply:
+        prompts = await asyncio.to_thread(token_ids, self.tokenizer, body)  # tokenizing may take seconds
+        choices = self.choices(prompts, body, body.max_tokens, body.logprobs)
+        texts = [""] * len(prompts)  # echo: each prompt as text in front of its completion
+        if body.echo:
+            texts = await asyncio.to_thread(self.tokenizer.batch_decode, prompts, skip_special_tokens=True)
+        echo = {c.index: texts[c.index // body.n] for c in choices}
+        head = response_head("cmpl", call.request_id, self.name)
+        prompt_tokens = sum(map(len, prompts))
+        if body.stream:
+            opening = [
+                {"index": i, "text": text, "logprobs": None, "finish_reason": None} for i, text in echo.items() if text
+            ]
+            chunks = completion_chunks(self.token_bytes, body.logprobs)
+            return await self.streamed(body, choices, head | COMPLETION_CHUNK, prompt_tokens, opening, chunks)
+        done = await collect(self.engine, choices)
+        counted = usage(prompt_tokens, sum(f.completion_tokens for f in done.values()))
+        payload = completion_answer(head, done, counted, echo, self.token_bytes if body.logprobs is not None else None)
+        return Reply(headers=JSON | reuse_headers(done[0]), content=dumps(payload), outcome=outcome(done[0], counted))
+
+    def choices(
+        self,
+        prompts: list[list[int]],
+        body: Sampling,
+        max_tokens: int | None,
+        logprobs: int | None,
+        plan: Plan | None = None,
+        turn: Turn | None = None,
+    ) -> list[Choice]:
+        """The engine's work for a request: n choices per prompt. Only the first choice of a
+        program's turn keeps its context for the next turn."""
+        param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        choices = []
+        for p, ids in enumerate(prompts):
+            try:
+                self.engine.check(len(ids), max_tokens)
+            except ValueError as exc:
+                code = "context_length_exceeded" if isinstance(exc, PromptTooLong) else "invalid_value"
+                raise bad_request(str(exc), param, code) from exc
+            limit = max_tokens or self.engine.max_model_len - len(ids)
+            for i in range(body.n):
+                index = p * body.n + i
+                params = sampling_params(body, limit, logprobs, len(self.tokenizer), index)
+                keep = turn if index == 0 or turn is None else replace(turn, keep="", pin_s=0.0)
+                choices.append(Choice(index, ids, params, plan, keep))
+        return choices
+
+    def ender(self, tenant: str, turn: Turn | None) -> Callable[[], Any]:
+        async def end() -> None:
+            """The turn is over (its context kept or not); off the event loop, as a lower tier may be remote."""
+            if turn is not None:
+                await asyncio.to_thread(self.programs.end, tenant, turn)
+
+        return end
+
+    async def streamed(
+        self,
+        body: Sampling,
+        choices: list[Choice],
+        head: dict[str, Any],
+        prompt_tokens: int,
+        opening: list[dict[str, Any]],
+        render: Render,
+        headers: dict[str, str] | None = None,
+        ended: Callable[[], Any] | None = None,
+    ) -> Reply:
+        """SSE: the opening choice chunks, each output as `render` makes it into choice chunks, the
+        usage chunk if asked for, and always [DONE]. The reply is made once the prompt is prefilled:
+        its headers say what reuse did (an error before then is an ordinary error response)."""
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        outputs = run(self.engine, choices)
+        first = await anext(outputs)
+        reply = Reply(headers=reuse_headers(first[1]) | (headers or {}), close=outputs.aclose)
+
+        def event(choice: dict[str, Any]) -> bytes:
+            chunk = {**head, "choices": [choice]}
+            return sse(chunk | {"usage": None} if include_usage else chunk).encode()
+
+        async def rest() -> AsyncIterator[tuple[int, Output]]:
+            yield first
+            async for item in outputs:
+                yield item
+
+        async def events() -> AsyncIterator[bytes]:
+            completion_tokens, whole = 0, Result()
+            try:
+                for choice in opening:
+                    yield event(choice)
+                async for index, out in rest():
+                    completion_tokens += out.completion_tokens if out.finish_reason is not None else 0
+                    if index == 0:
+                        whole.add(out)
+                    for choice in render(index, out):
+                        yield event(choice)
+                counted = usage(prompt_tokens, completion_tokens, first[1].cached_tokens)
+                if include_usage:
+                    yield sse({**head, "choices": [], "usage": counted}).encode()
+                if ended is not None:
+                    await ended()
+                reply.outcome = outcome(whole, counted)
+            except Exception as exc:
+                yield sse_error(exc).encode()
+            yield sse("[DONE]").encode()
+
+        reply.events = events()
+        return reply
+
+    # ---- documents -----------------------------------------------------------------------
+
+    async def add_document(self, text: str, raw: bytes, tenant: str, request_id: str) -> Reply:
+        ids = await asyncio.to_thread(self.planner.tokens, text)
+        limit = self.engine.max_model_len
+        if len(ids) >= limit:
+            said = f"the document has {len(ids)} tokens; the context window is {limit}"
+            raise bad_request(said, "text", "context_length_exceeded")
+        scope = self.scope(tenant)
+        document_id, tokens = await asyncio.wrap_future(self.engine.call(lambda: self.planner.store(ids, scope)))
+        return self.document_card(document_id, tokens)
+
+    async def document(self, method: str, document_id: str, tenant: str, request_id: str) -> Reply:
+        try:
+            if method == "DELETE":
+                self.planner.forget(document_id, self.scope(tenant))
+                return Reply(headers=JSON, content=dumps({"id": document_id, "object": "document", "deleted": True}))
+            _, tokens = self.planner.find(document_id, self.scope(tenant))
+        except DocumentNotFound as exc:
+            raise APIError(404, str(exc), "id", "document_not_found") from exc
+        return self.document_card(document_id, len(tokens))
+
+    def document_card(self, document_id: str, tokens: int) -> Reply:
+        cached = self.planner.cached(document_id.removeprefix("doc-"))
+        body = {"id": document_id, "object": "document", "tokens": tokens, "cached": cached}
+        return Reply(headers=JSON, content=dumps(body))
+
+    # ---- the process -----------------------------------------------------------------------
+
+    async def ready(self) -> dict[str, Any]:
+        if not self.alive():
+            raise APIError(503, "the engine thread has stopped", code="engine_down")
+        return {"status": "ready", "model": self.name, **self.engine.load_stats}
+
+    def alive(self) -> bool:
+        return self.engine.thread.is_alive()
+
+    def metrics(self) -> Iterator[Metric]:
+        engine = self.engine
+        yield from tier_metrics(engine.reuser.store.stats()["tiers"])
+        load = engine.load_stats
+        yield gauge("kvgate_requests_waiting", "sequences waiting for the engine", load["waiting"])
+        yield gauge("kvgate_requests_running", "sequences the engine is running", load["running"])
+        programs = self.programs.stats()
+        yield gauge("kvgate_programs", "agent programs seen recently", programs["programs"])
+        yield gauge("kvgate_pinned_programs", "agent programs whose context is pinned", programs["pinned"])
+        yield counter("kvgate_program_turns", "agent turns ended", programs["turns_ended"])
+        yield counter("kvgate_tool_returns", "agent turns that followed a tool call", programs["tool_returns"])
+        if self.anchors is not None:
+            anchors = self.anchors.stats()
+            yield gauge("kvgate_kvcomm_anchors", "KVCOMM anchors held", anchors["anchors"])
+            yield gauge("kvgate_kvcomm_anchor_bytes", "bytes of KVCOMM anchor deviations", anchors["bytes"])
+            yield counter("kvgate_kvcomm_estimates", "spans reused with offsets from anchors", anchors["estimates"])
+            yield counter("kvgate_kvcomm_gated", "spans no anchor was close to (dense prefill)", anchors["gated"])
+            yield counter("kvgate_kvcomm_anchor_evictions", "KVCOMM anchors evicted", anchors["evicted"])
+
+    async def close(self) -> None:
+        self.expirer.close()

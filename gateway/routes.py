@@ -1,0 +1,228 @@
+"""The OpenAI routes, one set for every backend: read and check the request, the semantic cache in
+front, the backend's answer passed on (whole or as SSE), then tokens counted and the answer kept."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
+from starlette.types import Receive, Scope, Send
+
+from kvgate.gateway import semantic
+from kvgate.gateway.backend import Backend, Call, Outcome, Reply
+from kvgate.gateway.errors import APIError, bad_request, from_validation
+from kvgate.gateway.keys import allow_model, spend
+from kvgate.gateway.programs import program_of
+from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest, DocumentRequest
+from kvgate.gateway.render import SSE_HEADERS
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return await answer(request, "/v1/chat/completions", ChatCompletionRequest)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    return await answer(request, "/v1/completions", CompletionRequest)
+
+
+@router.post("/v1/embeddings")
+async def embeddings(request: Request) -> Response:
+    return await answer(request, "/v1/embeddings", None)
+
+
+@router.post("/v1/documents")
+async def add_document(request: Request) -> Response:
+    raw = await request.body()
+    document = validated(DocumentRequest, read(raw), strict=True)
+    assert isinstance(document, DocumentRequest)
+    backend: Backend = request.app.state.backend
+    reply = await backend.add_document(document.text, raw, request.state.tenant, request.state.request_id)
+    return Response(reply.content, reply.status, headers=reply.headers)
+
+
+@router.get("/v1/documents/{document_id}")
+async def show_document(document_id: str, request: Request) -> Response:
+    return await by_id(request, document_id)
+
+
+@router.delete("/v1/documents/{document_id}")
+async def delete_document(document_id: str, request: Request) -> Response:
+    return await by_id(request, document_id)
+
+
+async def by_id(request: Request, document_id: str) -> Response:
+    backend: Backend = request.app.state.backend
+    reply = await backend.document(request.method, document_id, request.state.tenant, request.state.request_id)
+    return Response(reply.content, reply.status, headers=reply.headers)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    backend: Backend = request.app.state.backend
+    return {"object": "list", "data": backend.models()}
+
+
+@router.get("/v1/models/{model:path}")
+async def model(model: str, request: Request) -> JSONResponse:
+    backend: Backend = request.app.state.backend
+    card = backend.card(model)
+    if card is None:
+        raise not_served(backend, model)
+    return JSONResponse(card)
+
+
+def not_served(backend: Backend, model: str) -> APIError:
+    names = [c["id"] for c in backend.models()]
+    serving = f"; this server serves `{names[0]}`" if len(names) == 1 else ""
+    return APIError(404, f"The model `{model}` does not exist{serving}.", "model", "model_not_found")
+
+
+BODIES = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+    "/v1/documents": DocumentRequest,
+}
+
+
+def with_bodies(schema: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAPI schema with the request bodies: the routes read them raw (a proxy forwards them
+    as they came), so FastAPI declares none; they are the OpenAI bodies kvgate reads itself."""
+    _, defs = models_json_schema(
+        [(model, "validation") for model in BODIES.values()], ref_template="#/components/schemas/{model}"
+    )
+    schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+    for path, model in BODIES.items():
+        content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}
+        schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": content}
+    return schema
+
+
+def read(raw: bytes, model: bool = False) -> dict[str, Any]:
+    if not raw.strip():
+        raise bad_request("the request body is missing; send a JSON object")
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    if model and not (isinstance(body.get("model"), str) and body["model"]):
+        raise bad_request("missing required field 'model'", "model", "missing_field")
+    return body
+
+
+def validated(kind: type[BaseModel] | None, body: dict[str, Any], strict: bool) -> Any:
+    """The body read by kvgate's protocol: a clear 400 when `strict`, else None (an upstream judges)."""
+    if kind is None:
+        return None
+    try:
+        return kind.model_validate(body)
+    except ValidationError as exc:
+        if not strict:
+            return None
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+        raise from_validation(RequestValidationError(errors)) from None
+
+
+async def answer(request: Request, path: str, kind: type[BaseModel] | None) -> Response:
+    backend: Backend = request.app.state.backend
+    raw = await request.body()
+    body = read(raw, model=True)
+    parsed = validated(kind, body, strict=backend.validates)
+    model: str = body["model"]
+    allow_model(request, model)
+    if not backend.serves(model):
+        raise not_served(backend, model)
+    options = body.get("kvgate") if isinstance(body.get("kvgate"), dict) else {}
+    program = program_of(request, options.get("program_id"))
+    cached = semantic.Consult(headers={"x-kvgate-cache": "bypass"})
+    if isinstance(parsed, ChatCompletionRequest):
+        queued = backend.queued()
+        cached = await semantic.consult(request, request.app.state.semantic, backend.identity(model), queued, parsed)
+        if cached.status == "hit":
+            return semantic.replay(cached, parsed, model, request.state.request_id)
+    tenant, request_id = request.state.tenant, request.state.request_id
+    call = Call(path, body, raw, model, tenant, request_id, program, parsed, keep=cached.store)
+    reply = await unless_gone(request, backend.generate(call))
+    headers = reply.headers | cached.headers
+    if reply.events is None:
+        await settle(request, model, cached, reply.outcome)
+        return Response(reply.content, reply.status, headers=headers)
+    return Relayed(relay(request, model, cached, reply), reply, headers=SSE_HEADERS | headers)
+
+
+async def relay(request: Request, model: str, cached: semantic.Consult, reply: Reply) -> AsyncIterator[bytes]:
+    """A stream passed on event by event; counted and kept before its [DONE] goes out."""
+    assert reply.events is not None
+    settled = False
+    async for event in reply.events:
+        if event.startswith(b"data: [DONE]") and not settled:
+            settled = True
+            await settle(request, model, cached, reply.outcome)
+        yield event
+    if not settled:
+        await settle(request, model, cached, reply.outcome)
+
+
+async def settle(request: Request, model: str, cached: semantic.Consult, outcome: Outcome) -> None:
+    """A finished answer in the metrics, its tokens against the key's limit, and kept in the
+    semantic cache when it ended as it should."""
+    metrics = request.app.state.metrics
+    metrics.usage(model, outcome.usage)
+    metrics.reuse(outcome.reuse, outcome.reused_tokens, outcome.recomputed_tokens)
+    await spend(request, outcome.usage.get("total_tokens") or 0)
+    if outcome.done:
+        await semantic.keep(request.app.state.semantic, cached, outcome)
+
+
+class Relayed(StreamingResponse):
+    """A streamed reply whose backend lets go (an upstream's connection, the engine's sequences) even
+    when the client left before the stream started."""
+
+    def __init__(self, events: AsyncIterator[bytes], reply: Reply, headers: dict[str, str]) -> None:
+        super().__init__(events, headers=headers, media_type="text/event-stream")
+        self.reply = reply
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.reply.close is not None:
+                await self.reply.close()
+
+
+async def unless_gone(request: Request, answering: Coroutine[Any, Any, Reply]) -> Reply:
+    """The backend's reply, unless the client hangs up first (while its request waits in a queue or
+    its whole answer is generated): then the work is withdrawn, 499."""
+    task, watching = asyncio.create_task(answering), asyncio.create_task(hang_up(request))
+    try:
+        await asyncio.wait({task, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+    if watching.done() and not watching.cancelled():
+        task.cancel()
+        try:
+            reply = await task
+        except (asyncio.CancelledError, APIError):
+            pass
+        else:
+            if reply.close is not None:
+                await reply.close()
+        raise APIError(499, "the client closed the request")
+    return task.result()
+
+
+async def hang_up(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
