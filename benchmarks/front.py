@@ -1,0 +1,94 @@
+"""How light a proxy-mode front is: `kvgate serve` over one upstream, from start to a 200 on /ready,
+its RSS once ready, and whether torch is in the process; side by side with the same front at an
+earlier commit (`--before`, a checkout of it whose top-level packages were gateway/, runtime/, ...).
+
+    python -m kvgate.bench.front [--before DIR] [--runs 5] [--output benchmarks/BENCHMARKS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+from kvgate.bench.report import table, write_section
+from kvgate.bench.upstream import _free_port, serve_upstream
+
+
+def start(command: list[str], cwd: Path, port: int) -> tuple[float, int, bool]:
+    """Seconds from the process's start to /ready answering 200, its RSS (KiB) then, torch loaded."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    began = time.perf_counter()
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{command} exited with status {process.returncode}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.perf_counter() - began > 120:
+                raise TimeoutError(f"{command} was not ready within 120 s")
+            time.sleep(0.01)
+        ready = time.perf_counter() - began
+        status = Path(f"/proc/{process.pid}/status").read_text()
+        rss = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
+        torch = "libtorch" in Path(f"/proc/{process.pid}/maps").read_text()
+        return ready, rss, torch
+    finally:
+        process.terminate()
+        process.wait(timeout=15)
+
+
+def measure(label: str, command: list[str], cwd: Path, settings: dict, runs: int, folder: Path) -> list[str]:
+    results = []
+    for i in range(runs):
+        port = _free_port()
+        config = folder / f"{label.replace(' ', '-')}-{i}.yaml"
+        config.write_text(yaml.safe_dump({**settings, "port": port}))
+        results.append(start([arg.replace("CONFIG", str(config)) for arg in command], cwd, port))
+    ready = statistics.median(r[0] for r in results)
+    rss = statistics.median(r[1] for r in results) / 1024
+    return [label, f"{ready:.2f}", f"{rss:.0f}", "yes" if any(r[2] for r in results) else "no"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="start-to-ready time and RSS of a proxy-mode front")
+    parser.add_argument("--before", type=Path, help="a checkout of an earlier commit to compare with")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--output", type=Path, default=Path("benchmarks/BENCHMARKS.md"))
+    args = parser.parse_args(argv)
+    here = Path(__file__).resolve().parents[1]
+    rows = []
+    with serve_upstream(("stub-a",)) as upstream, tempfile.TemporaryDirectory() as tmp:
+        base = {"host": "127.0.0.1", "upstreams": [{"base_url": upstream, "models": ["stub-a"]}], "log_level": "warning"}
+        light = {**base, "semantic_cache": False, "cache_dir": tmp}
+        if args.before is not None:
+            old = [sys.executable, "-m", "gateway.cli", "--config", "CONFIG", "serve"]
+            rows.append(measure("before, semantic cache off", old, args.before, light, args.runs, Path(tmp)))
+        new = [sys.executable, "-m", "kvgate.gateway.cli", "serve", "--config", "CONFIG"]
+        rows.append(measure("now, semantic cache off", new, Path(tmp), light, args.runs, Path(tmp)))
+        rows.append(measure("now, semantic cache on", new, Path(tmp), {**base, "cache_dir": tmp}, args.runs, Path(tmp)))
+    body = table(["front", "start to ready, s (median)", "RSS, MiB (median)", "torch loaded"], rows)
+    body += (
+        f"\n\nMedians of {args.runs} starts each, one run, on {os.cpu_count()} CPUs. Targets: ready in <= 1.5 s, "
+        "RSS <= 150 MiB, no torch, for a front that owns no model and no semantic cache (the semantic cache's "
+        "embedder is a transformers model: a front with it on loads torch, by design).\n"
+    )
+    command = " ".join(["python -m kvgate.bench.front", *(argv if argv is not None else sys.argv[1:])])
+    write_section(args.output, "front", "Proxy-mode front: start-up and memory", command, body)
+    print(body)
+
+
+if __name__ == "__main__":
+    main()
