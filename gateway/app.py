@@ -133,9 +133,11 @@ def create_app(settings: Settings, backend: Backend) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        await backend.close()
+        await backend.close()  # its threads (pin expiry) stop, its connections close
         await keys.close()
         await limiter.close()
+        if semantic is not None:
+            semantic.close()
 
     app = FastAPI(title="kvgate", version="0.1.0", lifespan=lifespan)
     app.state.settings, app.state.metrics, app.state.keys, app.state.limiter = settings, metrics, keys, limiter

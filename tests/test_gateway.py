@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
+
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.sampling import SamplingParams
-
 from tests.conftest import QUESTIONS
+from tests.servers import serving
 
 
 def ask(client: openai.OpenAI, model: str, question: str, **kw):
@@ -254,3 +256,16 @@ def test_logprobs_zero_gives_the_sampled_token(client, model_name) -> None:
     r = client.completions.create(model=model_name, prompt="The sky is", max_tokens=4, temperature=1.0, logprobs=0)
     lp = r.choices[0].logprobs
     assert lp.top_logprobs == [{t: p} for t, p in zip(lp.tokens, lp.token_logprobs)]
+
+
+def test_a_stopped_gateway_leaves_no_thread_of_its_own(settings, engine) -> None:
+    """The local backend's pin-expiry thread ends with the server (the engine's is the fixture's)."""
+
+    def expiry_threads() -> int:
+        return sum(t.name == "kvgate-pin-expiry" and t.is_alive() for t in threading.enumerate())
+
+    before = expiry_threads()
+    with serving(settings, engine) as url:
+        assert httpx.get(f"{url}/health").status_code == 200
+        assert expiry_threads() == before + 1
+    assert expiry_threads() == before
