@@ -19,6 +19,7 @@ _EXPORTS = {
     "Predictor": ".predictor",
     "Prior": ".predictor",
     "Program": ".programs",
+    "ProgramQueue": ".queue",
     "Programs": ".programs",
     "Turn": ".programs",
     "benefit": ".ttl",

@@ -5,28 +5,28 @@ an agent program that started earlier finishes earlier, as the runtime's own que
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
 import time
+
+from kvgate.agents.queue import ProgramQueue
 
 
 class Gate:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.busy = 0
-        self.waiting: list[tuple[float, int, asyncio.Future[None]]] = []
-        self.order = itertools.count()
+        self.waiting: ProgramQueue[asyncio.Future[None]] = ProgramQueue("program")
 
     @property
     def load(self) -> int:
         return self.busy + len(self.waiting)
 
-    async def acquire(self, rank: float) -> None:
+    async def acquire(self, program_arrival: float | None) -> None:
+        """A slot; `program_arrival`: the first arrival of the request's program (None: its own)."""
         if self.busy < self.limit and not self.waiting:
             self.busy += 1
             return
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self.waiting, (rank, next(self.order), turn))
+        self.waiting.push(turn, program_arrival)
         try:
             await turn
         except asyncio.CancelledError:
@@ -37,7 +37,7 @@ class Gate:
     def release(self) -> None:
         """Hand the slot to the earliest waiter still waiting, or free it."""
         while self.waiting:
-            _, _, turn = heapq.heappop(self.waiting)
+            turn = self.waiting.pop()
             if not turn.done():
                 turn.set_result(None)
                 return

@@ -3,32 +3,16 @@ order in which waiting requests are admitted."""
 
 from __future__ import annotations
 
+from kvgate.agents.queue import ProgramQueue
 from kvgate.runtime.sequence import Sequence, Status
-
-ORDERS = ("fcfs", "program")
-
-
-def program_order(pinned: bool, program_arrival: float, arrival: float) -> tuple[bool, float, float]:
-    """Program FCFS: requests whose program's KV is pinned first, then by their program's first
-    arrival (an agent's later turns do not queue behind programs that started after it)."""
-    return (not pinned, program_arrival, arrival)
-
-
-def rank(seq: Sequence) -> tuple[bool, float, float]:
-    turn = seq.turn
-    if turn is None:  # its own program
-        return program_order(False, seq.arrival, seq.arrival)
-    return program_order(turn.pinned, turn.arrival, seq.arrival)
 
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, order: str = "fcfs") -> None:
-        if order not in ORDERS:
-            raise ValueError(f"unknown queue order {order!r}; one of {', '.join(ORDERS)}")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.order = order
-        self.waiting: list[Sequence] = []
+        self.waiting: ProgramQueue[Sequence] = ProgramQueue(order)
         self.running: list[Sequence] = []
         self.waiting_tokens = 0  # prompt tokens waiting, read from other threads for cost estimates
 
@@ -36,7 +20,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        turn = seq.turn  # None: a program of its own
+        program_arrival, pinned = (None, False) if turn is None else (turn.arrival, turn.pinned)
+        self.waiting.push(seq, program_arrival, pinned, seq.arrival)
         self.waiting_tokens += len(seq.prompt_ids)
 
     def remove(self, seq: Sequence) -> None:
@@ -54,8 +40,7 @@ class Scheduler:
         return self.waiting_tokens if self.order == "program" else 0
 
     def admit(self) -> Sequence:
-        i = 0 if self.order == "fcfs" else min(range(len(self.waiting)), key=lambda j: rank(self.waiting[j]))
-        seq = self.waiting.pop(i)
+        seq = self.waiting.pop()
         self.waiting_tokens -= len(seq.prompt_ids)
         return seq
 
