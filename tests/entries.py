@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import torch
+
 from kvgate.chunk_cache import ChunkKV
 
 
@@ -25,3 +26,20 @@ def same(got: ChunkKV | None, entry: ChunkKV) -> bool:
         and torch.equal(got.keys, entry.keys)
         and torch.equal(got.values, entry.values)
     )
+
+
+def priced(key: str = "doc", tokens: int = 4, cost: float = 1.0, dtype: torch.dtype = torch.float32) -> ChunkKV:
+    """A small random entry: 2 layers, 2 kv heads, head_dim 8 (1 KiB of float32 KV at 4 tokens)."""
+    shape = (2, 2, tokens, 8)
+    ids = [random.randrange(50_000) for _ in range(tokens)]
+    return ChunkKV(key, ids, torch.randn(shape).to(dtype), torch.randn(shape).to(dtype), cost)
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
