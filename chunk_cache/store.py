@@ -8,6 +8,7 @@ evictions demote to the next one down the same way.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -35,7 +36,12 @@ class ChunkStore:
         self._counts = dict.fromkeys(("hits", "misses", "promotions", "writes_dropped"), 0)
         self._loads = ThreadPoolExecutor(2, thread_name_prefix="kvgate-chunk-load")
         # Bounded: a queued write holds its entry in memory; past the bound, writes are dropped.
-        self._writes: queue.Queue[tuple[ChunkKV, int] | None] = queue.Queue(write_queue)
+        self._writes: queue.Queue[tuple[ChunkKV, int, int] | None] = queue.Queue(write_queue)
+        # A delete must win over the writes queued before it: each write and each delete takes a number,
+        # and a write older than its key's last delete is dropped (the map is emptied with the queue).
+        self._order = itertools.count()
+        self._deleted: dict[str, int] = {}
+        self._writing = threading.Lock()  # held while one write lands, and while a delete runs
         self._writer = threading.Thread(target=self._write_behind, name="kvgate-chunk-write", daemon=True)
         self._writer.start()
 
@@ -84,7 +90,10 @@ class ChunkStore:
         return False
 
     def delete(self, key: str) -> bool:
-        return sum(tier.delete(key) for tier in self.tiers) > 0
+        """Gone from every tier; a write of it still queued does not bring it back."""
+        with self._writing:
+            self._deleted[key] = next(self._order)
+            return sum(tier.delete(key) for tier in self.tiers) > 0
 
     def __contains__(self, key: object) -> bool:
         return any(key in tier for tier in self.tiers)
@@ -133,17 +142,21 @@ class ChunkStore:
 
     def _enqueue(self, entry: ChunkKV, below: int) -> None:
         try:
-            self._writes.put_nowait((entry, below))
+            self._writes.put_nowait((entry, below, next(self._order)))
         except queue.Full:
             self._count("writes_dropped")
 
     def _write_behind(self) -> None:
         while (job := self._writes.get()) is not None:
-            entry, below = job
+            entry, below, order = job
             try:
-                for tier in self.tiers[below:]:
-                    if entry.key not in tier:
-                        tier.put(entry)
+                with self._writing:
+                    if self._deleted.get(entry.key, -1) < order:
+                        for tier in self.tiers[below:]:
+                            if entry.key not in tier:
+                                tier.put(entry)
+                    if self._writes.empty():
+                        self._deleted.clear()
             except Exception:
                 log.exception("writing chunk %s behind failed", entry.key)
             finally:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -152,6 +154,30 @@ def test_store_writes_lower_tiers_behind_and_demotes_evictions() -> None:
     store.flush()
     assert fast.keys() == ["c"] and sorted(slow.keys()) == ["a", "b", "c"]
     assert store.get("a") is not None and "a" in fast
+
+
+class HeldTier(MemoryTier):
+    """A lower tier whose writes wait until the test lets them land (to order a delete between a
+    put and its write behind; no real tier can be made that slow on demand)."""
+
+    def __init__(self) -> None:
+        super().__init__(budget_bytes=1 << 20)
+        self.open = threading.Event()
+
+    def put(self, entry: ChunkKV) -> bool:
+        self.open.wait(10)
+        return super().put(entry)
+
+
+def test_a_deleted_entry_does_not_come_back_with_its_write_behind() -> None:
+    below = HeldTier()
+    store = ChunkStore([MemoryTier(budget_bytes=1 << 20), below])
+    store.put(chunk("a"))  # the writer holds a's write until the tier opens
+    store.put(chunk("b"))  # queued behind it
+    threading.Timer(0.2, below.open.set).start()
+    assert store.delete("b") and store.delete("a")  # each waits for a write under way, drops a queued one
+    store.flush()
+    assert "a" not in store and "b" not in store and below.keys() == []
 
 
 def test_store_puts_into_the_first_tier_that_accepts() -> None:
