@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+
 from kvgate.bench.agent_workload import ProgramSpec, generate
 from kvgate.bench.report import table, write_section
 from kvgate.bench.server import gateway

@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedTokenizerBase
+
+from kvgate.bench.data import DataError
 from kvgate.bench.report import table, write_section
 from kvgate.chunk_cache import ChunkCacheConfig, ChunkStore
 from kvgate.runtime.blend import BlendConfig
@@ -28,10 +31,8 @@ from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.reuse import Prefilled, Reuse, Reuser
-from transformers import PreTrainedTokenizerBase
 
 RATIOS = (0.0, 0.05, 0.10, 0.15, 0.20, 0.30, 0.50)
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_rag_dev.jsonl"
 ANSWER = 32
 
 
@@ -249,21 +250,6 @@ def report(scores: dict[str, Scores]) -> str:
         "key deviation mean / max",
     ]
     return table(header, rows)
-
-
-class DataError(ValueError):
-    """The data or the options asking for it cannot give any item: a usage error, not a bug."""
-
-
-def parse_ratios(text: str) -> list[float]:
-    """Percentages, comma-separated, as fractions: "0,5,10" -> [0.0, 0.05, 0.1]."""
-    try:
-        ratios = [float(x) / 100 for x in text.split(",") if x.strip()]
-    except ValueError:
-        ratios = []
-    if not ratios or any(not 0.0 <= r <= 1.0 for r in ratios):
-        raise DataError(f"ratios {text!r}: percentages between 0 and 100, comma-separated")
-    return ratios
 
 
 def load_items(

@@ -68,10 +68,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--output", type=Path, default=Path("benchmarks/BENCHMARKS.md"))
     args = parser.parse_args(argv)
-    here = Path(__file__).resolve().parents[1]
     rows = []
     with serve_upstream(("stub-a",)) as upstream, tempfile.TemporaryDirectory() as tmp:
-        base = {"host": "127.0.0.1", "upstreams": [{"base_url": upstream, "models": ["stub-a"]}], "log_level": "warning"}
+        base = {
+            "host": "127.0.0.1",
+            "upstreams": [{"base_url": upstream, "models": ["stub-a"]}],
+            "log_level": "warning",
+        }
         light = {**base, "semantic_cache": False, "cache_dir": tmp}
         if args.before is not None:
             old = [sys.executable, "-m", "gateway.cli", "--config", "CONFIG", "serve"]

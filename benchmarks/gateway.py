@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+
 from kvgate.bench.report import table, write_section
 from kvgate.bench.upstream import serve_upstream
 from kvgate.gateway.workers import serving

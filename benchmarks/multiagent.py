@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
 from kvgate.agents.anchors import AnchorConfig, AnchorPool
 from kvgate.bench.fidelity import greedy, kl, make_reuser, teacher_forced, top1
 from kvgate.bench.report import table, write_section

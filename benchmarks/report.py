@@ -31,6 +31,11 @@ def write_section(path: Path, name: str, title: str, command: str, body: str) ->
     path.write_text(text)
 
 
+def pct(x: float) -> str:
+    """A fraction as a percentage with one decimal: 0.1234 -> "12.3"."""
+    return f"{100 * x:.1f}"
+
+
 def table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]

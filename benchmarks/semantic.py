@@ -8,40 +8,25 @@ from __future__ import annotations
 import json
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import xxhash
-from kvgate.bench.fidelity import DataError
-from kvgate.bench.report import table, write_section
+
+from kvgate.bench.data import DataError, Half, Pair
+from kvgate.bench.report import pct, table, write_section
 from kvgate.bench.semantic_hit import bench_hit
-from kvgate.bench.semantic_latency import SEED, Pair, latency_pool, latency_section
-from kvgate.bench.traps import Served, pct, section, serve, traps_for
+from kvgate.bench.semantic_latency import SEED, latency_pool, latency_section
+from kvgate.bench.traps import Served, section, serve, traps_for
 from kvgate.gateway.settings import Settings
 from kvgate.semantic_cache import MiniLM, SemanticCacheConfig
 from kvgate.semantic_cache.embedder import Embedder
 from kvgate.semantic_cache.policy import Classifier
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "qqp_pairs_dev.jsonl"
 REFERENCES = {"GPTCache-like, 0.7": 0.7, "RedisVL-like, 0.9 (distance 0.1)": 0.9}
 RECALLS = (0.5, 0.6, 0.7, 0.8, 0.9)
 LAMBDAS = np.geomspace(0.01, 100.0, 161)
 NEVER = 1.01  # a threshold no cosine similarity reaches
-
-
-@dataclass
-class Half:
-    """One half of the pairs as a cache: the distinct `a` questions stored, each `b` asked."""
-
-    stored: list[str]
-    svecs: np.ndarray
-    queries: list[str]
-    qvecs: np.ndarray
-    own: np.ndarray  # each query's own `a`, as a row of `stored`
-    dup: np.ndarray  # bool: the pair is a duplicate
-    cat: np.ndarray  # the query's category, as an index into the config's categories
-    left_out: int  # queries asked verbatim as some stored question (an exact hit, not a test)
 
 
 def load_pairs(path: Path, limit: int) -> list[Pair]:

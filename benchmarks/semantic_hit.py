@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+
 from kvgate.bench.report import table
 from kvgate.bench.server import gateway
 from kvgate.gateway.settings import Settings

@@ -11,14 +11,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
-from kvgate.bench.report import table
-from kvgate.bench.traps import pct
+
+from kvgate.bench.data import Pair
+from kvgate.bench.report import pct, table
 from kvgate.semantic_cache import Entry, SemanticCache, SemanticCacheConfig
 from kvgate.semantic_cache.embedder import Embedder
 from kvgate.semantic_cache.sqlite_store import SQLiteStore
 
 SEED = 0
-Pair = tuple[str, str, bool]
 Texts = tuple[list[str], np.ndarray]  # questions and their embeddings
 
 

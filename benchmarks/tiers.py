@@ -22,6 +22,7 @@ from pathlib import Path
 
 import redis
 import torch
+
 from kvgate.bench.fidelity import Item, load_items, start
 from kvgate.bench.report import table, write_section
 from kvgate.chunk_cache import ByteTier, ChunkKV, ChunkStore, DiskTier, Loading, MemoryTier, Tier, make_tier

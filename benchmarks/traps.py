@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-from kvgate.bench.report import table
+
+from kvgate.bench.data import Half
+from kvgate.bench.report import pct, table
 from kvgate.semantic_cache.config import SemanticCacheConfig
 from kvgate.semantic_cache.guards import GUARDS, refusal, words
 
 if TYPE_CHECKING:
-    from kvgate.bench.semantic import Half
     from kvgate.semantic_cache.policy import Classifier
 
 NATURAL = 0.7  # natural traps: QQP non-duplicates at least this similar (the lowest threshold compared)
@@ -224,10 +225,6 @@ class Traps:
     plain: Served  # what a lookup serves it without guards
     guarded: Served
     examples: dict[str, tuple[str, str]]  # one (source, trap) per type
-
-
-def pct(x: float) -> str:
-    return f"{100 * x:.1f}"
 
 
 def traps_for(test: Half, per_type: int, embed: Callable[[list[str]], np.ndarray], classify: Classifier) -> Traps:

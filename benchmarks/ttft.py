@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
 from kvgate.bench.fidelity import (
     ANSWER,
     TARGET_KL,

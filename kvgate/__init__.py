@@ -28,10 +28,10 @@ from kvgate.errors import (
     RequestTooLargeError,
     UnprocessableEntityError,
 )
-from kvgate.gateway.settings import Settings
 from kvgate.types import ChatCompletion, Document, Reuse
 
 if TYPE_CHECKING:
+    from kvgate.gateway.settings import Settings
     from kvgate.llm import LLM, LLMStream
 
 __version__ = "0.1.0"
@@ -65,9 +65,14 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    """`LLM` loads the runtime (torch) on first use: a client or a proxy front never does."""
+    """`LLM` loads the runtime (torch) on first use, `Settings` the gateway's settings: a client
+    that needs neither imports httpx and kvgate's own few modules only."""
     if name in ("LLM", "LLMStream"):
         from kvgate import llm
 
         return getattr(llm, name)
+    if name == "Settings":
+        from kvgate.gateway.settings import Settings
+
+        return Settings
     raise AttributeError(f"module 'kvgate' has no attribute {name!r}")

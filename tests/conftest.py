@@ -7,11 +7,11 @@ from pathlib import Path
 
 import openai
 import pytest
+
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.tokens import chat_prompt
-
 from tests.redis_server import RedisServer
 from tests.servers import serving
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
 from kvgate.chunk_cache import ChunkCacheConfig, ChunkStore, DiskTier, MemoryTier
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
-
 from tests.servers import serving
 
 SYSTEM = "You are a coding agent. Use the tools you are given, one call at a time."

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+
 from kvgate.agents.ttl import PinPolicy
 from kvgate.bench.agent_workload import Call, ProgramSpec, generate
 from kvgate.bench.agents_sim import HEADER, StepCosts, bench_sim, prompt_tokens, report, simulate

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kvgate.agents.anchors import AnchorConfig, AnchorPool, aligned
 from kvgate.chunk_cache import ChunkKV
 

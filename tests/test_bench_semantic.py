@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from kvgate.bench.semantic_hit import bench_hit
 from kvgate.gateway.settings import Settings
 

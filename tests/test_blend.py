@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kvgate.chunk_cache import ChunkStore, DiskTier, MemoryTier, fingerprint
 from kvgate.runtime.blend import BlendConfig, Piece, prefill
 from kvgate.runtime.documents import chat_pieces, document_ids

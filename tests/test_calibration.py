@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import pytest
+
 from kvgate.bench.calibrate import deviation_limit
 from kvgate.bench.fidelity import Scores
 from kvgate.runtime.calibration import Calibration, load, model_fingerprint, path, pick_ratio, save

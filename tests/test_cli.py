@@ -3,6 +3,8 @@ tables; `kvgate calibrate` stores what the engine reads."""
 
 from __future__ import annotations
 
+import ast
+import json
 import os
 import subprocess
 import sys
@@ -12,11 +14,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
 from kvgate.chunk_cache import fingerprint
 from kvgate.runtime.calibration import load as load_calibration
 from kvgate.runtime.calibration import path as calibration_path
 from kvgate.runtime.loader import converted_dir, default_gguf, resolve
-
 from tests.servers import free_port
 
 KVGATE = str(Path(sys.executable).parent / "kvgate")  # the installed console script
@@ -156,3 +158,135 @@ def test_calibrate_stores_a_calibration_the_engine_finds(tmp_path: Path, setting
     assert cal is not None and cal.items == 1 and cal.metric == "top1" and cal.target == 0.5
     assert set(cal.curve) == {"0", "0.2"} and cal.ratio in (0.0, 0.2)
     assert f"ratio {cal.ratio * 100:g}%" in proc.stdout
+
+
+# ---- the command line itself: light to import, --config anywhere, one runner per command ----------
+
+
+def test_importing_the_cli_and_parsing_loads_no_heavy_module() -> None:
+    """The console script imports kvgate.gateway.cli on every start (a proxy front included): that, and
+    parsing any command, imports no torch, transformers or hnswlib; and beyond the kvgate packages
+    themselves, only the CLI, the bench options (kvgate.bench.commands: argparse only, no benchmark)
+    and the standard library."""
+    code = (
+        "import sys, json\n"
+        "import kvgate.gateway  # the packages: what they import is theirs\n"
+        "before = set(sys.modules)\n"
+        "from kvgate.gateway.cli import parse\n"
+        "for argv in (['serve'], ['convert'], ['calibrate'], ['bench', 'semantic'], ['bench', 'agents']):\n"
+        "    parse(argv)\n"
+        "heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'hnswlib')]\n"
+        "print(json.dumps([heavy, sorted(set(sys.modules) - before)]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    heavy, added = json.loads(done.stdout)
+    assert heavy == []
+    assert {m for m in added if m.startswith("kvgate")} <= {
+        "kvgate.gateway.cli",
+        "kvgate.bench",
+        "kvgate.bench.commands",
+    }
+    assert [m for m in added if not m.startswith("kvgate") and m.split(".")[0] not in sys.stdlib_module_names] == []
+
+
+def test_config_is_accepted_before_and_after_the_command() -> None:
+    from kvgate.gateway.cli import parse
+
+    for argv in (
+        ["--config", "g.yaml", "serve"],
+        ["serve", "--config", "g.yaml"],
+        ["serve", "--port", "1", "--config", "g.yaml"],
+        ["--config", "g.yaml", "bench", "prefill"],
+        ["bench", "--config", "g.yaml", "prefill"],
+        ["bench", "prefill", "--config", "g.yaml"],
+        ["calibrate", "--config", "g.yaml"],
+        ["convert", "--config", "g.yaml"],
+        ["--config", "other.yaml", "serve", "--config", "g.yaml"],  # the last one given wins
+    ):
+        assert parse(argv).config == Path("g.yaml"), argv
+    assert getattr(parse(["serve"]), "config", None) is None
+
+
+def test_settings_come_from_defaults_file_environment_and_flags_in_that_order(tmp_path: Path, monkeypatch) -> None:
+    from kvgate.gateway import cli
+
+    (tmp_path / "g.yaml").write_text("host: 10.1.1.1\nport: 9000\nserved_model_name: from-file\nmax_num_seqs: 3\n")
+    monkeypatch.setenv("KVGATE_HOST", "10.2.2.2")
+    for name in ("KVGATE_CONFIG", "KVGATE_PORT", "KVGATE_SERVED_MODEL_NAME", "KVGATE_MAX_NUM_SEQS"):
+        monkeypatch.delenv(name, raising=False)
+    seen = []
+    monkeypatch.setitem(cli.COMMANDS, "serve", lambda args, settings, command: seen.append(settings) or 0)
+    config = str(tmp_path / "g.yaml")
+    assert cli.main(["serve", "--config", config, "--port", "9100"]) == 0
+    assert cli.main(["--config", config, "serve", "--port", "9100"]) == 0
+    for settings in seen:
+        assert (settings.host, settings.port, settings.served_model_name) == ("10.2.2.2", 9100, "from-file")
+        assert settings.max_num_seqs == 3 and settings.max_num_batched_tokens == 2048  # file; default
+    assert cli.main(["serve", "--config", str(tmp_path / "none.yaml")]) == 2  # a usage error, not a traceback
+
+
+BENCH_RUNS = [  # argv, the module its runner must import, the function it calls, what that returns
+    (["calibrate", "--ratios", "0,20"], "calibrate", "calibrate", None),
+    (["bench", "prefill", "--lengths", "32,64"], "prefill", "bench_prefill", None),
+    (["bench", "fidelity", "--ratios", "0,50"], "fidelity", "bench_fidelity", None),
+    (["bench", "ttft", "--ratio", "20", "--ratios", "10"], "ttft", "bench_ttft", None),
+    (["bench", "tiers"], "tiers", "bench_tiers", None),
+    (["bench", "semantic", "--sizes", "10,20"], "semantic", "bench_semantic", None),
+    (["bench", "agents"], "agents", "bench_agents", None),
+    (["bench", "multiagent", "--data", __file__], "multiagent", "bench_multiagent", None),
+    (["bench", "gateway", "--requests", "5"], "gateway", "bench_gateway", {}),
+]
+
+
+def test_each_bench_command_imports_only_its_own_module() -> None:
+    """Every runner of the table is reached by its command, and imports its benchmark (here a stand-in
+    that records the call) and no other benchmark: kvgate.bench.commands (the options, parsed) and
+    kvgate.bench.data (ratio lists, the usage error) are all it may add."""
+    code = (
+        "import sys, json, types\n"
+        "from kvgate.gateway import cli\n"
+        f"runs = {BENCH_RUNS!r}\n"
+        "out, start = [], set(sys.modules)\n"
+        "for argv, module, function, result in runs:\n"
+        "    for loaded in {m for m in set(sys.modules) - start if m.startswith('kvgate.bench.')}:\n"
+        "        del sys.modules[loaded]  # what earlier runs imported of kvgate.bench, stand-ins included\n"
+        "    name, calls = 'kvgate.bench.' + module, []\n"
+        "    stand_in = sys.modules[name] = types.ModuleType(name)\n"
+        "    setattr(stand_in, function, lambda *a, calls=calls, result=result: calls.append(a) or result)\n"
+        "    before = {m for m in sys.modules if m.startswith('kvgate.bench.')}\n"
+        "    code = cli.main(argv)\n"
+        "    added = sorted({m for m in sys.modules if m.startswith('kvgate.bench.')} - before)\n"
+        "    out.append([code, len(calls), 'kvgate ' + ' '.join(argv) in calls[0] if calls else False, added])\n"
+        "print(json.dumps(out))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for (argv, *_), (code, calls, told_the_command, added) in zip(BENCH_RUNS, json.loads(done.stdout.splitlines()[-1])):
+        assert (code, calls, told_the_command) == (0, 1, True), argv
+        assert set(added) <= {"kvgate.bench.commands", "kvgate.bench.data"}, (argv, added)
+
+
+def test_the_benchmarks_import_each_other_without_a_cycle() -> None:
+    """Every import between benchmarks/*.py (top level, inside functions or under TYPE_CHECKING alike)."""
+    graph: dict[str, set[str]] = {}
+    for path in (Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            found |= {n.split(".")[2] for n in names if n.startswith("kvgate.bench.")}
+        graph[path.stem] = found - {path.stem}
+
+    def reach(start: str, node: str, path: list[str]) -> list[str] | None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt == start:
+                return [*path, nxt]
+            if nxt not in path:
+                if cycle := reach(start, nxt, [*path, nxt]):
+                    return cycle
+        return None
+
+    cycles = [cycle for name in graph if (cycle := reach(name, name, [name]))]
+    assert not cycles, " -> ".join(cycles[0])

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvgate.chunk_cache import ChunkStore, DiskTier, LoadFailed, Loading, MemoryTier
 
+from kvgate.chunk_cache import ChunkStore, DiskTier, LoadFailed, Loading, MemoryTier
 from tests.entries import chunk, same
 
 

@@ -7,11 +7,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.engine import Engine, PromptTooLong
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.sampling import SamplingParams
-
 from tests.conftest import QUESTIONS
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0)

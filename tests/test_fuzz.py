@@ -20,13 +20,13 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from kvgate.bench.upstream import serve_upstream
-from kvgate.gateway.settings import Settings
-from kvgate.runtime.engine import Engine
 from schemathesis import Case, GenerationMode, HookContext
 from schemathesis.checks import not_a_server_error
 from schemathesis.errors import FailureGroup
 
+from kvgate.bench.upstream import serve_upstream
+from kvgate.gateway.settings import Settings
+from kvgate.runtime.engine import Engine
 from tests.servers import serving
 
 API_KEY, ADMIN_KEY = "sk-test", "sk-admin"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvgate.semantic_cache.guards import refusal
 
 PARAPHRASES = [

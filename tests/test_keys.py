@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from kvgate.gateway.settings import Settings
 
+from kvgate.gateway.settings import Settings
 from tests.servers import serving
 
 HASHED = "sk-only-its-hash-is-in-the-file"

@@ -7,8 +7,8 @@ import asyncio
 import time
 
 import pytest
-from kvgate.gateway.limits import WINDOW_S, Limits, MemoryLimiter, RedisLimiter, Verdict, duration, limiter
 
+from kvgate.gateway.limits import WINDOW_S, Limits, MemoryLimiter, RedisLimiter, Verdict, duration, limiter
 from tests.redis_server import RedisServer
 
 START = 1000 * WINDOW_S + 10.0  # 10 s into a fixed window

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
 from kvgate.bench.upstream import serve_upstream
 from kvgate.gateway.workers import serving
-
 from tests.conftest import QUESTIONS
 
 Body = Callable[[int], dict[str, Any]]

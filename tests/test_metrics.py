@@ -6,9 +6,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from kvgate.bench.upstream import serve_upstream
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvgate.bench.upstream import serve_upstream
 from tests.servers import serving
 
 DOCS = [{"text": "The lighthouse at Varn was built in 1821."}, {"text": "Its keeper was Ada Moll."}]

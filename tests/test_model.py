@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
+
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.model import Run, forward
-
 from tests.conftest import QUESTIONS
 
 

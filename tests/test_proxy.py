@@ -13,9 +13,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
+
 from kvgate.bench.upstream import serve_upstream
 from kvgate.gateway.settings import Settings
-
 from tests.servers import free_port, serving
 
 HELLO = [{"role": "user", "content": "hello"}]

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+
 from kvgate.chunk_cache import (
     ChunkCacheConfig,
     ChunkKV,
@@ -20,7 +21,6 @@ from kvgate.chunk_cache import (
     make_tier,
 )
 from kvgate.chunk_cache.redis_tier import RedisTier
-
 from tests.entries import chunk, same
 from tests.redis_server import RedisServer
 from tests.servers import free_port

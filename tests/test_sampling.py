@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from kvgate.runtime.sampling import SamplingParams, choose, logprob_of, penalise
 
 LOGITS = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from kvgate.semantic_cache import Category, MiniLM, SemanticCache, SemanticCacheConfig
 from kvgate.semantic_cache.policy import threshold
 

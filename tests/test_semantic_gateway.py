@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
-
 from tests.servers import serving
 
 KEYS = {"key-alice": "alice", "key-bob": "bob"}

@@ -8,8 +8,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from kvgate.semantic_cache import MiniLM, SemanticCache, SemanticCacheConfig
 
+from kvgate.semantic_cache import MiniLM, SemanticCache, SemanticCacheConfig
 from tests.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.sampling import SamplingParams, choose

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kvgate.agents.anchors import AnchorConfig, AnchorPool
 from kvgate.bench.multiagent import messages, write
 from kvgate.chunk_cache import ChunkStore, fingerprint

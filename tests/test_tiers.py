@@ -15,11 +15,11 @@ import httpx
 import pytest
 import redis
 import torch
+
 from kvgate.chunk_cache import ChunkKV, DiskTier
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel
-
 from tests.redis_server import RedisServer
 from tests.servers import free_port, serving
 

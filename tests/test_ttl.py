@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvgate.agents import PinPolicy, decide
 
 WAITS = [1.0, 2.0, 3.0, 30.0]

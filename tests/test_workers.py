@@ -11,11 +11,11 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
 from kvgate.gateway.routing import Ring
 from kvgate.gateway.settings import Settings
 from kvgate.gateway.workers import running
-from prometheus_client.parser import text_string_to_metric_families
-
 from tests.servers import serving
 
 AUTH = {"authorization": "Bearer sk-anyone"}

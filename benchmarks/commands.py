@@ -1,0 +1,112 @@
+"""The command-line options of `kvgate calibrate` and `kvgate bench ...`, beside the benchmarks.
+
+Argparse definitions only: the CLI imports this module on every start (a proxy front included), so it
+imports no benchmark, no torch and nothing else of kvgate. gateway/cli.py runs what is parsed."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+# The shared evaluation data sits beside the project: ../shared/data.
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+MUSIQUE = SHARED / "musique_rag_dev.jsonl"
+GSM8K = SHARED / "gsm8k_dev.jsonl"
+QQP = SHARED / "qqp_pairs_dev.jsonl"
+OUTPUT = Path("benchmarks/BENCHMARKS.md")
+
+
+def musique_args(parser: argparse.ArgumentParser, limit: int, offset: int) -> None:
+    parser.add_argument("--model")
+    parser.add_argument("--data", type=Path, default=MUSIQUE, help="MuSiQue RAG jsonl (question, passages)")
+    parser.add_argument("--docs", type=int, default=6, help="passages per question, as documents")
+    parser.add_argument("--limit", type=int, default=limit, help="items")
+    parser.add_argument("--offset", type=int, default=offset, help="first item (row) of the data file")
+    parser.add_argument("--words", type=int, default=0, help="cut each passage to its first N words (0: whole)")
+
+
+def add_calibrate(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
+    """`kvgate calibrate`; `common`: the options every (sub)command accepts (--config)."""
+    calibrate = sub.add_parser("calibrate", parents=[common], help="pick and store the model's blend recompute ratio")
+    musique_args(calibrate, limit=8, offset=100)
+    calibrate.add_argument("--target", type=float, default=0.95, help="the fidelity the ratio must reach")
+    calibrate.add_argument(
+        "--metric",
+        choices=["top1", "kl"],
+        default="top1",
+        help="top1: mean teacher-forced top-1 agreement over 32 answer positions, at least the target; "
+        "kl: mean first-token KL, at most the target",
+    )
+    calibrate.add_argument("--ratios", default="0,5,10,15,20,30,50", help="candidate ratios, percent")
+    calibrate.add_argument(
+        "--shuffle",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="documents in a fixed random order per item (default: yes, as requests cite them in any order)",
+    )
+    calibrate.add_argument("--report", type=Path, help="also write the curve as a section of this BENCHMARKS.md")
+
+
+def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
+    """`kvgate bench KIND`; `common`: the options every (sub)command accepts (--config)."""
+    bench = sub.add_parser("bench", parents=[common], help=f"measurements written to {OUTPUT}")
+    kinds = bench.add_subparsers(dest="kind", required=True)
+
+    def kind(name: str, text: str) -> argparse.ArgumentParser:
+        return kinds.add_parser(name, parents=[common], help=text)
+
+    prefill = kind("prefill", "prefill and decode tokens/s by prompt length")
+    prefill.add_argument("--model")
+    prefill.add_argument("--lengths", default="512,1024,2048,4096")
+    prefill.add_argument("--decode-tokens", type=int, default=32)
+    prefill.add_argument("--repeats", type=int, default=2)
+
+    fidelity = kind("fidelity", "how far each reuse mode moves the answer from full prefill")
+    musique_args(fidelity, limit=6, offset=0)
+    fidelity.add_argument("--shuffle", action="store_true", help="documents in a fixed random order per item")
+    fidelity.add_argument("--ratios", default="0,5,10,15,20,30,50", help="blend recompute ratios, percent")
+
+    ttft = kind("ttft", "time to first token of each reuse mode against full prefill")
+    musique_args(ttft, limit=6, offset=0)
+    ttft.add_argument("--ratio", type=float, help="blend recompute ratio, percent (default: the calibrated one)")
+    ttft.add_argument("--ratios", default="", help="more blend ratios to time, percent, comma-separated")
+    ttft.add_argument("--repeats", type=int, default=2, help="timings per mode and item; the fastest is kept")
+
+    tiers = kind("tiers", "load bandwidth of each chunk cache tier, and TTFT of a blend from it")
+    musique_args(tiers, limit=3, offset=0)
+    tiers.add_argument("--ratio", type=float, default=15.0, help="blend recompute ratio, percent")
+    tiers.add_argument("--repeats", type=int, default=2, help="timings per load and prefill; the fastest is kept")
+    tiers.add_argument("--redis-url", help="an existing Redis (default: a redis-server started for the run)")
+
+    semantic = kind("semantic", "semantic cache: hit precision/recall, traps, lookup latency")
+    semantic.add_argument("--data", type=Path, default=QQP, help="QQP pairs jsonl (a, b, duplicate)")
+    semantic.add_argument("--limit", type=int, default=20000, help="pairs (the first rows of the data file)")
+    semantic.add_argument("--traps", type=int, default=1000, help="synthetic traps per type")
+    semantic.add_argument("--sizes", default="1000,10000,100000", help="cache sizes for the latency, entries")
+    semantic.add_argument("--queries", type=int, default=1000, help="lookups timed at each size")
+    semantic.add_argument("--gateway", type=int, default=8, help="questions asked through the gateway (0: none)")
+
+    agents = kind("agents", "agent programs: JCT of TTL pins and program FCFS, live and simulated")
+    agents.add_argument("--programs", type=int, default=10, help="programs run live through the gateway")
+    agents.add_argument("--rate", type=float, default=0.125, help="program arrivals per second (Poisson)")
+    agents.add_argument("--memory-mb", type=int, default=160, help="the KV memory tier's budget, MiB")
+    agents.add_argument("--fixed-ttl", type=float, default=4.0, help="the TTL of the fixed-TTL policy, seconds")
+    agents.add_argument("--output-tokens", type=int, default=16, help="tokens each turn generates")
+    agents.add_argument("--seed", type=int, default=0)
+    agents.add_argument(
+        "--data", type=Path, default=MUSIQUE, help="MuSiQue jsonl: the text of prompts and tool results"
+    )
+    agents.add_argument("--sim-programs", type=int, default=300, help="programs in the simulator (0: no simulation)")
+
+    multiagent = kind("multiagent", "agents reading each other's answers: KVCOMM against dense")
+    multiagent.add_argument("--data", type=Path, default=GSM8K, help="GSM8K jsonl: the questions")
+    multiagent.add_argument("--questions", type=int, default=8)
+    multiagent.add_argument("--agents", type=int, default=5, help="2 to 5")
+    multiagent.add_argument("--ratio", type=float, default=0.15, help="span tokens blend and kvcomm recompute")
+    multiagent.add_argument("--written", type=int, default=128, help="tokens each agent's answer has at most")
+
+    gateway = kind("gateway", "latency proxy mode adds, against calling the upstream directly")
+    gateway.add_argument("--requests", type=int, default=2000, help="timed requests per path")
+
+    for each in (prefill, fidelity, ttft, tiers, semantic, agents, multiagent, gateway):
+        each.add_argument("--output", type=Path, default=OUTPUT, help="the BENCHMARKS.md to write the section to")
