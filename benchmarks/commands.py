@@ -108,5 +108,9 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
     gateway = kind("gateway", "latency proxy mode adds, against calling the upstream directly")
     gateway.add_argument("--requests", type=int, default=2000, help="timed requests per path")
 
-    for each in (prefill, fidelity, ttft, tiers, semantic, agents, multiagent, gateway):
+    front = kind("front", "start-up time and memory of a proxy-mode front (no model, no semantic cache)")
+    front.add_argument("--before", type=Path, help="a checkout of an earlier commit, measured beside this one")
+    front.add_argument("--runs", type=int, default=5, help="starts of each front; the median is kept")
+
+    for each in (prefill, fidelity, ttft, tiers, semantic, agents, multiagent, gateway, front):
         each.add_argument("--output", type=Path, default=OUTPUT, help="the BENCHMARKS.md to write the section to")

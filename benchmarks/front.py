@@ -2,12 +2,11 @@
 its RSS once ready, and whether torch is in the process; side by side with the same front at an
 earlier commit (`--before`, a checkout of it whose top-level packages were gateway/, runtime/, ...).
 
-    python -m kvgate.bench.front [--before DIR] [--runs 5] [--output benchmarks/BENCHMARKS.md]
+    kvgate bench front [--before DIR] [--runs 5]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import subprocess
@@ -62,12 +61,7 @@ def measure(label: str, command: list[str], cwd: Path, settings: dict, runs: int
     return [label, f"{ready:.2f}", f"{rss:.0f}", "yes" if any(r[2] for r in results) else "no"]
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="start-to-ready time and RSS of a proxy-mode front")
-    parser.add_argument("--before", type=Path, help="a checkout of an earlier commit to compare with")
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--output", type=Path, default=Path("benchmarks/BENCHMARKS.md"))
-    args = parser.parse_args(argv)
+def bench_front(before: Path | None, runs: int, output: Path, command: str) -> str:
     rows = []
     with serve_upstream(("stub-a",)) as upstream, tempfile.TemporaryDirectory() as tmp:
         base = {
@@ -76,22 +70,17 @@ def main(argv: list[str] | None = None) -> None:
             "log_level": "warning",
         }
         light = {**base, "semantic_cache": False, "cache_dir": tmp}
-        if args.before is not None:
+        if before is not None:
             old = [sys.executable, "-m", "gateway.cli", "--config", "CONFIG", "serve"]
-            rows.append(measure("before, semantic cache off", old, args.before, light, args.runs, Path(tmp)))
+            rows.append(measure("before, semantic cache off", old, before, light, runs, Path(tmp)))
         new = [sys.executable, "-m", "kvgate.gateway.cli", "serve", "--config", "CONFIG"]
-        rows.append(measure("now, semantic cache off", new, Path(tmp), light, args.runs, Path(tmp)))
-        rows.append(measure("now, semantic cache on", new, Path(tmp), {**base, "cache_dir": tmp}, args.runs, Path(tmp)))
+        rows.append(measure("now, semantic cache off", new, Path(tmp), light, runs, Path(tmp)))
+        rows.append(measure("now, semantic cache on", new, Path(tmp), {**base, "cache_dir": tmp}, runs, Path(tmp)))
     body = table(["front", "start to ready, s (median)", "RSS, MiB (median)", "torch loaded"], rows)
     body += (
-        f"\n\nMedians of {args.runs} starts each, one run, on {os.cpu_count()} CPUs. Targets: ready in <= 1.5 s, "
+        f"\n\nMedians of {runs} starts each, one run, on {os.cpu_count()} CPUs. Targets: ready in <= 1.5 s, "
         "RSS <= 150 MiB, no torch, for a front that owns no model and no semantic cache (the semantic cache's "
         "embedder is a transformers model: a front with it on loads torch, by design).\n"
     )
-    command = " ".join(["python -m kvgate.bench.front", *(argv if argv is not None else sys.argv[1:])])
-    write_section(args.output, "front", "Proxy-mode front: start-up and memory", command, body)
-    print(body)
-
-
-if __name__ == "__main__":
-    main()
+    write_section(output, "front", "Proxy-mode front: start-up and memory", command, body)
+    return body

@@ -256,6 +256,18 @@ def run_gateway(args: argparse.Namespace, settings: Settings, command: str) -> i
     return 0
 
 
+def run_front(args: argparse.Namespace, settings: Settings, command: str) -> int:
+    from kvgate.bench.front import bench_front
+
+    check_numbers(args)
+    if args.before is not None and not (args.before / "gateway" / "cli.py").is_file():
+        from kvgate.bench.data import DataError
+
+        raise DataError(f"--before {args.before}: not a checkout with gateway/cli.py")
+    print(bench_front(args.before, args.runs, args.output, command))
+    return 0
+
+
 Command = Callable[[argparse.Namespace, "Settings", str], int]
 COMMANDS: dict[str, Command] = {
     "serve": run_serve,
@@ -269,6 +281,7 @@ COMMANDS: dict[str, Command] = {
     "bench agents": run_agents,
     "bench multiagent": run_multiagent,
     "bench gateway": run_gateway,
+    "bench front": run_front,
 }
 
 

@@ -236,6 +236,7 @@ BENCH_RUNS = [  # argv, the module its runner must import, the function it calls
     (["bench", "agents"], "agents", "bench_agents", None),
     (["bench", "multiagent", "--data", __file__], "multiagent", "bench_multiagent", None),
     (["bench", "gateway", "--requests", "5"], "gateway", "bench_gateway", {}),
+    (["bench", "front", "--runs", "1"], "front", "bench_front", ""),
 ]
 
 

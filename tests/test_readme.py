@@ -35,7 +35,15 @@ from tests.servers import free_port
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 KVGATE = str(Path(sys.executable).parent / "kvgate")  # the installed console script
-EXAMPLES = {"H": "0.0.0.0", "P": "8080", "PATH": "/path/to/model", "NAME": "my-model", "N": "3", "FILE": "g.yaml"}
+EXAMPLES = {
+    "H": "0.0.0.0",
+    "P": "8080",
+    "PATH": "/path/to/model",
+    "NAME": "my-model",
+    "N": "3",
+    "FILE": "g.yaml",
+    "DIR": "/tmp",
+}
 EXECUTABLE = r"(?:\.venv/bin/|\$\(BIN\)/)?kvgate"  # kvgate, .venv/bin/kvgate, $(BIN)/kvgate (Makefile)
 PROGRAM = re.compile(rf"^{EXECUTABLE}\s+\S")  # a line that runs it with a command
 
