@@ -31,6 +31,7 @@ from kvgate.gateway.choices import (
 )
 from kvgate.gateway.errors import APIError, bad_request
 from kvgate.gateway.metrics import counter, gauge, tier_metrics
+from kvgate.gateway.programs import HEADER
 from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest, Sampling
 from kvgate.gateway.render import dumps, response_head, sse, sse_error, usage
 from kvgate.gateway.settings import Settings
@@ -93,14 +94,15 @@ class Local(Backend):
         options = body.kvgate
         chat = Chat(
             messages,
-            body.tools,
-            body.add_generation_prompt,
-            [d.model_dump(exclude_none=True) for d in body.documents] if body.documents else None,
-            options.reuse if options is not None and "reuse" in options.model_fields_set else None,
-            options.recompute_ratio if options is not None else None,
-            call.program,
-            self.scope(call.tenant),
-            call.tenant,
+            tools=body.tools,
+            add_generation_prompt=body.add_generation_prompt,
+            documents=[d.model_dump(exclude_none=True) for d in body.documents] if body.documents else None,
+            # Unset, the request's kind decides: blend for documents, kvcomm for a program's spans.
+            mode=options.reuse if options is not None and "reuse" in options.model_fields_set else None,
+            ratio=options.recompute_ratio if options is not None else None,
+            program=call.program,
+            scope=self.scope(call.tenant),
+            tenant=call.tenant,
         )
         try:  # off the event loop: rendering and tokenizing a long prompt takes seconds
             prompt, plan = await asyncio.to_thread(self.planner.chat, chat)
@@ -113,7 +115,7 @@ class Local(Backend):
             turn = self.programs.begin(call.program, call.tenant, messages, len(prompt))
         choices = self.choices([prompt], body, body.max_new_tokens, body.logprobs_k, plan, turn)
         head = response_head("chatcmpl", call.request_id, self.name)
-        headers = {} if turn is None else {"x-kvgate-program-id": turn.program, "x-kvgate-pin-ttl": f"{turn.pin_s:.3f}"}
+        headers = {} if turn is None else {HEADER: turn.program, "x-kvgate-pin-ttl": f"{turn.pin_s:.3f}"}
         ended = self.ender(call.tenant, turn)
         if body.stream:
             opening = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, **NONE} for c in choices]
