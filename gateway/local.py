@@ -29,6 +29,7 @@ from kvgate.gateway.choices import (
     sampling_params,
     token_ids,
 )
+from kvgate.gateway.embeddings import Embeddings
 from kvgate.gateway.errors import APIError, bad_request
 from kvgate.gateway.metrics import counter, gauge, tier_metrics
 from kvgate.gateway.programs import HEADER
@@ -60,6 +61,7 @@ class Local(Backend):
         self.anchors = AnchorPool(config.anchors) if config.kvcomm else None
         engine.spans.offsets = self.anchors
         self.planner = Planner(engine.reuser, config.kvcomm, settings.kvcomm_recompute_ratio)
+        self.embeddings = Embeddings(settings)  # /v1/embeddings: the semantic cache's embedding model
 
     # ---- what is served ----------------------------------------------------------------
 
@@ -87,6 +89,8 @@ class Local(Backend):
             return await self.chat(call, call.parsed)
         if isinstance(call.parsed, CompletionRequest):
             return await self.complete(call, call.parsed)
+        if call.path == "/v1/embeddings":
+            return await self.embeddings.answer(call)
         raise APIError(404, f"{call.path} is not served by this model's runtime", code="unsupported_route")
 
     async def chat(self, call: Call, body: ChatCompletionRequest) -> Reply:
