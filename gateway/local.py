@@ -67,10 +67,11 @@ class Local(Backend):
 
     def models(self) -> list[dict[str, Any]]:
         card = {"id": self.name, "object": "model", "created": self.created, "owned_by": "kvgate"}
-        return [{**card, "root": str(self.engine.loaded.path), "max_model_len": self.engine.max_model_len}]
+        llm = {**card, "root": str(self.engine.loaded.path), "max_model_len": self.engine.max_model_len}
+        return [llm, *self.embeddings.cards(self.created)]
 
     def serves(self, model: str) -> bool:
-        return model == self.name
+        return model == self.name or self.embeddings.serves(model)
 
     def identity(self, model: str) -> dict[str, str]:
         return {"model": self.name, "weights": self.engine.model_fp}
@@ -85,6 +86,8 @@ class Local(Backend):
     # ---- completions ---------------------------------------------------------------------
 
     async def generate(self, call: Call) -> Reply:
+        if call.path != "/v1/embeddings" and call.model != self.name:
+            raise APIError(400, f"`{call.model}` is an embedding model; use /v1/embeddings", "model", "invalid_model")
         if isinstance(call.parsed, ChatCompletionRequest):
             return await self.chat(call, call.parsed)
         if isinstance(call.parsed, CompletionRequest):
