@@ -13,6 +13,7 @@ from kvgate.gateway.backend import Outcome
 from kvgate.gateway.errors import APIError, bad_request
 from kvgate.gateway.protocol import SEED_BOUND, CompletionRequest, Sampling
 from kvgate.gateway.render import chat_logprobs, completion_logprobs
+from kvgate.gateway.toolcalls import CallStream, message
 from kvgate.runtime.engine import Engine, EngineError, Result
 from kvgate.runtime.sampling import SamplingParams
 from kvgate.runtime.sequence import Output, Plan
@@ -33,7 +34,7 @@ class Choice:
 
 
 def sampling_params(
-    body: Sampling, max_tokens: int, logprobs: int | None, vocab_size: int, choice: int
+    body: Sampling, max_tokens: int, logprobs: int | None, vocab_size: int, choice: int, grammar: str | None = None
 ) -> SamplingParams:
     bias: dict[int, float] = {}
     for key, value in (body.logit_bias or {}).items():
@@ -63,6 +64,7 @@ def sampling_params(
         frequency_penalty=body.frequency_penalty,
         logit_bias=bias,
         logprobs=logprobs,
+        grammar=grammar,
     )
 
 
@@ -136,18 +138,20 @@ def outcome(first: Result, counted: dict[str, Any]) -> Outcome:
 
 
 def chat_answer(
-    head: dict[str, Any], done: dict[int, Result], counted: dict[str, Any], tb: TokenBytes | None
+    head: dict[str, Any],
+    done: dict[int, Result],
+    counted: dict[str, Any],
+    tb: TokenBytes | None,
+    calls: Callable[[], CallStream] | None = None,
 ) -> dict[str, Any]:
-    """A whole chat completion; `tb` when logprobs were asked for."""
-    choices = [
-        {
-            "index": i,
-            "message": {"role": "assistant", "content": f.text},
-            "logprobs": chat_logprobs(tb, f.logprobs) if tb is not None else None,
-            "finish_reason": f.finish_reason,
-        }
-        for i, f in sorted(done.items())
-    ]
+    """A whole chat completion; `tb` when logprobs were asked for, `calls` when the answers may
+    hold tool calls."""
+    choices = []
+    for i, f in sorted(done.items()):
+        said = {"role": "assistant", "content": f.text} if calls is None else message(calls(), f.text)
+        finish = "tool_calls" if "tool_calls" in said and f.finish_reason == "stop" else f.finish_reason
+        lps = chat_logprobs(tb, f.logprobs) if tb is not None else None
+        choices.append({"index": i, "message": said, "logprobs": lps, "finish_reason": finish})
     return {**head, "object": "chat.completion", "choices": choices, "usage": counted}
 
 
@@ -166,16 +170,30 @@ def completion_answer(
     return {**head, "object": "text_completion", "choices": choices, "usage": counted}
 
 
-def chat_chunks(tb: TokenBytes, logprobs: bool) -> Callable[[int, Output], list[dict[str, Any]]]:
-    """A content chunk for new text, then a chunk with an empty delta carrying finish_reason."""
+def chat_chunks(
+    tb: TokenBytes, logprobs: bool, calls: Callable[[], CallStream] | None = None
+) -> Callable[[int, Output], list[dict[str, Any]]]:
+    """A chunk per delta of new text (content, or tool calls when `calls` parses them), then one
+    with an empty delta carrying finish_reason. Logprobs ride on the first chunk of their text."""
+    streams: dict[int, CallStream] = {}
 
     def chunks(index: int, out: Output) -> list[dict[str, Any]]:
-        found = []
-        if out.text or out.logprobs:
-            lps = chat_logprobs(tb, out.logprobs) if logprobs else None
-            found.append({"index": index, "delta": {"content": out.text}, "logprobs": lps, "finish_reason": None})
+        if calls is None:
+            deltas = [{"content": out.text}] if out.text or out.logprobs else []
+        else:
+            stream = streams.setdefault(index, calls())
+            deltas = stream.feed(out.text) + (stream.end() if out.finish_reason is not None else [])
+        lps = chat_logprobs(tb, out.logprobs) if logprobs and out.logprobs else None
+        if lps is not None and not deltas:
+            deltas = [{"content": ""}]
+        found = [
+            {"index": index, "delta": d, "logprobs": lps if j == 0 else None, "finish_reason": None}
+            for j, d in enumerate(deltas)
+        ]
         if out.finish_reason is not None:
-            found.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason})
+            called = index in streams and streams[index].calls and out.finish_reason == "stop"
+            finish = "tool_calls" if called else out.finish_reason
+            found.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish})
         return found
 
     return chunks

@@ -7,6 +7,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from prometheus_client.core import Metric
@@ -36,11 +37,14 @@ from kvgate.gateway.programs import HEADER
 from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest, Sampling
 from kvgate.gateway.render import dumps, response_head, sse, sse_error, usage
 from kvgate.gateway.settings import Settings
+from kvgate.gateway.toolcalls import CallStream, constraint
 from kvgate.runtime.costs import EngineCosts
 from kvgate.runtime.engine import Engine, PromptTooLong, Result
+from kvgate.runtime.grammar import GrammarError
 from kvgate.runtime.planner import Chat, DocumentNotFound, Planner
 from kvgate.runtime.sequence import Output, Plan
 from kvgate.runtime.tokens import TemplateError, TokenBytes
+from kvgate.runtime.tools import detect, prepare
 
 JSON = {"content-type": "application/json"}
 Render = Callable[[int, Output], list[dict[str, Any]]]
@@ -54,6 +58,7 @@ class Local(Backend):
         self.tokenizer = engine.tokenizer
         self.name = settings.served_model_name or engine.loaded.name
         self.token_bytes = TokenBytes(self.tokenizer)
+        self.tool_format = detect(self.tokenizer)
         self.created = int(time.time())
         config = settings.agent_config()
         self.programs = Programs(config, engine.reuser.store, EngineCosts(engine, config.reload_bytes_per_s))
@@ -98,10 +103,13 @@ class Local(Backend):
 
     async def chat(self, call: Call, body: ChatCompletionRequest) -> Reply:
         messages = [m.for_template(i) for i, m in enumerate(body.messages)]
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        shown, tools = prepare(self.tool_format, messages, tools)
+        lark, incremental = constraint(body, self.tool_format)
         options = body.kvgate
         chat = Chat(
-            messages,
-            tools=body.tools,
+            shown,
+            tools=tools,
             add_generation_prompt=body.add_generation_prompt,
             documents=[d.model_dump(exclude_none=True) for d in body.documents] if body.documents else None,
             # Unset, the request's kind decides: blend for documents, kvcomm for a program's spans.
@@ -112,6 +120,11 @@ class Local(Backend):
             tenant=call.tenant,
         )
         try:  # off the event loop: rendering and tokenizing a long prompt takes seconds
+            grammar = await asyncio.to_thread(self.engine.grammars.compile, lark) if lark is not None else None
+        except GrammarError as exc:
+            param = "tools" if body.calls_tools else "response_format"
+            raise bad_request(f"the schema cannot be used for constrained decoding: {exc}", param) from exc
+        try:
             prompt, plan = await asyncio.to_thread(self.planner.chat, chat)
         except TemplateError as exc:
             raise bad_request(str(exc), "messages", "invalid_messages") from exc
@@ -120,20 +133,22 @@ class Local(Backend):
         turn = None
         if call.program is not None:
             turn = self.programs.begin(call.program, call.tenant, messages, len(prompt))
-        choices = self.choices([prompt], body, body.max_new_tokens, body.logprobs_k, plan, turn)
+        choices = self.choices([prompt], body, body.max_new_tokens, body.logprobs_k, plan, turn, grammar)
+        names = frozenset(t.function.name for t in body.tools or ())
+        calls = partial(CallStream, self.tool_format, names, incremental) if body.calls_tools else None
         head = response_head("chatcmpl", call.request_id, self.name)
         headers = {} if turn is None else {HEADER: turn.program, "x-kvgate-pin-ttl": f"{turn.pin_s:.3f}"}
         ended = self.ender(call.tenant, turn)
         if body.stream:
             opening = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, **NONE} for c in choices]
-            chunks = chat_chunks(self.token_bytes, body.logprobs)
+            chunks = chat_chunks(self.token_bytes, body.logprobs, calls)
             return await self.streamed(body, choices, head | CHAT_CHUNK, len(prompt), opening, chunks, headers, ended)
         try:
             done = await collect(self.engine, choices)
         finally:
             await ended()
         counted = usage(len(prompt), sum(f.completion_tokens for f in done.values()), done[0].cached_tokens)
-        payload = chat_answer(head, done, counted, self.token_bytes if body.logprobs else None)
+        payload = chat_answer(head, done, counted, self.token_bytes if body.logprobs else None, calls)
         return Reply(
             headers=JSON | reuse_headers(done[0]) | headers, content=dumps(payload), outcome=outcome(done[0], counted)
         )
@@ -166,6 +181,7 @@ class Local(Backend):
         logprobs: int | None,
         plan: Plan | None = None,
         turn: Turn | None = None,
+        grammar: str | None = None,
     ) -> list[Choice]:
         """The engine's work for a request: n choices per prompt. Only the first choice of a
         program's turn keeps its context for the next turn."""
@@ -180,7 +196,7 @@ class Local(Backend):
             limit = max_tokens or self.engine.max_model_len - len(ids)
             for i in range(body.n):
                 index = p * body.n + i
-                params = sampling_params(body, limit, logprobs, len(self.tokenizer), index)
+                params = sampling_params(body, limit, logprobs, len(self.tokenizer), index, grammar)
                 keep = turn if index == 0 or turn is None else replace(turn, keep="", pin_s=0.0)
                 choices.append(Choice(index, ids, params, plan, keep))
         return choices

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from kvgate.gateway.errors import bad_request
 
@@ -34,11 +34,22 @@ class OtherPart(Body):
     type: str
 
 
+class FunctionCall(Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends JSON text; a mapping is accepted too
+
+
+class ToolCall(Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(Body):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart | OtherPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
     @model_validator(mode="after")
@@ -64,18 +75,15 @@ class Message(Body):
             out["content"] = self.content or ""
         if out["role"] == "developer":  # OpenAI's newer name for the system role
             out["role"] = "system"
-        for j, call in enumerate(out.get("tool_calls", ())):
-            function = call.get("function")
-            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-                # OpenAI sends arguments as a JSON string; chat templates expect a mapping.
+        for call in out.get("tool_calls", ()):
+            # OpenAI's wire form is JSON text; chat templates expect a mapping. Text that is not
+            # JSON (an answer cut short, say) is rendered back as the text it is, as OpenAI takes it.
+            arguments = call["function"]["arguments"]
+            if isinstance(arguments, str):
                 try:
-                    call["function"] = {**function, "arguments": json.loads(function["arguments"])}
-                except json.JSONDecodeError as exc:
-                    raise bad_request(
-                        f"tool call arguments are not valid JSON: {exc}",
-                        f"messages.{index}.tool_calls.{j}.function.arguments",
-                        "invalid_value",
-                    ) from exc
+                    call["function"]["arguments"] = json.loads(arguments) if arguments.strip() else {}
+                except json.JSONDecodeError:
+                    pass
         return out
 
 
@@ -150,6 +158,58 @@ class DocumentRequest(Body):
     text: str = Field(min_length=1)
 
 
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class Function(Body):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of an object; none: no arguments
+    strict: bool | None = None
+
+
+class Tool(Body):
+    type: Literal["function"]
+    function: Function
+
+
+class NamedFunction(Body):
+    name: str
+
+
+class NamedTool(Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchema(Body):
+    name: str = Field("response", pattern=FUNCTION_NAME)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema")
+        return self
+
+
+# OpenAI fields kvgate cannot honour: refused with a 400, never ignored.
+UNSUPPORTED = {
+    "functions": "the deprecated `functions` are not supported; use `tools`",
+    "function_call": "the deprecated `function_call` is not supported; use `tool_choice`",
+    "audio": "audio output is not supported by this model",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+}
+
+
 class ChatCompletionRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     documents: list[DocumentRef] | None = Field(None, max_length=256)  # kvgate extension
@@ -158,14 +218,54 @@ class ChatCompletionRequest(Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    modalities: list[Literal["text"]] | None = None
     add_generation_prompt: bool = True  # vLLM extension
+
+    functions: Any = None  # each of UNSUPPORTED: a 400 when given
+    function_call: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+
+    @field_validator(*UNSUPPORTED)
+    @classmethod
+    def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None:
+            raise ValueError(UNSUPPORTED[str(info.field_name)])
+        return v
 
     @model_validator(mode="after")
     def _logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in tools or ()]
+        if len(set(names)) < len(names):
+            raise ValueError("tools must have distinct function names")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice(cls, choice: Any, info: ValidationInfo) -> Any:
+        names = [t.function.name for t in info.data.get("tools") or ()]
+        if choice not in (None, "none", "auto") and not names:
+            raise ValueError("'required' or a named function needs tools")
+        if isinstance(choice, NamedTool) and choice.function.name not in names:
+            raise ValueError(f"the function {choice.function.name!r} is not among the tools")
+        return choice
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer may hold tool calls (and so is parsed for them)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @property
     def max_new_tokens(self) -> int | None:

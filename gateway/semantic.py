@@ -77,7 +77,8 @@ async def consult(
     `identity` names what answers (model and weights, or upstreams); `queued` is the load it is under."""
     opted = body.kvgate.cache if body.kvgate else None
     cacheable = opted is True or (opted is None and body.temperature == 0)
-    if cache is None or not cacheable or body.n != 1 or body.logprobs:
+    shaped = body.tools or body.response_format is not None  # a replay holds neither calls nor a grammar
+    if cache is None or not cacheable or body.n != 1 or body.logprobs or shaped:
         return Consult(headers={"x-kvgate-cache": "bypass"})
     try:
         messages = [m.for_template(i) for i, m in enumerate(body.messages)]

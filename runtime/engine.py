@@ -19,6 +19,7 @@ from kvgate.runtime.calibration import Calibration, model_fingerprint
 from kvgate.runtime.calibration import load as load_calibration
 from kvgate.runtime.calibration import path as calibration_path
 from kvgate.runtime.config import EngineConfig
+from kvgate.runtime.grammar import GrammarError, Grammars
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.model import Run, forward
@@ -82,6 +83,7 @@ class Engine:
         self.model_fp = model_fingerprint(self.loaded)
         self.calibration = load_calibration(calibration_path(config.cache_dir, self.model_fp))
         self.reuser = self.make_reuser(self.calibration)
+        self.grammars = Grammars(self.tokenizer, self.loaded.eos_token_ids)
         self.spans = Spans(self.reuser, cost=self.prefill_s)  # the gateway lends it its anchor pool (agents.AnchorPool)
         budget = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.scheduler = Scheduler(config.max_num_seqs, budget, config.queue_order)
@@ -132,6 +134,8 @@ class Engine:
         kv = KVCache(*self.kv_shape, self.model.dtype, self.config.device, self.max_model_len)
         eos = self.loaded.eos_token_ids
         seq = Sequence(list(prompt_ids), params, kv, eos, self.max_model_len, plan=plan, turn=turn)
+        if params.grammar is not None:
+            seq.matcher = self.grammars.matcher(params.grammar)
         with self.lock:
             self.inbox.append((seq, callback))
         self.wake.set()
@@ -263,12 +267,13 @@ class Engine:
             return
         self.steps += 1
         self.measure(time.perf_counter() - start, batch)
+        allowed = self.allowed([seq for seq, _ in batch if not seq.prefilling], logits.shape[-1])
         for (seq, _), row in zip(batch, logits):
             if seq.prefilling:
                 continue
             first = not seq.output_ids
             try:
-                self.sample(seq, row)
+                self.sample(seq, row, allowed.get(seq.id))
             except Exception as exc:  # e.g. a NaN distribution: only this sequence ends
                 self.fail(seq, exc)
             if first:
@@ -322,11 +327,30 @@ class Engine:
         except Exception:  # the answer stands; later prompts compute these again
             log.exception("request %d: storing its prompt's KV failed", seq.id)
 
-    def sample(self, seq: Sequence, logits: torch.Tensor) -> None:
+    def allowed(self, seqs: list[Sequence], width: int) -> dict[int, torch.Tensor]:
+        """The tokens each constrained sequence may take next, its masks filled in parallel."""
+        held = [seq for seq in seqs if seq.matcher is not None]
+        if not held:
+            return {}
+        masks = self.grammars.masks([seq.matcher for seq in held], width)
+        return {seq.id: mask for seq, mask in zip(held, masks)}
+
+    def sample(self, seq: Sequence, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> None:
         params = seq.params
-        token = choose(penalise(logits, params, seq.output_ids), params, seq.generator)
+        chosen = penalise(logits, params, seq.output_ids)
+        if seq.matcher is not None:
+            if allowed is None:
+                allowed = self.grammars.masks([seq.matcher], logits.shape[-1])[0]
+            if not bool(allowed.any()):
+                raise GrammarError(f"the grammar allows no token: {seq.matcher.get_error() or 'it is complete'}")
+            chosen = chosen.masked_fill(~allowed, float("-inf"))
+        token = choose(chosen, params, seq.generator)
+        if seq.matcher is not None and token not in seq.eos_ids and not seq.matcher.consume_token(token):
+            raise GrammarError(seq.matcher.get_error())
         logprob = logprob_of(logits, token, params.logprobs) if params.logprobs is not None else None
         seq.add(token, logprob, self.tokenizer)
+        if seq.matcher is not None and seq.matcher.is_stopped() and seq.finish_reason is None:
+            seq.finish_reason = "stop"  # the grammar is complete: nothing may follow
         callback = self.callbacks[seq.id]
         if seq.finish_reason is not None:
             self.keep(seq)

@@ -24,6 +24,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # None: no logprobs; k: the chosen token's plus the top k
+    grammar: str | None = None  # compiled (runtime/grammar.py): what the output must match
 
 
 @dataclass(frozen=True)

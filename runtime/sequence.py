@@ -6,6 +6,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -74,6 +75,7 @@ class Sequence:
     turn: Turn | None = None
     planned: bool = False  # the plan's (or the turn's) reuse has run
     shared: Shared | None = None  # a span prefill whose lessons wait for the prompt's KV to complete
+    matcher: Any = None  # the grammar's state (an llguidance LLMatcher) when params.grammar is set
     arrival: float = field(default_factory=time.monotonic)
     cached_tokens: int = 0
     recomputed_tokens: int = 0
