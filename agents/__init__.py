@@ -12,6 +12,7 @@ _EXPORTS = {
     "Anchor": ".anchors",
     "AnchorConfig": ".config",
     "AnchorPool": ".anchors",
+    "Conversations": ".conversations",
     "Costs": ".costs",
     "Expirer": ".programs",
     "PINS": ".ttl",

@@ -41,3 +41,7 @@ class AgentConfig:
     # KVCOMM: agents reuse the KV of messages other agents read or wrote, offset by anchors.
     kvcomm: bool = True
     anchors: AnchorConfig = AnchorConfig()
+    # Programs without markup (agents/conversations.py): requests that resend an answered turn's
+    # history continue its program; so many answered turns are remembered for it.
+    implicit_programs: bool = True
+    conversations: int = 4096

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import replace
 from functools import partial
 from typing import Any
 
 from prometheus_client.core import Metric
 
-from kvgate.agents import AnchorPool, Expirer, Programs, Turn
+from kvgate.agents import AnchorPool, Conversations, Expirer, Programs, Turn
 from kvgate.gateway.backend import Backend, Call, Reply
 from kvgate.gateway.choices import (
     CHAT_CHUNK,
@@ -37,7 +38,7 @@ from kvgate.gateway.programs import HEADER
 from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest, Sampling
 from kvgate.gateway.render import dumps, response_head, sse, sse_error, usage
 from kvgate.gateway.settings import Settings
-from kvgate.gateway.toolcalls import CallStream, constraint
+from kvgate.gateway.toolcalls import CallStream, constraint, message
 from kvgate.runtime.costs import EngineCosts
 from kvgate.runtime.engine import Engine, PromptTooLong, Result
 from kvgate.runtime.grammar import GrammarError
@@ -60,9 +61,10 @@ class Local(Backend):
         self.token_bytes = TokenBytes(self.tokenizer)
         self.tool_format = detect(self.tokenizer)
         self.created = int(time.time())
-        config = settings.agent_config()
+        config = self.agent_config = settings.agent_config()
         self.programs = Programs(config, engine.reuser.store, EngineCosts(engine, config.reload_bytes_per_s))
         self.expirer = Expirer(self.programs)
+        self.conversations = Conversations(config.conversations)
         self.anchors = AnchorPool(config.anchors) if config.kvcomm else None
         engine.spans.offsets = self.anchors
         self.planner = Planner(engine.reuser, config.kvcomm, settings.kvcomm_recompute_ratio)
@@ -103,8 +105,8 @@ class Local(Backend):
 
     async def chat(self, call: Call, body: ChatCompletionRequest) -> Reply:
         messages = [m.for_template(i) for i, m in enumerate(body.messages)]
-        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        shown, tools = prepare(self.tool_format, messages, tools)
+        given = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        shown, tools = prepare(self.tool_format, messages, given)
         lark, incremental = constraint(body, self.tool_format)
         options = body.kvgate
         chat = Chat(
@@ -130,23 +132,26 @@ class Local(Backend):
             raise bad_request(str(exc), "messages", "invalid_messages") from exc
         except DocumentNotFound as exc:
             raise APIError(404, str(exc), f"documents.{exc.index}.id", "document_not_found") from exc
+        program = call.program or self.continued(call.tenant, given, messages)
         turn = None
-        if call.program is not None:
-            turn = self.programs.begin(call.program, call.tenant, messages, len(prompt))
+        if program is not None:
+            turn = self.programs.begin(program, call.tenant, messages, len(prompt))
         choices = self.choices([prompt], body, body.max_new_tokens, body.logprobs_k, plan, turn, grammar)
         names = frozenset(t.function.name for t in body.tools or ())
         calls = partial(CallStream, self.tool_format, names, incremental) if body.calls_tools else None
         head = response_head("chatcmpl", call.request_id, self.name)
         headers = {} if turn is None else {HEADER: turn.program, "x-kvgate-pin-ttl": f"{turn.pin_s:.3f}"}
-        ended = self.ender(call.tenant, turn)
+        ended = self.ender(call.tenant, turn, given, messages, calls)
         if body.stream:
             opening = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, **NONE} for c in choices]
             chunks = chat_chunks(self.token_bytes, body.logprobs, calls)
             return await self.streamed(body, choices, head | CHAT_CHUNK, len(prompt), opening, chunks, headers, ended)
         try:
             done = await collect(self.engine, choices)
-        finally:
-            await ended()
+        except BaseException:
+            await ended(None)
+            raise
+        await ended(done[0].text)
         counted = usage(len(prompt), sum(f.completion_tokens for f in done.values()), done[0].cached_tokens)
         payload = chat_answer(head, done, counted, self.token_bytes if body.logprobs else None, calls)
         return Reply(
@@ -201,11 +206,33 @@ class Local(Backend):
                 choices.append(Choice(index, ids, params, plan, keep))
         return choices
 
-    def ender(self, tenant: str, turn: Turn | None) -> Callable[[], Any]:
-        async def end() -> None:
-            """The turn is over (its context kept or not); off the event loop, as a lower tier may be remote."""
-            if turn is not None:
-                await asyncio.to_thread(self.programs.end, tenant, turn)
+    def continued(self, tenant: str, tools: list[dict[str, Any]] | None, messages: list[dict[str, Any]]) -> str | None:
+        """A program for a request that named none: the one whose answered turn its messages resend,
+        else a new one when a later request may resend this one's (it has tools, or a history)."""
+        if not self.agent_config.implicit_programs:
+            return None
+        found = self.conversations.find(tenant, tools, messages)
+        if found is None and (tools or any(m["role"] == "assistant" for m in messages)):
+            found = "conv-" + uuid.uuid4().hex
+        return found
+
+    def ender(
+        self,
+        tenant: str,
+        turn: Turn | None,
+        tools: list[dict[str, Any]] | None,
+        messages: list[dict[str, Any]],
+        calls: Callable[[], CallStream] | None,
+    ) -> Callable[[str | None], Awaitable[None]]:
+        async def end(text: str | None) -> None:
+            """The turn is over (its context kept or not; `text`: the first choice's answer, None when
+            it failed); off the event loop, as a lower tier may be remote."""
+            if turn is None:
+                return
+            await asyncio.to_thread(self.programs.end, tenant, turn)
+            if text is not None and turn.keep:
+                answer = message(calls(), text) if calls is not None else {"role": "assistant", "content": text}
+                self.conversations.remember(tenant, tools, messages, answer, turn.program)
 
         return end
 
@@ -218,7 +245,7 @@ class Local(Backend):
         opening: list[dict[str, Any]],
         render: Render,
         headers: dict[str, str] | None = None,
-        ended: Callable[[], Any] | None = None,
+        ended: Callable[[str | None], Awaitable[None]] | None = None,
     ) -> Reply:
         """SSE: the opening choice chunks, each output as `render` makes it into choice chunks, the
         usage chunk if asked for, and always [DONE]. The reply is made once the prompt is prefilled:
@@ -252,7 +279,7 @@ class Local(Backend):
                 if include_usage:
                     yield sse({**head, "choices": [], "usage": counted}).encode()
                 if ended is not None:
-                    await ended()
+                    await ended(whole.text)
                 reply.outcome = outcome(whole, counted)
             except Exception as exc:
                 yield sse_error(exc).encode()

@@ -69,6 +69,9 @@ class Settings(BaseSettings):
     agent_max_ttl_s: float = Field(300.0, ge=0.0)
     agent_memory_weight: float = Field(1.0, ge=0.0)  # seconds of compute one second of all memory is worth
     agent_tool_prior_s: float = Field(2.0, gt=0.0)  # median tool duration before any is observed
+    # Programs without markup: a request resending an answered turn's history continues its program.
+    agent_implicit_programs: bool = True
+    agent_conversations: int = Field(4096, ge=1)  # answered turns remembered for that, newest first
     # KVCOMM: a program's messages that another program read or wrote reuse that KV, offset by anchors.
     kvcomm: bool = True
     kvcomm_anchors: int = Field(32, ge=1)  # anchor pool size; a new anchor evicts the least used
@@ -166,7 +169,14 @@ class Settings(BaseSettings):
             self.kvcomm_anchors, self.kvcomm_anchor_bytes, self.kvcomm_max_distance, self.kvcomm_temperature
         )
         prior = Prior(median_s=self.agent_tool_prior_s)
-        return AgentConfig(pins=pins, prior=prior, kvcomm=self.kvcomm, anchors=anchors)
+        return AgentConfig(
+            pins=pins,
+            prior=prior,
+            kvcomm=self.kvcomm,
+            anchors=anchors,
+            implicit_programs=self.agent_implicit_programs,
+            conversations=self.agent_conversations,
+        )
 
     @property
     def keys_required(self) -> bool:
