@@ -72,6 +72,11 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
     ttft.add_argument("--ratios", default="", help="more blend ratios to time, percent, comma-separated")
     ttft.add_argument("--repeats", type=int, default=2, help="timings per mode and item; the fastest is kept")
 
+    grammar = kind("grammar", "constrained decoding: forced calls and json_schema answers checked, cost per step")
+    grammar.add_argument("--requests", type=int, default=1000, help="forced calls, and as many json_schema answers")
+    grammar.add_argument("--batch", type=int, default=16, help="requests decoding together")
+    grammar.add_argument("--tokens", type=int, default=48, help="tokens per sequence when timing steps")
+
     tiers = kind("tiers", "load bandwidth of each chunk cache tier, and TTFT of a blend from it")
     musique_args(tiers, limit=3, offset=0)
     tiers.add_argument("--ratio", type=float, default=15.0, help="blend recompute ratio, percent")
@@ -112,5 +117,5 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
     front.add_argument("--before", type=Path, help="a checkout of an earlier commit, measured beside this one")
     front.add_argument("--runs", type=int, default=5, help="starts of each front; the median is kept")
 
-    for each in (prefill, fidelity, ttft, tiers, semantic, agents, multiagent, gateway, front):
+    for each in (prefill, fidelity, ttft, grammar, tiers, semantic, agents, multiagent, gateway, front):
         each.add_argument("--output", type=Path, default=OUTPUT, help="the BENCHMARKS.md to write the section to")

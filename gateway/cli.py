@@ -91,7 +91,7 @@ def user_errors() -> tuple[type[Exception], ...]:
 def check_numbers(args: argparse.Namespace) -> None:
     from kvgate.bench.data import DataError
 
-    for name in ("docs", "limit", "repeats"):
+    for name in ("docs", "limit", "repeats", "requests", "batch", "tokens"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise DataError(f"--{name} must be at least 1")
@@ -138,6 +138,14 @@ def run_calibrate(args: argparse.Namespace, settings: Settings, command: str) ->
         args.report,
         command,
     )
+    return 0
+
+
+def run_grammar(args: argparse.Namespace, settings: Settings, command: str) -> int:
+    from kvgate.bench.grammar import bench_grammar
+
+    check_numbers(args)
+    print(bench_grammar(settings, args.requests, args.batch, args.tokens, args.output, command))
     return 0
 
 
@@ -274,6 +282,7 @@ COMMANDS: dict[str, Command] = {
     "convert": run_convert,
     "calibrate": run_calibrate,
     "bench prefill": run_prefill,
+    "bench grammar": run_grammar,
     "bench fidelity": run_fidelity,
     "bench ttft": run_ttft,
     "bench tiers": run_tiers,

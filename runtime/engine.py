@@ -94,6 +94,7 @@ class Engine:
         self.wake = threading.Event()
         self.stopped = False
         self.steps = 0
+        self.grammar_s = 0.0  # spent computing grammar masks (the benchmark weighs it against steps)
         self.thread = threading.Thread(target=self.loop, name="kvgate-engine", daemon=True)
         self.thread.start()
 
@@ -332,7 +333,9 @@ class Engine:
         held = [seq for seq in seqs if seq.matcher is not None]
         if not held:
             return {}
+        start = time.perf_counter()
         masks = self.grammars.masks([seq.matcher for seq in held], width)
+        self.grammar_s += time.perf_counter() - start
         return {seq.id: mask for seq, mask in zip(held, masks)}
 
     def sample(self, seq: Sequence, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> None:
@@ -340,13 +343,19 @@ class Engine:
         chosen = penalise(logits, params, seq.output_ids)
         if seq.matcher is not None:
             if allowed is None:
-                allowed = self.grammars.masks([seq.matcher], logits.shape[-1])[0]
+                allowed = self.allowed([seq], logits.shape[-1])[seq.id]
             if not bool(allowed.any()):
                 raise GrammarError(f"the grammar allows no token: {seq.matcher.get_error() or 'it is complete'}")
+            start = time.perf_counter()
             chosen = chosen.masked_fill(~allowed, float("-inf"))
+            self.grammar_s += time.perf_counter() - start
         token = choose(chosen, params, seq.generator)
-        if seq.matcher is not None and token not in seq.eos_ids and not seq.matcher.consume_token(token):
-            raise GrammarError(seq.matcher.get_error())
+        if seq.matcher is not None and token not in seq.eos_ids:
+            start = time.perf_counter()
+            consumed = seq.matcher.consume_token(token)
+            self.grammar_s += time.perf_counter() - start
+            if not consumed:
+                raise GrammarError(seq.matcher.get_error())
         logprob = logprob_of(logits, token, params.logprobs) if params.logprobs is not None else None
         seq.add(token, logprob, self.tokenizer)
         if seq.matcher is not None and seq.matcher.is_stopped() and seq.finish_reason is None:

@@ -125,6 +125,8 @@ def load(config: EngineConfig) -> LoadedModel:
         path, dtype=getattr(torch, config.dtype), attn_implementation="sdpa"
     ).to(config.device)
     model.eval()
+    if getattr(model.config, "head_dim", None) is None:  # Qwen2's config has none: its layers use hidden / heads
+        model.config.head_dim = model.model.layers[0].self_attn.head_dim
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(model, tokenizer, display_name(path), path, eos_ids(model, tokenizer))
 

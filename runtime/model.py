@@ -34,20 +34,34 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [heads, n, d], the last n positions of k, v: [kv_heads, T, d]. Causal."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+    """q: [heads, n, d], the last n positions of k, v: [kv_heads, T, d]. Causal; with a sliding
+    `window`, each query sees only its own position and the window - 1 before it."""
+    if window is not None:  # keys out of every query's window never reach the kernel
+        first = max(0, k.shape[1] - q.shape[1] - window + 1)
+        k, v = k[:, first:], v[:, first:]
     # A batch dimension matters: on CPU, 3-D inputs fall back to SDPA's slow math kernel.
     q, k, v = q[None], k[None], v[None]
     n, total = q.shape[2], k.shape[2]
-    if n == total:
+    if n == total and (window is None or n <= window):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     elif n == 1:
         out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
     else:
         rows = torch.arange(total - n, total, device=q.device)[:, None]
-        mask = torch.arange(total, device=q.device)[None, :] <= rows
+        cols = torch.arange(total, device=q.device)[None, :]
+        mask = cols <= rows
+        if window is not None:
+            mask &= cols > rows - window
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0]
+
+
+def window_of(layer: torch.nn.Module) -> int | None:
+    """A layer's sliding attention window, or None for full attention."""
+    attn = layer.self_attn
+    # Qwen2/3 set it per layer (None on their full-attention layers); Mistral's config holds one for all.
+    return attn.sliding_window if hasattr(attn, "sliding_window") else getattr(attn.config, "sliding_window", None)
 
 
 def project(layer: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -104,9 +118,10 @@ def forward(model: PreTrainedModel, runs: list[Run], every: bool = False) -> tor
     for i, layer in enumerate(inner.layers):
         q, k, v = project(layer, h, cos, sin)
         out = torch.empty_like(q)
+        scale, window = layer.self_attn.scaling, window_of(layer)
         for r, a, b in zip(runs, bounds, bounds[1:]):
             keys, values = r.kv.append(i, k[a:b].transpose(0, 1), v[a:b].transpose(0, 1))
-            out[a:b] = attend(q[a:b].transpose(0, 1), keys, values, layer.self_attn.scaling).transpose(0, 1)
+            out[a:b] = attend(q[a:b].transpose(0, 1), keys, values, scale, window).transpose(0, 1)
         h = finish_layer(layer, h, out)
 
     if every:
