@@ -4,8 +4,10 @@ lets it write (runtime/grammar.py), and how its text becomes OpenAI's tool calls
 
 from __future__ import annotations
 
+import copy
 import json
 import random
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -209,3 +211,31 @@ def test_conversations_find_the_answered_turn_a_request_resends_per_tenant_and_b
     turns.remember("t1", TOOLS, [{"role": "user", "content": "a"}], {"role": "assistant", "content": "b"}, "p2")
     turns.remember("t1", TOOLS, [{"role": "user", "content": "c"}], {"role": "assistant", "content": "d"}, "p3")
     assert len(turns) == 2 and turns.find("t1", TOOLS, then) is None  # the oldest went first
+
+
+TEMPLATES = Path(__file__).parent / "templates"
+
+
+@pytest.mark.parametrize(
+    ("template", "fmt"),
+    [("qwen2.5", HERMES), ("qwen3", HERMES), ("llama3.1", LLAMA3_JSON), ("mistral-nemo", KVGATE)],
+)
+def test_real_templates_render_tools_and_calls_as_the_model_writes_them(loaded, template, fmt):
+    """Qwen's templates write Hermes calls, Llama 3.1's bare JSON with "parameters"; a call rendered
+    back into the prompt is the very text constrained decoding makes the model write. Mistral's
+    template wants its own ids and [TOOL_CALLS] lists: kvgate renders its tools in its own format."""
+    tokenizer = copy.copy(loaded.tokenizer)
+    tokenizer.chat_template = (TEMPLATES / f"{template}.jinja").read_text()
+    assert detect(tokenizer) == fmt
+    call = {"id": "call12345", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}
+    messages = [
+        {"role": "user", "content": "Weather in Zürich?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call12345"},
+    ]
+    shown, tools = prepare(fmt, messages, TOOLS)
+    text = tokenizer.apply_chat_template(shown, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert "get_weather" in text and '"maxLength": 16' in text  # the tool's schema is shown
+    assert call_text(fmt, "get_weather", {"city": "Zürich"}).strip() in text
+    said = message(CallStream(fmt, NAMES, incremental=False), call_text(fmt, "get_weather", {"city": "Zürich"}))
+    assert said["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Zürich"}'}
