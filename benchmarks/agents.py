@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 
 from kvgate.bench.agent_workload import ProgramSpec, generate
@@ -24,6 +25,11 @@ from kvgate.runtime.loader import LoadedModel, load
 
 # (arrivals per second, KV memory MiB): an engine busy but keeping up, and one overloaded.
 SIMULATED = [(0.2, 192), (0.25, 128)]
+DRIVERS = {
+    "agents-sdk": "the OpenAI Agents SDK's tool loop (chat-completions model, tool_choice required, no kvgate "
+    "field: programs are found by their messages; the last turn is the last tool call's)",
+    "openai": "a hand-written loop on the openai SDK with kvgate's program header",
+}
 POLICIES = [(pins, queue) for pins in ("off", "fixed", "decide") for queue in ("fcfs", "program")]
 
 
@@ -79,12 +85,65 @@ async def program(
     run.jct.append(time.monotonic() - (start + spec.arrival_s))
 
 
-async def drive(url: str, model: str, specs: list[ProgramSpec], output_tokens: int) -> Run:
+async def framework_program(
+    client: openai.AsyncOpenAI, model: str, spec: ProgramSpec, output_tokens: int, start: float, run: Run
+) -> None:
+    """One agent as the OpenAI Agents SDK runs it (its chat-completions model, no kvgate field): the
+    model must call a tool every turn (the tiny model would not by itself), each call takes the
+    spec's next drawn duration, and the run ends when the spec's calls are done."""
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, ToolsToFinalOutputResult, function_tool
+
+    await asyncio.sleep(max(0.0, start + spec.arrival_s - time.monotonic()))
+    calls = list(spec.calls)
+
+    def tool(name: str) -> Any:
+        async def run_tool() -> str:
+            call = calls.pop(0)
+            await asyncio.sleep(call.duration_s)
+            return call.result
+
+        return function_tool(run_tool, name_override=name)
+
+    def done(*_: object) -> ToolsToFinalOutputResult:
+        return ToolsToFinalOutputResult(is_final_output=not calls, final_output="done" if not calls else None)
+
+    agent = Agent(
+        name=spec.id,
+        instructions=spec.system,
+        tools=[tool(name) for name in sorted({c.tool for c in spec.calls})],
+        model=OpenAIChatCompletionsModel(model, client),
+        model_settings=ModelSettings(
+            tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=max(output_tokens, 48)
+        ),
+        tool_use_behavior=done,
+        reset_tool_choice=False,
+    )
+    result = await Runner.run(agent, spec.task, max_turns=len(spec.calls) + 1)
+    for response in result.raw_responses:
+        run.turns += 1
+        run.prompt_tokens += response.usage.input_tokens
+        run.reused_tokens += response.usage.input_tokens_details.cached_tokens
+    run.jct.append(time.monotonic() - (start + spec.arrival_s))
+
+
+async def drive(url: str, model: str, specs: list[ProgramSpec], output_tokens: int, client_kind: str) -> Run:
     run = Run()
     tools = tool_schemas(specs)
-    async with openai.AsyncOpenAI(base_url=url, api_key="bench", max_retries=0, timeout=3600) as client:
+
+    async def pinned(response: httpx.Response) -> None:
+        run.pinned_turns += float(response.headers.get("x-kvgate-pin-ttl", 0)) > 0
+
+    http = httpx.AsyncClient(timeout=3600, event_hooks={"response": [pinned]} if client_kind == "agents-sdk" else {})
+    async with openai.AsyncOpenAI(base_url=url, api_key="bench", max_retries=0, http_client=http) as client:
         start = time.monotonic() + 0.5
-        await asyncio.gather(*(program(client, model, s, tools, output_tokens, start, run) for s in specs))
+        if client_kind == "agents-sdk":
+            from agents import set_tracing_disabled
+
+            set_tracing_disabled(True)
+            work = [framework_program(client, model, s, output_tokens, start, run) for s in specs]
+        else:
+            work = [program(client, model, s, tools, output_tokens, start, run) for s in specs]
+        await asyncio.gather(*work)
         run.makespan = time.monotonic() - start - specs[0].arrival_s
     return run
 
@@ -134,6 +193,7 @@ def bench_agents(
     sim_programs: int,
     output: Path,
     command: str,
+    client_kind: str = "agents-sdk",
 ) -> dict[tuple[str, str], Run]:
     specs = generate(programs, rate_per_s, seed=seed, text_source=passages(data))
     loaded: LoadedModel = load(base.engine_config())
@@ -152,11 +212,11 @@ def bench_agents(
             }
         )
         with gateway(settings, loaded) as (url, model):
-            runs[(pins, queue)] = asyncio.run(drive(url, model, specs, output_tokens))
+            runs[(pins, queue)] = asyncio.run(drive(url, model, specs, output_tokens, client_kind))
         print(f"{pins} + {queue}: mean JCT {statistics.mean(runs[(pins, queue)].jct):.1f} s", flush=True)
     turns = sum(s.turns for s in specs)
     body = (
-        f"{programs} programs ({turns} turns), Poisson arrivals at {rate_per_s}/s, "
+        f"{programs} programs ({turns} turns), Poisson arrivals at {rate_per_s}/s, driven by {DRIVERS[client_kind]}, "
         f"{output_tokens} output tokens a turn, "
         f"KV memory {memory_mb} MiB (LRU, no disk tier), fixed TTL {fixed_ttl_s} s. Tool durations lognormal per tool "
         f"(benchmarks/agent_workload.py). JCT: a program's last answer minus its arrival.\n\n"

@@ -99,6 +99,13 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
     agents.add_argument("--output-tokens", type=int, default=16, help="tokens each turn generates")
     agents.add_argument("--seed", type=int, default=0)
     agents.add_argument(
+        "--client",
+        choices=["agents-sdk", "openai"],
+        default="agents-sdk",
+        help="what drives each program's tool loop: the OpenAI Agents SDK (no kvgate field), or the openai SDK "
+        "with kvgate's program header",
+    )
+    agents.add_argument(
         "--data", type=Path, default=MUSIQUE, help="MuSiQue jsonl: the text of prompts and tool results"
     )
     agents.add_argument("--sim-programs", type=int, default=300, help="programs in the simulator (0: no simulation)")

@@ -235,6 +235,7 @@ def run_agents(args: argparse.Namespace, settings: Settings, command: str) -> in
         args.sim_programs,
         args.output,
         command,
+        args.client,
     )
     return 0
 
