@@ -81,6 +81,8 @@ class Local(Backend):
         return model == self.name or self.embeddings.serves(model)
 
     def identity(self, model: str) -> dict[str, str]:
+        if model != self.name:  # the embedding model: no chat answer, cached or not
+            raise APIError(400, f"`{model}` is an embedding model; use /v1/embeddings", "model", "invalid_model")
         return {"model": self.name, "weights": self.engine.model_fp}
 
     def queued(self) -> int:

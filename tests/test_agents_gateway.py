@@ -84,7 +84,9 @@ def test_the_program_id_may_come_in_the_body(url: str) -> None:
     first = [{"role": "user", "content": "Count the tests."}]
     raw = turn(url, first, None, extra_body={"kvgate": {"program_id": "from-body"}})
     assert raw.headers["x-kvgate-program-id"] == "from-body"
-    raw = turn(url, first, None)
+    raw = turn(url, first, None)  # with tools but no id: a program of its own a later turn may continue
+    assert raw.headers["x-kvgate-program-id"].startswith("conv-")
+    raw = turn(url, first, None, tools=None)  # neither tools nor a history: nothing will continue it
     assert "x-kvgate-program-id" not in raw.headers
 
 
