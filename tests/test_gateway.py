@@ -132,7 +132,8 @@ def test_eight_concurrent_requests_equal_serial(client, model_name) -> None:
 
 
 def test_models_health_and_request_id(base_url, client, model_name) -> None:
-    assert [m.id for m in client.models.list().data] == [model_name, "all-MiniLM-L6-v2"]  # the LLM first, then the embedding model
+    # The LLM first, then the embedding model /v1/embeddings serves.
+    assert [m.id for m in client.models.list().data] == [model_name, "all-MiniLM-L6-v2"]
     assert client.models.retrieve(model_name).id == model_name
     health = httpx.get(f"{base_url}/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
