@@ -14,12 +14,13 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvgate.gateway import admin, errors, routes
+from kvgate.gateway import admin, errors, responses, routes
 from kvgate.gateway.backend import Backend
 from kvgate.gateway.errors import APIError, internal
 from kvgate.gateway.keys import Keys, authenticate
 from kvgate.gateway.limits import limiter as make_limiter
 from kvgate.gateway.metrics import CONTENT_TYPE, Metrics, Observe, merged
+from kvgate.gateway.responses_store import ResponseStore
 from kvgate.gateway.settings import Settings
 
 log = logging.getLogger("kvgate")
@@ -142,8 +143,10 @@ def create_app(settings: Settings, backend: Backend) -> FastAPI:
     app = FastAPI(title="kvgate", version="0.1.0", lifespan=lifespan)
     app.state.settings, app.state.metrics, app.state.keys, app.state.limiter = settings, metrics, keys, limiter
     app.state.backend, app.state.semantic = backend, semantic
+    app.state.responses = ResponseStore()  # /v1/responses kept for previous_response_id
     errors.install(app)
     app.include_router(routes.router, dependencies=[Depends(authenticate)])
+    app.include_router(responses.router, dependencies=[Depends(authenticate)])
     app.include_router(admin.router)
     app.include_router(admin.keys_router)
     described = app.openapi

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -16,12 +17,13 @@ from pydantic.json_schema import models_json_schema
 from starlette.types import Receive, Scope, Send
 
 from kvgate.gateway import semantic
-from kvgate.gateway.backend import Backend, Call, Outcome, Reply
+from kvgate.gateway.backend import Backend, Call, Reply
 from kvgate.gateway.errors import APIError, bad_request, from_validation
 from kvgate.gateway.keys import allow_model, spend
 from kvgate.gateway.programs import program_of
 from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest, DocumentRequest
 from kvgate.gateway.render import SSE_HEADERS
+from kvgate.gateway.responses_protocol import ResponsesRequest
 
 router = APIRouter()
 
@@ -92,6 +94,7 @@ BODIES = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
     "/v1/documents": DocumentRequest,
+    "/v1/responses": ResponsesRequest,
 }
 
 
@@ -141,49 +144,97 @@ async def answer(request: Request, path: str, kind: type[BaseModel] | None) -> R
     body = read(raw, model=True)
     parsed = validated(kind, body, strict=backend.validates)
     model: str = body["model"]
+    check_model(request, model)
+    options = body.get("kvgate") if isinstance(body.get("kvgate"), dict) else {}
+    program = program_of(request, options.get("program_id"))
+    call = Call(path, body, raw, model, request.state.tenant, request.state.request_id, program, parsed)
+    return await passed_on(request, await generate(request, call))
+
+
+def check_model(request: Request, model: str) -> None:
+    """The key may use `model` (403) and it is served here (404)."""
+    backend: Backend = request.app.state.backend
     allow_model(request, model)
     if not backend.serves(model):
         raise not_served(backend, model)
-    options = body.get("kvgate") if isinstance(body.get("kvgate"), dict) else {}
-    program = program_of(request, options.get("program_id"))
+
+
+@dataclass
+class Generated:
+    """A call's answer: the backend's reply, or the semantic cache's (`hit`: nothing was generated,
+    nothing is counted or kept)."""
+
+    call: Call
+    cached: semantic.Consult
+    reply: Reply
+    hit: bool = False
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return self.reply.headers | self.cached.headers
+
+
+async def generate(request: Request, call: Call) -> Generated:
+    """The semantic cache in front of the backend: a hit replayed, else the backend's reply."""
+    backend: Backend = request.app.state.backend
     cached = semantic.Consult(headers={"x-kvgate-cache": "bypass"})
-    if isinstance(parsed, ChatCompletionRequest):
+    if isinstance(call.parsed, ChatCompletionRequest):
         queued = backend.queued()
-        cached = await semantic.consult(request, request.app.state.semantic, backend.identity(model), queued, parsed)
+        identity = backend.identity(call.model)
+        cached = await semantic.consult(request, request.app.state.semantic, identity, queued, call.parsed)
         if cached.status == "hit":
-            return semantic.replay(cached, parsed, model, request.state.request_id)
-    tenant, request_id = request.state.tenant, request.state.request_id
-    call = Call(path, body, raw, model, tenant, request_id, program, parsed, keep=cached.store)
+            replayed = semantic.replay(cached, call.parsed, call.model, call.request_id)
+            return Generated(call, cached, as_reply(replayed), hit=True)
+    call.keep = cached.store
     reply = await unless_gone(request, backend.generate(call))
-    headers = reply.headers | cached.headers
-    if reply.events is None:
-        await settle(request, model, cached, reply.outcome)
-        return Response(reply.content, reply.status, headers=headers)
-    return Relayed(relay(request, model, cached, reply), reply, headers=SSE_HEADERS | headers)
+    return Generated(call, cached, reply)
 
 
-async def relay(request: Request, model: str, cached: semantic.Consult, reply: Reply) -> AsyncIterator[bytes]:
+def as_reply(response: Response) -> Reply:
+    """A replayed hit as a backend's reply: its JSON, or its SSE events."""
+    if not isinstance(response, StreamingResponse):
+        return Reply(response.status_code, {"content-type": "application/json"}, content=bytes(response.body))
+
+    async def events() -> AsyncIterator[bytes]:
+        async for event in response.body_iterator:
+            yield event if isinstance(event, bytes) else str(event).encode()
+
+    return Reply(events=events())
+
+
+async def passed_on(request: Request, got: Generated) -> Response:
+    """The answer as it came: whole (counted and kept first), or relayed event by event."""
+    if got.reply.events is None:
+        await settle(request, got)
+        return Response(got.reply.content, got.reply.status, headers=got.headers)
+    return Relayed(relay(request, got), got.reply, headers=SSE_HEADERS | got.headers)
+
+
+async def relay(request: Request, got: Generated) -> AsyncIterator[bytes]:
     """A stream passed on event by event; counted and kept before its [DONE] goes out."""
-    assert reply.events is not None
+    assert got.reply.events is not None
     settled = False
-    async for event in reply.events:
+    async for event in got.reply.events:
         if event.startswith(b"data: [DONE]") and not settled:
             settled = True
-            await settle(request, model, cached, reply.outcome)
+            await settle(request, got)
         yield event
     if not settled:
-        await settle(request, model, cached, reply.outcome)
+        await settle(request, got)
 
 
-async def settle(request: Request, model: str, cached: semantic.Consult, outcome: Outcome) -> None:
+async def settle(request: Request, got: Generated) -> None:
     """A finished answer in the metrics, its tokens against the key's limit, and kept in the
     semantic cache when it ended as it should."""
+    if got.hit:
+        return
+    outcome = got.reply.outcome
     metrics = request.app.state.metrics
-    metrics.usage(model, outcome.usage)
+    metrics.usage(got.call.model, outcome.usage)
     metrics.reuse(outcome.reuse, outcome.reused_tokens, outcome.recomputed_tokens)
     await spend(request, outcome.usage.get("total_tokens") or 0)
     if outcome.done:
-        await semantic.keep(request.app.state.semantic, cached, outcome)
+        await semantic.keep(request.app.state.semantic, got.cached, outcome)
 
 
 class Relayed(StreamingResponse):

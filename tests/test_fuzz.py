@@ -141,14 +141,17 @@ def bound_generation(case: Case) -> None:
     body = case.body
     if not isinstance(body, dict):
         return
-    for field in ("max_tokens", "max_completion_tokens"):
+    for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         try:
             number = float(body[field])  # pydantic reads 9000.0 and "9000" as 9000 too
         except (KeyError, TypeError, ValueError):
             continue
         if not number <= MAX_TOKENS:
             body[field] = MAX_TOKENS
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+    if case.path.endswith("/responses"):
+        if body.get("max_output_tokens") is None:
+            body["max_output_tokens"] = MAX_TOKENS
+    elif body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = MAX_TOKENS
 
 
