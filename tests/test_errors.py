@@ -117,8 +117,11 @@ def test_seed_range_and_tiny_temperature(base_url, model_name) -> None:
     assert tiny.json()["choices"][0]["message"] == greedy.json()["choices"][0]["message"]
 
 
-def test_tool_call_arguments_must_be_json(base_url, model_name) -> None:
-    def call(arguments: str) -> dict:
+def test_tool_call_arguments_are_json_text_or_an_object(base_url, model_name) -> None:
+    """Text that is not JSON (an answer cut short, sent back by a framework) is rendered as the text it
+    is, as OpenAI takes it; anything but text or an object is a 400."""
+
+    def call(arguments: object) -> dict:
         tool_call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": arguments}}
         messages = [
             {"role": "user", "content": "Weather in Paris?"},
@@ -128,7 +131,8 @@ def test_tool_call_arguments_must_be_json(base_url, model_name) -> None:
         return chat(model_name, messages=messages)
 
     assert post(base_url, "/v1/chat/completions", json=call('{"city": "Paris"}')).status_code == 200
-    error = error_of(post(base_url, "/v1/chat/completions", json=call('{"city": Paris}')), 400)
+    assert post(base_url, "/v1/chat/completions", json=call('{"city": "Par')).status_code == 200
+    error = error_of(post(base_url, "/v1/chat/completions", json=call(["Paris"])), 400)
     assert error["param"] == "messages.1.tool_calls.0.function.arguments"
 
 
