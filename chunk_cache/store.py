@@ -110,10 +110,16 @@ class ChunkStore:
         for what comes next); with no tier below, it only loses its pin."""
         if len(self.tiers) == 1:
             return self.tiers[0].unpin(key)
-        entry = self.tiers[0].take(key)
-        if entry is not None:
-            self._enqueue(entry, 1)
-        return entry is not None
+        entry = self.tiers[0].get(key)
+        if entry is None:
+            return False
+        # Below first, then out of memory: a reader in between finds it in one tier or the other.
+        with self._writing:
+            if key not in self._deleted:
+                for tier in self.tiers[1:]:
+                    if key not in tier:
+                        tier.put(entry)
+        return self.tiers[0].take(key) is not None
 
     def flush(self) -> None:
         """Wait until every write queued so far has reached its tiers."""

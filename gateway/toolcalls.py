@@ -45,6 +45,7 @@ class CallStream:
     inside: bool = False  # within an open call
     current: Call | None = None  # the call being streamed (incremental)
     calls: list[Call] = field(default_factory=list)
+    space: str = ""  # whitespace after a call, held until more than whitespace follows
 
     def __post_init__(self) -> None:
         self.tag = self.fmt.open.strip()
@@ -64,10 +65,10 @@ class CallStream:
                 at = self.buffer.find(self.tag)
                 if at < 0:
                     keep = partial_suffix(self.buffer, self.tag)
-                    out += content(self.buffer[: len(self.buffer) - keep])
+                    out += self.say(self.buffer[: len(self.buffer) - keep])
                     self.buffer = self.buffer[len(self.buffer) - keep :]
                     return out
-                out += content(self.buffer[:at])
+                out += self.say(self.buffer[:at])
                 self.buffer, self.inside = self.buffer[at + len(self.tag) :], True
             closed = self.buffer.find(self.end_tag)
             if self.incremental:
@@ -112,6 +113,17 @@ class CallStream:
         opened = self.open_call(str(parsed["name"]))
         return [opened, write(self.calls[-1], json.dumps(args, ensure_ascii=False))]
 
+    def say(self, text: str) -> list[Delta]:
+        """Text outside calls; once a call is out, only text with more than whitespace (the
+        separator between calls is not the answer's content)."""
+        if not self.calls:
+            return content(text)
+        self.space += text
+        if not self.space.strip():
+            return []
+        text, self.space = self.space, ""
+        return content(text)
+
     def open_call(self, name: str) -> Delta:
         self.current = Call(len(self.calls), call_id(), name)
         self.calls.append(self.current)
@@ -124,10 +136,16 @@ class CallStream:
         if not self.tag:
             return self.untagged(rest)
         if not self.inside:
-            return content(rest)
+            return self.say(rest)
         if self.current is not None:  # cut short while writing its arguments: they stay cut
-            return [write(self.current, rest)] if rest else []
-        return content(self.tag + rest)
+            rest = rest[: len(rest) - partial_suffix(rest, "}" + self.fmt.close.rstrip(), whole=True)]
+            return (
+                [write(self.current, rest[len(self.current.arguments) :])]
+                if len(rest) > len(self.current.arguments)
+                else []
+            )
+        # A call cut before its name: nothing to call. Held to a grammar it was never text; otherwise it was.
+        return [] if self.incremental else content(self.tag + rest)
 
     def untagged(self, text: str) -> list[Delta]:
         """A format whose calls are bare JSON (Llama 3.1): the answer is calls only, or text."""
@@ -157,9 +175,10 @@ def write(call: Call, fragment: str) -> Delta:
     return {"tool_calls": [{"index": call.index, "function": {"arguments": fragment}}]}
 
 
-def partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag` (it may be a tag starting)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+def partial_suffix(text: str, tag: str, whole: bool = False) -> int:
+    """The length of the longest end of `text` that begins `tag` (it may be a tag starting);
+    `whole`: the tag itself counts too."""
+    for n in range(min(len(tag) - (not whole), len(text)), 0, -1):
         if tag.startswith(text[-n:]):
             return n
     return 0

@@ -235,6 +235,33 @@ def test_demote_moves_an_entry_from_memory_to_the_tier_below(tmp_path) -> None:
         store.close()
 
 
+class SlowDisk(DiskTier):
+    """A disk whose background writes wait for `go` (a real disk may be this slow; a test cannot wait
+    for one to be): the one fake here, to hold the write-behind queue still."""
+
+    go = threading.Event()
+
+    def put(self, entry: ChunkKV) -> bool:
+        if threading.current_thread().name == "kvgate-chunk-write":
+            self.go.wait(10)
+        return super().put(entry)
+
+
+def test_demote_leaves_memory_only_once_the_tier_below_holds_the_entry(tmp_path) -> None:
+    """Its pin over before the write-behind reached disk: a reader in between still finds it."""
+    clock = Clock()
+    memory, disk = MemoryTier(budget_bytes=1 << 20, clock=clock), SlowDisk(tmp_path, budget_bytes=1 << 20)
+    store = ChunkStore([memory, disk])
+    try:
+        assert store.put(chunk("agent-context"), until=clock.now + 5)
+        assert store.demote("agent-context")  # the queued write has not landed
+        assert "agent-context" not in memory and "agent-context" in disk
+        assert store.get("agent-context") is not None
+    finally:
+        SlowDisk.go.set()
+        store.close()
+
+
 def test_demote_with_no_tier_below_only_unpins() -> None:
     clock = Clock()
     store = ChunkStore([MemoryTier(budget_bytes=1 << 20, clock=clock)])

@@ -94,9 +94,22 @@ def test_bad_json_an_unknown_function_or_an_unclosed_call_is_plain_text():
         assert said == {"role": "assistant", "content": text}
 
 
-def test_a_call_cut_short_keeps_its_cut_arguments_as_openai_does():
-    said = message(CallStream(KVGATE, NAMES, incremental=True), '<tool_call>\n{"name": "noop", "arguments": {"a": "b')
-    assert said["tool_calls"][0]["function"]["arguments"] == '{"a": "b'
+@pytest.mark.parametrize(
+    ("text", "arguments"),
+    [
+        ('{"a": "b', '{"a": "b'),  # cut inside its arguments: they stay cut, as OpenAI's do
+        ('{"a": "b"}}\n</tool_', '{"a": "b"}'),  # cut inside the closing markup: none of it leaks
+        ('{"a": "b"}}\n</tool_call>\n<tool_call>\n{"name": "no', '{"a": "b"}'),  # a second call cut before its name
+    ],
+)
+def test_a_call_cut_short_keeps_what_the_model_wrote_and_nothing_else(text, arguments):
+    opened = '<tool_call>\n{"name": "noop", "arguments": '
+    rng = random.Random(5)
+    for split in (False, True):
+        stream = CallStream(KVGATE, NAMES, incremental=True)
+        deltas = deltas_of(stream, opened + text, rng) if split else stream.feed(opened + text) + stream.end()
+        content, calls = joined(deltas)
+        assert content == "" and [c["arguments"] for c in calls.values()] == [arguments]
 
 
 def test_llama3_json_calls_are_bare_json_with_parameters():
