@@ -76,6 +76,7 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
     grammar.add_argument("--requests", type=int, default=1000, help="forced calls, and as many json_schema answers")
     grammar.add_argument("--batch", type=int, default=16, help="requests decoding together")
     grammar.add_argument("--tokens", type=int, default=48, help="tokens per sequence when timing steps")
+    grammar.add_argument("--max-tokens", type=int, default=160, help="max_tokens of each checked request")
 
     tiers = kind("tiers", "load bandwidth of each chunk cache tier, and TTFT of a blend from it")
     musique_args(tiers, limit=3, offset=0)

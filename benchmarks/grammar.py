@@ -61,14 +61,16 @@ def schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
     }
 
 
-def request(i: int, rng: random.Random, model: str, mode: str) -> tuple[ChatCompletionRequest, dict[str, Any]]:
+def request(
+    i: int, rng: random.Random, model: str, mode: str, max_tokens: int
+) -> tuple[ChatCompletionRequest, dict[str, Any]]:
     shape = schema(rng)
     body: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": f"Task {i}: fill in the {mode} for a made-up record."}],
         "temperature": 1.0,
         "seed": i,
-        "max_tokens": 160,
+        "max_tokens": max_tokens,
     }
     if mode == "call":
         tool = {"type": "function", "function": {"name": f"record_{i % 7}", "parameters": shape}}
@@ -97,11 +99,11 @@ def judge(answer: dict[str, Any], shape: dict[str, Any], mode: str) -> str:
     return "valid"
 
 
-async def forced(local: Local, total: int, batch: int, mode: str, seed: int) -> Counter[str]:
+async def forced(local: Local, total: int, batch: int, mode: str, seed: int, max_tokens: int) -> Counter[str]:
     rng = random.Random(seed)
     outcomes: Counter[str] = Counter()
     for start in range(0, total, batch):
-        work = [request(i, rng, local.name, mode) for i in range(start, min(start + batch, total))]
+        work = [request(i, rng, local.name, mode, max_tokens) for i in range(start, min(start + batch, total))]
 
         async def one(body: ChatCompletionRequest, shape: dict[str, Any]) -> str:
             call = Call("/v1/chat/completions", {}, b"", local.name, "bench", uuid.uuid4().hex, None, body)
@@ -132,12 +134,14 @@ async def step_cost(local: Local, batch: int, tokens: int, constrained: bool) ->
     return (time.perf_counter() - start) / n, (engine.grammar_s - spent) / n, n
 
 
-def bench_grammar(settings: Settings, total: int, batch: int, tokens: int, output: Path, command: str) -> str:
+def bench_grammar(
+    settings: Settings, total: int, batch: int, tokens: int, max_tokens: int, output: Path, command: str
+) -> str:
     engine = Engine(settings.engine_config())
     local = Local(settings, engine)
     try:
-        calls = asyncio.run(forced(local, total, batch, "call", seed=1))
-        answers = asyncio.run(forced(local, total, batch, "json_schema", seed=2))
+        calls = asyncio.run(forced(local, total, batch, "call", 1, max_tokens))
+        answers = asyncio.run(forced(local, total, batch, "json_schema", 2, max_tokens))
         plain, _, plain_steps = asyncio.run(step_cost(local, batch, tokens, constrained=False))
         held, grammar, held_steps = asyncio.run(step_cost(local, batch, tokens, constrained=True))
     finally:
@@ -151,7 +155,8 @@ def bench_grammar(settings: Settings, total: int, batch: int, tokens: int, outpu
     body = "\n\n".join(
         [
             "Varied schemas (nested objects, enums, bounds, patterns, anyOf, arrays), temperature 1, "
-            "max_tokens 160; answers checked with jsonschema. `cut`: stopped by max_tokens before the JSON closed.",
+            f"max_tokens {max_tokens}; answers checked with jsonschema. "
+            "`cut`: stopped by max_tokens before the JSON closed.",
             table(["what", "requests", *kinds], rows),
             f"Decode steps at batch {batch}, {tokens} tokens each (ignore_eos), same run: "
             f"unconstrained {1000 * plain:.1f} ms/step ({plain_steps} steps); with a json_schema grammar "

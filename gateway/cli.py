@@ -91,7 +91,7 @@ def user_errors() -> tuple[type[Exception], ...]:
 def check_numbers(args: argparse.Namespace) -> None:
     from kvgate.bench.data import DataError
 
-    for name in ("docs", "limit", "repeats", "requests", "batch", "tokens"):
+    for name in ("docs", "limit", "repeats", "requests", "batch", "tokens", "max_tokens"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise DataError(f"--{name} must be at least 1")
@@ -145,7 +145,7 @@ def run_grammar(args: argparse.Namespace, settings: Settings, command: str) -> i
     from kvgate.bench.grammar import bench_grammar
 
     check_numbers(args)
-    print(bench_grammar(settings, args.requests, args.batch, args.tokens, args.output, command))
+    print(bench_grammar(settings, args.requests, args.batch, args.tokens, args.max_tokens, args.output, command))
     return 0
 
 

@@ -90,6 +90,19 @@ def test_bench_prefill_writes_its_table(tmp_path: Path) -> None:
     assert len(rows) == 2 and all(float(row.split("|")[2]) > 0 for row in rows)
 
 
+def test_bench_grammar_checks_every_answer_and_weighs_the_grammar(tmp_path: Path) -> None:
+    out = tmp_path / "BENCHMARKS.md"
+    sizes = ["--requests", "4", "--batch", "4", "--tokens", "4", "--max-tokens", "24"]
+    cmd = [KVGATE, "bench", "grammar", *sizes, "--output", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    text = out.read_text()
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in text.splitlines() if line.startswith("| ")}
+    for what in ("forced tool calls", "response_format json_schema"):
+        requests, valid, invalid, cut, missed = (int(x) for x in rows[what])
+        assert requests == 4 == valid + invalid + cut + missed and invalid == 0
+    assert "% of the step" in text
+
+
 MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_rag_dev.jsonl"
 GSM8K = MUSIQUE.with_name("gsm8k_dev.jsonl")
 
@@ -229,6 +242,7 @@ def test_settings_come_from_defaults_file_environment_and_flags_in_that_order(tm
 BENCH_RUNS = [  # argv, the module its runner must import, the function it calls, what that returns
     (["calibrate", "--ratios", "0,20"], "calibrate", "calibrate", None),
     (["bench", "prefill", "--lengths", "32,64"], "prefill", "bench_prefill", None),
+    (["bench", "grammar", "--requests", "4"], "grammar", "bench_grammar", ""),
     (["bench", "fidelity", "--ratios", "0,50"], "fidelity", "bench_fidelity", None),
     (["bench", "ttft", "--ratio", "20", "--ratios", "10"], "ttft", "bench_ttft", None),
     (["bench", "tiers"], "tiers", "bench_tiers", None),
