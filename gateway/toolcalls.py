@@ -20,6 +20,7 @@ from kvgate.runtime.grammar import ANY_OBJECT, NO_ARGUMENTS, Calls, calls_gramma
 from kvgate.runtime.tools import ToolFormat
 
 Delta = dict[str, Any]
+DECODER = json.JSONDecoder()
 
 
 def call_id() -> str:
@@ -70,26 +71,38 @@ class CallStream:
                     return out
                 out += self.say(self.buffer[:at])
                 self.buffer, self.inside = self.buffer[at + len(self.tag) :], True
-            closed = self.buffer.find(self.end_tag)
             if self.incremental:
                 out += self.stream_call()
-            elif closed >= 0:
-                out += self.whole_call(self.buffer[:closed])
+                closed = self.closing()  # the call's head may have been taken off
+            else:
+                closed = self.buffer.find(self.end_tag)
+                if closed >= 0:
+                    out += self.whole_call(self.buffer[:closed])
             if closed < 0:
                 return out
-            closed = self.buffer.find(self.end_tag)  # the call's head may have been taken off
             self.buffer, self.inside, self.current = self.buffer[closed + len(self.end_tag) :], False, None
+
+    def closing(self) -> int:
+        """Where the open call's end tag is: for a call being streamed, the first one after its
+        arguments' JSON (an argument string may hold the tag's text)."""
+        if self.current is None:
+            return self.buffer.find(self.end_tag)
+        try:
+            _, end = DECODER.raw_decode(self.buffer)
+        except json.JSONDecodeError:
+            return -1
+        return self.buffer.find(self.end_tag, end)
 
     def stream_call(self) -> list[Delta]:
         out: list[Delta] = []
-        closed = self.buffer.find(self.end_tag)
+        closed = self.closing()
         if self.current is None:
             head = self.head.match(self.buffer)
             if head is None:
                 return self.whole_call(self.buffer[:closed]) if closed >= 0 else []
             out.append(self.open_call(json.loads(f'"{head.group(1)}"')))
             self.buffer = self.buffer[head.end() :]
-            closed = self.buffer.find(self.end_tag)
+            closed = self.closing()
         call = self.current
         assert call is not None
         if closed >= 0:

@@ -77,6 +77,15 @@ def test_a_stream_split_anywhere_gives_the_whole_answers_calls(incremental):
         assert first["id"].startswith("call_") and first["function"] == {"name": "get_weather", "arguments": ""}
 
 
+def test_a_held_call_ends_after_its_arguments_even_when_a_string_holds_the_end_tag():
+    text = '<tool_call>\n{"name": "noop", "arguments": {"a": "</tool_call>"}}\n</tool_call>'
+    for split in (False, True):
+        stream = CallStream(KVGATE, NAMES, incremental=True)
+        deltas = deltas_of(stream, text, random.Random(2)) if split else stream.feed(text) + stream.end()
+        content, calls = joined(deltas)
+        assert content == "" and [c["arguments"] for c in calls.values()] == ['{"a": "</tool_call>"}']
+
+
 def test_incremental_arguments_stream_before_the_call_closes():
     stream = CallStream(KVGATE, NAMES, incremental=True)
     early = stream.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 30, "x": 1')
