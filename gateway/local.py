@@ -81,9 +81,13 @@ class Local(Backend):
         return model == self.name or self.embeddings.serves(model)
 
     def identity(self, model: str) -> dict[str, str]:
-        if model != self.name:  # the embedding model: no chat answer, cached or not
-            raise APIError(400, f"`{model}` is an embedding model; use /v1/embeddings", "model", "invalid_model")
+        self.generates(model)  # the embedding model has no chat answer, cached or not
         return {"model": self.name, "weights": self.engine.model_fp}
+
+    def generates(self, model: str) -> None:
+        """400 unless `model` is the one that generates (not the embedding model beside it)."""
+        if model != self.name:
+            raise APIError(400, f"`{model}` is an embedding model; use /v1/embeddings", "model", "invalid_model")
 
     def queued(self) -> int:
         return self.engine.load_stats["waiting"]
@@ -95,8 +99,8 @@ class Local(Backend):
     # ---- completions ---------------------------------------------------------------------
 
     async def generate(self, call: Call) -> Reply:
-        if call.path != "/v1/embeddings" and call.model != self.name:
-            raise APIError(400, f"`{call.model}` is an embedding model; use /v1/embeddings", "model", "invalid_model")
+        if call.path != "/v1/embeddings":
+            self.generates(call.model)
         if isinstance(call.parsed, ChatCompletionRequest):
             return await self.chat(call, call.parsed)
         if isinstance(call.parsed, CompletionRequest):
