@@ -98,6 +98,19 @@ class Settings(BaseSettings):
     proxy_read_timeout_s: float = Field(300.0, gt=0.0)
     spill_at: int = Field(4, ge=1)  # requests in flight at the preferred worker from which one spills over
     log_level: str = "info"
+    # ---- admission: bounds on what callers can queue (over them: 400, 429 or 503 with Retry-After)
+    max_request_seqs: int = Field(128, ge=1)  # sequences one request may ask for: prompts x n (x best_of)
+    max_waiting_seqs: int = Field(1024, ge=1)  # sequences waiting or running on this server, all tenants
+    max_waiting_seqs_per_tenant: int = Field(256, ge=1)  # and of one tenant
+    # ---- memory a caller can grow
+    semantic_scopes: int = Field(64, ge=1)  # semantic-cache scope indexes held in memory (LRU; rebuilt lazily)
+    proxy_max_response_bytes: int = Field(64 << 20, ge=1024)  # a buffered (non-streamed) upstream answer
+    # ---- who is believed, what is public
+    trusted_proxies: list[str] = Field(default_factory=list)  # IPs/CIDRs whose X-Forwarded-For is believed
+    metrics_access: Literal["public", "admin", "off"] = "public"  # /metrics: anyone, the admin key, nobody
+    openapi_docs: bool = True  # /openapi.json and /docs
+    # ---- operations
+    shutdown_grace_s: float = Field(30.0, ge=0.0)  # SIGTERM: in-flight requests may finish for this long
 
     @classmethod
     def load(cls, config_file: str | Path | None = None, **overrides: Any) -> Settings:

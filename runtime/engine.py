@@ -130,11 +130,12 @@ class Engine:
         callback: Callback,
         plan: Plan | None = None,
         turn: Turn | None = None,
+        tenant: str = "",
     ) -> int:
         self.check(len(prompt_ids), params.max_tokens)
         kv = KVCache(*self.kv_shape, self.model.dtype, self.config.device, self.max_model_len)
         eos = self.loaded.eos_token_ids
-        seq = Sequence(list(prompt_ids), params, kv, eos, self.max_model_len, plan=plan, turn=turn)
+        seq = Sequence(list(prompt_ids), params, kv, eos, self.max_model_len, plan=plan, turn=turn, tenant=tenant)
         if params.grammar is not None:
             seq.matcher = self.grammars.matcher(params.grammar)
         with self.lock:
@@ -156,7 +157,12 @@ class Engine:
         return future
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, plan: Plan | None = None, turn: Turn | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        plan: Plan | None = None,
+        turn: Turn | None = None,
+        tenant: str = "",
     ) -> AsyncIterator[Output]:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[Output | BaseException] = asyncio.Queue()
@@ -164,7 +170,7 @@ class Engine:
         def put(item: Output | BaseException) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, item)
 
-        seq_id = self.submit(prompt_ids, params, put, plan, turn)
+        seq_id = self.submit(prompt_ids, params, put, plan, turn, tenant)
         done = False
         try:
             while not done:

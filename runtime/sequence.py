@@ -73,6 +73,7 @@ class Sequence:
     generator: torch.Generator | None = None
     plan: Plan | None = None
     turn: Turn | None = None
+    tenant: str = ""  # whose: the scheduler shares its queue fairly between tenants
     planned: bool = False  # the plan's (or the turn's) reuse has run
     shared: Shared | None = None  # a span prefill whose lessons wait for the prompt's KV to complete
     matcher: Any = None  # the grammar's state (an llguidance LLMatcher) when params.grammar is set
