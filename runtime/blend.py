@@ -10,8 +10,9 @@ Their new K/V overwrite the reused rows, and their queries attend over the whole
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -153,17 +154,35 @@ def first_tokens(pieces: list[Piece], k: int) -> torch.Tensor:
     return torch.cat(masks)
 
 
-@torch.inference_mode()
+T = TypeVar("T")
+Steps = Generator[float, None, T]  # yields the work done since the last yield, in prefill tokens
+
+
+def drain(steps: Steps[T]) -> T:
+    """Run stepwise work to its end in one go."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
+
+
 def prefill(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: BlendConfig) -> Blended:
+    return drain(blend(model, kv, pieces, config))
+
+
+@torch.inference_mode()
+def blend(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: BlendConfig) -> Steps[Blended]:
     """Fill `kv` with the prompt's KV (reused where it can be) and return the last token's logits.
-    The pieces follow whatever `kv` already holds (an exact prefix), which their tokens attend to."""
+    The pieces follow whatever `kv` already holds (an exact prefix), which their tokens attend to.
+    Layer by layer: after each it yields its work (the rows it computed, in whole-prompt tokens),
+    so the engine can spread a long blend over steps between other sequences' decodes."""
     inner = model.model
     reused_all = torch.cat([torch.full((len(p.token_ids),), p.reused) for p in pieces])
     start = len(kv)
     n = len(reused_all)
     total = start + n
     kv.reserve(total)
-    kv.lengths = [total] * kv.num_layers
     starts = (start + torch.tensor([0] + [len(p.token_ids) for p in pieces[:-1]]).cumsum(0)).tolist()
     shifts = [angles(model, s, kv.keys[0].device) if p.reused and s else None for p, s in zip(pieces, starts)]
     ids = torch.tensor([t for p in pieces for t in p.token_ids], device=model.device)
@@ -177,6 +196,8 @@ def prefill(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: Bl
     deviation = 0.0
 
     for i, layer in enumerate(inner.layers):
+        if i:  # between layers, never after the last: a sequence whose KV is whole has its logits
+            yield len(sel) / len(inner.layers)
         place(kv, i, pieces, shifts, start)
         cos, sin = cos_all[sel], sin_all[sel]
         if i in checks:
@@ -209,6 +230,7 @@ def prefill(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: Bl
                 q.transpose(0, 1), kv.keys[i][:, :total], kv.values[i][:, :total], rows, layer.self_attn.scaling
             )
         h = finish_layer(layer, h, out.transpose(0, 1))
+        kv.lengths[i] = total  # the last layer's length is the KV's: whole only once the blend is
 
     computed = torch.zeros(n, dtype=torch.bool)
     computed[sel.cpu()] = True

@@ -14,7 +14,7 @@ import torch
 
 from kvgate.agents.programs import Turn
 from kvgate.chunk_cache import ChunkStore
-from kvgate.runtime.blend import BlendConfig
+from kvgate.runtime.blend import BlendConfig, Steps
 from kvgate.runtime.calibration import Calibration, model_fingerprint
 from kvgate.runtime.calibration import load as load_calibration
 from kvgate.runtime.calibration import path as calibration_path
@@ -26,7 +26,7 @@ from kvgate.runtime.model import Run, forward
 from kvgate.runtime.reuse import Reuser
 from kvgate.runtime.sampling import SamplingParams, TokenLogprob, choose, logprob_of, penalise
 from kvgate.runtime.scheduler import Scheduler
-from kvgate.runtime.sequence import Output, Plan, Sequence
+from kvgate.runtime.sequence import Missing, Output, Plan, Sequence
 from kvgate.runtime.shared import Spans
 
 log = logging.getLogger("kvgate.engine")
@@ -131,11 +131,14 @@ class Engine:
         plan: Plan | None = None,
         turn: Turn | None = None,
         tenant: str = "",
+        ingest: bool = False,
     ) -> int:
         self.check(len(prompt_ids), params.max_tokens)
         kv = KVCache(*self.kv_shape, self.model.dtype, self.config.device, self.max_model_len)
         eos = self.loaded.eos_token_ids
-        seq = Sequence(list(prompt_ids), params, kv, eos, self.max_model_len, plan=plan, turn=turn, tenant=tenant)
+        seq = Sequence(
+            list(prompt_ids), params, kv, eos, self.max_model_len, plan=plan, turn=turn, tenant=tenant, ingest=ingest
+        )
         if params.grammar is not None:
             seq.matcher = self.grammars.matcher(params.grammar)
         with self.lock:
@@ -163,6 +166,7 @@ class Engine:
         plan: Plan | None = None,
         turn: Turn | None = None,
         tenant: str = "",
+        ingest: bool = False,
     ) -> AsyncIterator[Output]:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[Output | BaseException] = asyncio.Queue()
@@ -170,7 +174,7 @@ class Engine:
         def put(item: Output | BaseException) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, item)
 
-        seq_id = self.submit(prompt_ids, params, put, plan, turn, tenant)
+        seq_id = self.submit(prompt_ids, params, put, plan, turn, tenant, ingest)
         done = False
         try:
             while not done:
@@ -183,6 +187,15 @@ class Engine:
         finally:
             if not done:  # the caller went away: free the slot and the KV
                 self.abort(seq_id)
+
+    async def ingest(self, token_ids: list[int], scope: str = "", tenant: str = "") -> int:
+        """Compute and keep a document's KV unless a tier holds it, in chunks between other
+        sequences' steps; the tokens found already stored (0: computed now)."""
+        plan = Plan([list(token_ids)], [True], scope=scope)
+        cached = 0
+        async for out in self.generate(token_ids, SamplingParams(max_tokens=1), plan, tenant=tenant, ingest=True):
+            cached = out.cached_tokens
+        return cached
 
     def generate_sync(self, prompt_ids: list[int], params: SamplingParams) -> Result:
         """generate() to the end, for a caller without an event loop."""
@@ -248,34 +261,34 @@ class Engine:
         self.callbacks.pop(seq.id, None)
 
     def step(self) -> None:
-        batch = []
+        batch: list[tuple[Sequence, Run]] = []
         for seq, tokens in self.scheduler.schedule():
             if seq.planned or (seq.plan is None and (seq.turn is None or not seq.turn.resume)):
-                batch.append((seq, tokens))
+                batch.append((seq, Run(seq.kv, tokens, seq.computed)))
                 continue
             try:
-                logits = self.reuse(seq)
-                if logits is not None:  # the whole prompt is in the KV: straight to the first token
-                    self.sample(seq, logits)
-                    self.settle(seq)
-                    continue
+                run = self.prepare(seq, len(tokens))
             except Exception as exc:
                 self.fail(seq, exc)
                 continue
-            batch.append((seq, seq.next_run(len(tokens))))
+            if run is not None:
+                batch.append((seq, run))
         if not batch:
             return
         start = time.perf_counter()
         try:
-            logits = forward(self.model, [Run(seq.kv, tokens, seq.computed) for seq, tokens in batch])
+            logits = forward(self.model, [run for _, run in batch])
         except Exception as exc:  # a failed step ends its requests, never the engine
             for seq, _ in batch:
                 self.fail(seq, exc)
             return
         self.steps += 1
         self.measure(time.perf_counter() - start, batch)
-        allowed = self.allowed([seq for seq, _ in batch if not seq.prefilling], logits.shape[-1])
-        for (seq, _), row in zip(batch, logits):
+        allowed = self.allowed([seq for seq, run in batch if run.kv is seq.kv and not seq.prefilling], logits.shape[-1])
+        for (seq, run), row in zip(batch, logits):
+            if run.kv is not seq.kv:
+                self.computed(seq)
+                continue
             if seq.prefilling:
                 continue
             first = not seq.output_ids
@@ -286,17 +299,85 @@ class Engine:
             if first:
                 self.settle(seq)
 
-    def measure(self, seconds: float, batch: list[tuple[Sequence, list[int]]]) -> None:
-        tokens = sum(len(t) for _, t in batch)
+    def prepare(self, seq: Sequence, budget: int) -> Run | None:
+        """Advance a sequence's reuse by about `budget` tokens of work. A run for this step: the next
+        chunk of a document the prompt lacks, or the prompt's own next chunk once reuse left the rest
+        to prefill; None when the step has nothing to run for it (the reuse goes on, or it covered the
+        whole prompt and the first token is out)."""
+        if seq.missing is None:
+            seq.missing = self.lacking(seq)
+        if seq.missing:
+            doc = seq.missing[0]
+            done = len(doc.kv)
+            return Run(doc.kv, doc.token_ids[done : done + budget], done)
+        if seq.ingest:
+            self.ingested(seq)
+            return None
+        if seq.reusing is None:
+            seq.reusing = self.reuse(seq)
+        spent = 0.0
+        try:
+            while spent < budget:
+                spent += next(seq.reusing)
+            return None
+        except StopIteration as stop:
+            logits = stop.value
+        finally:
+            if seq.planned:
+                seq.reusing = None
+        if logits is not None:  # the whole prompt is in the KV: straight to the first token
+            self.sample(seq, logits)
+            self.settle(seq)
+            return None
+        return Run(seq.kv, seq.next_run(budget), seq.computed)
+
+    def lacking(self, seq: Sequence) -> list[Missing]:
+        """The plan's documents no tier holds, to compute in the sequence's steps (a blend would
+        otherwise compute each in one piece, stalling every other stream meanwhile)."""
+        plan = seq.plan
+        if plan is None or not any(plan.documents):
+            return []
+        if not seq.ingest and (plan.reuse.mode not in ("naive", "blend") or not self.reuser.shiftable):
+            return []
+        found = self.reuser.missing(plan.pieces, plan.documents, plan.scope)
+        return [Missing(key, ids, self.reuser.new_kv()) for key, ids in found]
+
+    def computed(self, seq: Sequence) -> None:
+        """A step ran a chunk of a document the prompt lacked: once whole, it is stored."""
+        assert seq.missing
+        doc = seq.missing[0]
+        if len(doc.kv) < len(doc.token_ids):
+            return
+        seq.missing.pop(0)
+        seq.fresh[doc.key] = self.reuser.stored(doc.kv, doc.key, doc.token_ids, self.prefill_s(len(doc.token_ids)))
+
+    def ingested(self, seq: Sequence) -> None:
+        """A document ingest is done: its KV is stored, its tokens remembered to find it by id."""
+        plan = seq.plan
+        assert plan is not None
+        for ids, is_document in zip(plan.pieces, plan.documents):
+            if is_document:
+                self.reuser.remember(self.reuser.key(ids, plan.scope), ids)
+        seq.cached_tokens = len(seq.prompt_ids) - sum(len(entry.token_ids) for entry in seq.fresh.values())
+        seq.finish_reason = "stop"
+        callback = self.callbacks[seq.id]
+        self.finish(seq)
+        out = seq.take_output()
+        if out is not None:
+            self.deliver(seq, callback, out)
+
+    def measure(self, seconds: float, batch: list[tuple[Sequence, Run]]) -> None:
+        tokens = sum(len(run.token_ids) for _, run in batch)
         if tokens >= 64:  # mostly prefill: decode steps would skew the per-token rate
             rate = seconds / tokens
             old = self.prefill_s_per_token
             self.prefill_s_per_token = rate if old is None else 0.8 * old + 0.2 * rate
 
-    def reuse(self, seq: Sequence) -> torch.Tensor | None:
-        """Start the KV of a prompt as its plan says: documents reused, or a program's stored
-        context resumed and then its shared spans reused (KVCOMM); the first token's logits when
-        the whole prompt is done, else None (the rest is prefilled in the usual steps)."""
+    def reuse(self, seq: Sequence) -> Steps[torch.Tensor | None]:
+        """Start the KV of a prompt as its plan says, stepwise: documents reused (a blend, layer by
+        layer), or a program's stored context resumed and then its shared spans reused (KVCOMM);
+        the first token's logits when the whole prompt is done, else None (the rest is prefilled in
+        the usual steps)."""
         plan = seq.plan
         if plan is None or plan.spans:
             seq.planned = True
@@ -315,7 +396,7 @@ class Engine:
             seq.cached_tokens, seq.recomputed_tokens = done.reused, done.recomputed
             seq.reuse = "; ".join(x for x in (label, done.note) if x)
             return done.logits
-        done = self.reuser.prefill(seq.kv, plan.pieces, plan.documents, plan.reuse, plan.scope)
+        done = yield from self.reuser.prefilling(seq.kv, plan.pieces, plan.documents, plan.reuse, plan.scope, seq.fresh)
         seq.planned = True
         seq.cached_tokens, seq.recomputed_tokens = done.reused, done.recomputed
         seq.reuse = done.mode + (f"; {done.note}" if done.note else "")

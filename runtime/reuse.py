@@ -10,18 +10,21 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvgate.chunk_cache import ChunkKV, ChunkStore, LoadFailed, Loading, chunk_key, fingerprint
-from kvgate.runtime.blend import BlendConfig, Piece, prefill
+from kvgate.runtime.blend import BlendConfig, Piece, Steps, blend, drain
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.rope import can_shift, rope_type
 
 MODES = ("full", "prefix", "naive", "blend")
+EMPTY: Mapping[str, ChunkKV] = MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -110,27 +113,47 @@ class Reuser:
     # ---- documents --------------------------------------------------------------------
 
     def document(self, token_ids: list[int], scope: str = "", remember: bool = False) -> tuple[ChunkKV, bool]:
-        """The document's entry, computing and storing it when missing; and whether it was found.
-        `remember` keeps its tokens to find it by key later, even once its KV is evicted."""
+        """The document's entry, computing (in one piece) and storing it when missing; and whether
+        it was found. `remember` keeps its tokens to find it by key later, even once its KV is evicted."""
         key = self.key(token_ids, scope)
         if remember:
-            with self.lock:
-                self.known[key] = tuple(token_ids)
+            self.remember(key, token_ids)
         entry = self.store.get(key, self.model_fp)
         if entry is not None and entry.token_ids == tuple(token_ids):
             return entry, True
         kv = self.new_kv()
         start = time.perf_counter()
         forward(self.model, [Run(kv, token_ids, 0)])
-        cost = time.perf_counter() - start
+        return self.stored(kv, key, token_ids, time.perf_counter() - start), False
+
+    def stored(self, kv: KVCache, key: str, token_ids: list[int], cost: float) -> ChunkKV:
+        """Keep the KV of a document computed alone (at positions 0..T-1)."""
         entry = snapshot(kv, key, token_ids, cost, self.model_fp)
         self.store.put(entry)
-        return entry, False
+        return entry
 
-    def cached(self, token_ids: list[int], scope: str = "") -> tuple[ChunkKV | Loading, bool]:
-        """The document's KV for a blend: in memory, still loading from a lower tier, or computed
-        now; and whether it was found in the cache."""
-        found = self.store.fetch(self.key(token_ids, scope), self.model_fp)
+    def remember(self, key: str, token_ids: list[int]) -> None:
+        with self.lock:
+            self.known[key] = tuple(token_ids)
+
+    def missing(self, pieces: list[list[int]], documents: list[bool], scope: str = "") -> list[tuple[str, list[int]]]:
+        """The documents among `pieces` that no tier holds: (key, token ids), each once."""
+        found: dict[str, list[int]] = {}
+        for ids, is_document in zip(pieces, documents):
+            key = self.key(ids, scope) if is_document else ""
+            if is_document and key not in found and key not in self.store:
+                found[key] = ids
+        return list(found.items())
+
+    def cached(
+        self, token_ids: list[int], scope: str = "", fresh: Mapping[str, ChunkKV] = EMPTY
+    ) -> tuple[ChunkKV | Loading, bool]:
+        """The document's KV for a blend: computed for this prompt already (`fresh`), in memory,
+        still loading from a lower tier, or computed now; and whether it was found in the cache."""
+        key = self.key(token_ids, scope)
+        if key in fresh:
+            return fresh[key], False
+        found = self.store.fetch(key, self.model_fp)
         if found is not None and found.token_ids == tuple(token_ids):
             return found, True
         return self.document(token_ids, scope)
@@ -213,7 +236,20 @@ class Reuser:
     def prefill(
         self, kv: KVCache, pieces: list[list[int]], documents: list[bool], reuse: Reuse, scope: str = ""
     ) -> Prefilled:
-        """Start the prompt's KV in the empty `kv`. pieces: token ids; documents: which are documents."""
+        return drain(self.prefilling(kv, pieces, documents, reuse, scope))
+
+    def prefilling(
+        self,
+        kv: KVCache,
+        pieces: list[list[int]],
+        documents: list[bool],
+        reuse: Reuse,
+        scope: str = "",
+        fresh: Mapping[str, ChunkKV] = EMPTY,
+    ) -> Steps[Prefilled]:
+        """Start the prompt's KV in the empty `kv`, stepwise (a blend yields after each layer).
+        pieces: token ids; documents: which are documents; fresh: keys of documents computed for
+        this very prompt (stored, but not reused)."""
         if reuse.mode == "full":
             return Prefilled(None, "full")
         if reuse.mode == "prefix":
@@ -222,17 +258,18 @@ class Reuser:
         if not self.shiftable:
             return Prefilled(None, "full", note=f"rope type {rope_type(self.model)} cannot shift cached keys")
         ratio = 0.0 if reuse.mode == "naive" else (reuse.ratio if reuse.ratio is not None else self.blend.ratio)
-        parts, found = with_kv(pieces, [self.cached(ids, scope) if d else None for ids, d in zip(pieces, documents)])
+        sources = [self.cached(ids, scope, fresh) if d else None for ids, d in zip(pieces, documents)]
+        parts, found = with_kv(pieces, sources)
         notes = []
         try:
-            done = prefill(self.model, kv, parts, self.config(ratio, reuse.mode))
+            done = yield from blend(self.model, kv, parts, self.config(ratio, reuse.mode))
         except LoadFailed as e:
             # A stored document turned out damaged or unreachable halfway: it is a miss after all.
             notes.append(f"a stored document could not be read ({e}); recomputed")
-            fresh = [self.document(ids, scope) if d else None for ids, d in zip(pieces, documents)]
-            parts, found = with_kv(pieces, fresh)
+            computed = [self.document(ids, scope) if d else None for ids, d in zip(pieces, documents)]
+            parts, found = with_kv(pieces, computed)
             kv.truncate(0)
-            done = prefill(self.model, kv, parts, self.config(ratio, reuse.mode))
+            done = yield from blend(self.model, kv, parts, self.config(ratio, reuse.mode))
         if (
             reuse.mode == "blend"
             and reuse.ratio is None
@@ -243,7 +280,7 @@ class Reuser:
             # Far outside what calibration saw: redo with the larger ratio.
             notes.append(f"deviation {done.deviation:.3g} above the calibrated {self.deviation_limit:.3g}")
             kv.truncate(0)
-            done = prefill(self.model, kv, parts, self.config(self.max_ratio, "blend"))
+            done = yield from blend(self.model, kv, parts, self.config(self.max_ratio, "blend"))
         # Only KV that came from the cache counts as reused; a document computed for this request is not.
         recomputed = int((found & done.recomputed_mask).sum())
         reused = int(found.sum()) - recomputed

@@ -12,6 +12,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from kvgate.agents.programs import Turn
+from kvgate.chunk_cache import ChunkKV
+from kvgate.runtime.blend import Steps
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.reuse import Reuse
 from kvgate.runtime.sampling import SamplingParams, TokenLogprob
@@ -32,6 +34,16 @@ class Plan:
     # agent as its prefix identifies it, the same across its tasks.
     spans: list[bool] = field(default_factory=list)
     agent: str = ""
+
+
+@dataclass
+class Missing:
+    """A document of the prompt that no tier holds: computed alone (positions 0..T-1), chunk by
+    chunk in its sequence's steps like any prefill, then stored."""
+
+    key: str
+    token_ids: list[int]
+    kv: KVCache
 
 
 class Status(Enum):
@@ -75,6 +87,10 @@ class Sequence:
     turn: Turn | None = None
     tenant: str = ""  # whose: the scheduler shares its queue fairly between tenants
     planned: bool = False  # the plan's (or the turn's) reuse has run
+    ingest: bool = False  # only compute and store the plan's documents: no answer
+    missing: list[Missing] | None = None  # the plan's documents no tier holds (None: not looked yet)
+    fresh: dict[str, ChunkKV] = field(default_factory=dict)  # documents computed for this prompt
+    reusing: Steps[torch.Tensor | None] | None = None  # the reuse underway, spread over steps
     shared: Shared | None = None  # a span prefill whose lessons wait for the prompt's KV to complete
     matcher: Any = None  # the grammar's state (an llguidance LLMatcher) when params.grammar is set
     arrival: float = field(default_factory=time.monotonic)
