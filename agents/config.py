@@ -36,6 +36,11 @@ class AgentConfig:
     prior: Prior = Prior()
     # A program with no request for this long is forgotten (its stored context stays, unpinned).
     idle_s: float = 3600.0
+    # Bounds on what callers grow: programs remembered, tenants and tools per tenant whose tool
+    # durations are learnt (the least recently seen go first).
+    max_programs: int = 65536
+    max_tenants: int = 1024
+    max_tools: int = 256
     # How fast KV reads back from the tier below memory, when there is one.
     reload_bytes_per_s: float = 1e9
     # KVCOMM: agents reuse the KV of messages other agents read or wrote, offset by anchors.

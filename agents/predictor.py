@@ -7,7 +7,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -83,11 +83,12 @@ def cdf_at(waits: list[float], p: list[float], t: float) -> float:
 class Predictor:
     """Durations per tool name, learnt as the program turns come back; thread-safe."""
 
-    def __init__(self, prior: Prior = Prior(), window: int = 512) -> None:
-        self.prior, self.window = prior, window
-        self.tools: dict[str, Durations] = {}
-        # How often a call to one set of tools followed a call to another, in the same program.
-        self.follows: dict[tuple[str, ...], dict[tuple[str, ...], int]] = {}
+    def __init__(self, prior: Prior = Prior(), window: int = 512, max_tools: int = 256) -> None:
+        self.prior, self.window, self.max_tools = prior, window, max_tools
+        self.tools: OrderedDict[str, Durations] = OrderedDict()  # the `max_tools` latest observed
+        # How often a call to one set of tools followed a call to another, in the same program
+        # (as many sets as tools are kept, each followed by as many).
+        self.follows: OrderedDict[tuple[str, ...], dict[tuple[str, ...], int]] = OrderedDict()
         self.lock = threading.Lock()
 
     def observe(self, tools: Iterable[str], seconds: float) -> None:
@@ -100,7 +101,11 @@ class Predictor:
         """A program called `now` after `before` (its previous call)."""
         with self.lock:
             counts = self.follows.setdefault(before, {})
-            counts[now] = counts.get(now, 0) + 1
+            self.follows.move_to_end(before)
+            if len(self.follows) > self.max_tools:
+                self.follows.popitem(last=False)
+            if now in counts or len(counts) < self.max_tools:
+                counts[now] = counts.get(now, 0) + 1
 
     def after(self, before: tuple[str, ...]) -> tuple[list[float], list[float]]:
         """The wait for a program's next call, not yet made, whose previous call was to `before`: a
@@ -128,4 +133,7 @@ class Predictor:
     def _of(self, tool: str) -> Durations:
         if tool not in self.tools:
             self.tools[tool] = Durations(self.prior, self.window)
+            if len(self.tools) > self.max_tools + 1:  # ANY (every tool pooled) is the oldest: spare it
+                del self.tools[next(t for t in self.tools if t != ANY)]
+        self.tools.move_to_end(tool)
         return self.tools[tool]

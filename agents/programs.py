@@ -15,6 +15,7 @@ import math
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -88,8 +89,10 @@ class Programs:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config, self.store, self.costs, self.clock = config, store, costs, clock
-        self.predictor = Predictor(config.prior)
-        self.programs: dict[tuple[str, str], Program] = {}
+        # Tool durations per tenant: one tenant's tools never move another's pins.
+        self.predictors: OrderedDict[str, Predictor] = OrderedDict()
+        self.programs: OrderedDict[tuple[str, str], Program] = OrderedDict()  # least recently seen first
+        self.evicted: list[str] = []  # pinned contexts of programs forgotten for room: demoted by expire
         self.deadlines: list[tuple[float, str, str]] = []  # (pinned until, scope, program id)
         self.ended = self.returned = 0  # turns ended; turns that came back with tool results
         self.lock = threading.Lock()
@@ -104,18 +107,39 @@ class Programs:
             p = self.programs.get((scope, program_id))
             if p is None:
                 p = self.programs[(scope, program_id)] = Program(program_id, scope, now, now)
+                self.make_room(now)
+            predictor = self.predictor(scope)
             if tools is not None and p.ended is not None:
-                self.predictor.observe(tools, now - p.ended)
-                self.predictor.called(p.tools, tools)
+                predictor.observe(tools, now - p.ended)
+                predictor.called(p.tools, tools)
                 self.returned += 1
                 p.tools = tools
             p.seen = now
+            self.programs.move_to_end((scope, program_id))
             p.turns += 1
             pinned = p.pinned_until > now and p.context in self.store.tiers[0]
-            ttl = self.ttl(p.tools, prompt_tokens)
+            ttl = self.ttl(p.tools, prompt_tokens, predictor)
             return Turn(p.id, p.arrival, pinned, p.context, context_key(scope, p.id, p.turns), ttl)
 
-    def ttl(self, last: tuple[str, ...], tokens: int) -> float:
+    def predictor(self, scope: str) -> Predictor:
+        """The tenant's tool durations (the newest `max_tenants` tenants' are kept)."""
+        found = self.predictors.get(scope)
+        if found is None:
+            found = self.predictors[scope] = Predictor(self.config.prior, max_tools=self.config.max_tools)
+            if len(self.predictors) > self.config.max_tenants:
+                self.predictors.popitem(last=False)
+        self.predictors.move_to_end(scope)
+        return found
+
+    def make_room(self, now: float) -> None:
+        """Forget the least recently seen programs past `max_programs`; their pins go with them."""
+        while len(self.programs) > self.config.max_programs:
+            _, p = self.programs.popitem(last=False)
+            if p.pinned_until > now:
+                self.evicted.append(p.context)
+                self.wake.set()
+
+    def ttl(self, last: tuple[str, ...], tokens: int, predictor: Predictor) -> float:
         """The pin for the context this turn leaves (`tokens` long): which tool the turn will call
         is not known until the next request shows it, so the wait is predicted from the calls seen
         to follow the program's last one (`last`)."""
@@ -124,7 +148,7 @@ class Programs:
         reload = c.reload_s(nbytes)
         prefill = c.prefill_s(tokens)
         saved = (prefill if reload is None else min(prefill, reload)) + c.queue_s()
-        waits, p_back = self.predictor.after(last)
+        waits, p_back = predictor.after(last)
         p_next = (self.returned + 1) / (self.ended + 2)  # that a tool call, not the end, comes next
         held = nbytes / max(c.memory_bytes, 1)
         return decide(self.config.pins, waits, [p_next * p for p in p_back], saved, held)
@@ -141,6 +165,7 @@ class Programs:
             if p is None or not turn.keep:
                 return
             p.ended, p.seen = now, now
+            self.programs.move_to_end((scope, turn.program))
             if not kept:
                 return
             if p.context != turn.keep:
@@ -155,8 +180,8 @@ class Programs:
     def expire(self) -> float | None:
         """Demote the pins whose time is up, forget idle programs; the next deadline, if any."""
         now = self.clock()
-        due = []
         with self.lock:
+            due, self.evicted = self.evicted, []
             while self.deadlines and self.deadlines[0][0] <= now:
                 _, scope, pid = heapq.heappop(self.deadlines)
                 p = self.programs.get((scope, pid))
@@ -174,13 +199,12 @@ class Programs:
     def stats(self) -> dict[str, Any]:
         now = self.clock()
         with self.lock:
-            tools = {t: self.predictor.observed(t) for t in self.predictor.tools}
             return {
                 "programs": len(self.programs),
                 "pinned": sum(p.pinned_until > now for p in self.programs.values()),
                 "turns_ended": self.ended,
                 "tool_returns": self.returned,
-                "observed": tools,
+                "tenants_predicted": len(self.predictors),
             }
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from array import array
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -79,6 +81,39 @@ def snapshot(kv: KVCache, key: str, token_ids: list[int], cost: float, model: st
     return ChunkKV(key, tuple(token_ids), keys, values, cost, model)
 
 
+class Remembered:
+    """Documents' tokens by key, kept to recompute a document whose KV every tier evicted; the
+    newest first, `capacity` tokens in all (4 bytes each)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.tokens = capacity, 0
+        self.docs: OrderedDict[str, array[int]] = OrderedDict()
+
+    def add(self, key: str, token_ids: Sequence[int]) -> None:
+        self.pop(key)
+        if len(token_ids) > self.capacity:
+            return
+        self.docs[key] = array("i", token_ids)
+        self.tokens += len(token_ids)
+        while self.tokens > self.capacity:
+            self.tokens -= len(self.docs.popitem(last=False)[1])
+
+    def get(self, key: str) -> tuple[int, ...] | None:
+        found = self.docs.get(key)
+        if found is None:
+            return None
+        self.docs.move_to_end(key)
+        return tuple(found)
+
+    def pop(self, key: str) -> bool:
+        found = self.docs.pop(key, None)
+        self.tokens -= len(found) if found is not None else 0
+        return found is not None
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+
 class Reuser:
     """Owns the document and prefix entries of one model in a chunk store."""
 
@@ -91,6 +126,8 @@ class Reuser:
         blend: BlendConfig,
         max_ratio: float = 0.5,
         deviation_limit: float | None = None,
+        remembered_tokens: int = 1 << 22,
+        max_prefixes: int = 1 << 16,
     ) -> None:
         self.model, self.tokenizer, self.store, self.blend = model, tokenizer, store, blend
         self.model_fp, self.tokenizer_fp = model_fp, tokenizer_fingerprint(tokenizer)
@@ -99,9 +136,11 @@ class Reuser:
         self.max_ratio, self.deviation_limit = max_ratio, deviation_limit
         mc = model.config
         self.kv_shape = (mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
-        self.prefixes: dict[str, tuple[str, int]] = {}  # boundary key -> (entry key, tokens)
+        # boundary key -> (entry key, tokens), the latest `prefixes` boundaries
+        self.prefixes: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        self.max_prefixes = max_prefixes
         # Every document seen, by key: its KV may be evicted, its tokens are kept to recompute it.
-        self.known: dict[str, tuple[int, ...]] = {}
+        self.known = Remembered(remembered_tokens)
         self.lock = threading.Lock()
 
     def key(self, token_ids: list[int], scope: str = "") -> str:
@@ -134,7 +173,7 @@ class Reuser:
 
     def remember(self, key: str, token_ids: list[int]) -> None:
         with self.lock:
-            self.known[key] = tuple(token_ids)
+            self.known.add(key, token_ids)
 
     def missing(self, pieces: list[list[int]], documents: list[bool], scope: str = "") -> list[tuple[str, list[int]]]:
         """The documents among `pieces` that no tier holds: (key, token ids), each once."""
@@ -166,12 +205,12 @@ class Reuser:
         if tokens is None and (found := self.store.fetch(key, self.model_fp)) is not None:
             tokens = found.token_ids
             with self.lock:
-                self.known[key] = tokens
+                self.known.add(key, tokens)
         return tokens
 
     def forget(self, key: str) -> bool:
         with self.lock:
-            known = self.known.pop(key, None) is not None
+            known = self.known.pop(key)
         return self.store.delete(key) or known
 
     # ---- exact prefix -----------------------------------------------------------------
@@ -207,7 +246,11 @@ class Reuser:
             boundary = 0
             for p in pieces[:-1]:
                 boundary += len(p)
-                self.prefixes[self.key(ids[:boundary], "prefix:" + scope)] = (key, boundary)
+                alias = self.key(ids[:boundary], "prefix:" + scope)
+                self.prefixes[alias] = (key, boundary)
+                self.prefixes.move_to_end(alias)
+            while len(self.prefixes) > self.max_prefixes:
+                self.prefixes.popitem(last=False)
 
     # ---- agent programs ---------------------------------------------------------------
 

@@ -62,9 +62,10 @@ def test_a_tool_return_tells_how_long_the_tool_took() -> None:
     programs.end("tenant", first)
     clock.now += 3.5  # the tool runs
     programs.begin("p", "tenant", [CALL, RESULT], 150)
-    waits, p = programs.predictor.distribution(["search"])
-    assert programs.predictor.observed("search") == 1
+    waits, p = programs.predictor("tenant").distribution(["search"])
+    assert programs.predictor("tenant").observed("search") == 1
     assert 3.5 in waits
+    assert programs.predictor("other").observed("search") == 0  # one tenant's tools never move another's pins
 
 
 def test_turns_of_a_program_continue_its_latest_context_and_keep_the_first_arrival() -> None:
