@@ -63,8 +63,8 @@ def fillers(pool: Texts, start: int, stop: int) -> Texts:
 
 
 def bulk_fill(cache: SemanticCache, store: SQLiteStore, texts: list[str], vecs: np.ndarray) -> None:
-    """Entries written in one transaction (`SQLiteStore.load`), then indexed by `rebuild()` as at start-up:
-    faster than one `put` each, which also sweeps expiry and checks the quota."""
+    """Entries written in one transaction (`SQLiteStore.load`), then read into the index as a first lookup
+    of the scope does: faster than one `put` each, which also sweeps expiry and checks the quota."""
     now, entries = time.time(), []
     for text, vec in zip(texts, vecs, strict=True):
         cat = cache.classify(text, vec)
@@ -73,6 +73,7 @@ def bulk_fill(cache: SemanticCache, store: SQLiteStore, texts: list[str], vecs: 
         )
     store.load(entries)
     cache.rebuild()
+    cache.hold("bench", now)
 
 
 def timed(samples: list[float], fn: Callable[[], T]) -> T:
@@ -121,8 +122,8 @@ def latency_section(embedder: Embedder, pool: Texts, asked: Texts, sizes: list[i
         f"`store.get` of candidates, guards, `touch` on a hit) for {len(asked[0])} QQP `b` questions, none stored "
         f"verbatim. Entries: the {len(pool[0])} other distinct questions of the data (the queries' own `a` "
         f"first), then copies of them plus noise of norm {NOISE}, renormalised (cosine ~0.86 to the original). "
-        "They are written in bulk (the rows `put` writes, one transaction) and indexed by `rebuild()` as at "
-        "start-up (fill s); quotas are lifted. With embedding: real `lookup(scope, query)` calls for "
+        "They are written in bulk (the rows `put` writes, one transaction) and read into the index as a first "
+        "lookup of the scope does (fill s); quotas are lifted. With embedding: real `lookup(scope, query)` calls for "
         f"{max(1, len(asked[0]) // 5)} queries; embed alone: `embed([query])`. Put: `cache.put` of 20 new "
         "entries with vectors. Milliseconds p50 / p99. Target: p99 at most 2 ms at 100k without embedding.\n\n"
         + table(["entries", "lookup", "lookup with embedding", "embed alone", "put", "hits %", "fill s"], rows)

@@ -1,5 +1,9 @@
 """The semantic response cache: look a question up among the answers given in the same scope,
-and keep new answers, under each category's threshold, TTL and quota."""
+and keep new answers, under each category's threshold, TTL and per-tenant quota.
+
+The store holds every entry; the in-memory index holds the scopes in use, at most `config.scopes`:
+a scope is read from the store the first time it is looked up (not at start-up), and the least
+recently used is forgotten beyond the limit."""
 
 from __future__ import annotations
 
@@ -53,45 +57,59 @@ class SemanticCache:
             )
         self.store = store
         self.classify = Classifier(config, self.embedder)
-        self.index = Index(dim, config.hnsw_m, config.hnsw_ef)
-        self.lock = threading.Lock()  # around following the change log
-        self.counts = {"hits": 0, "misses": 0, "refused": 0, "puts": 0, "evicted": 0, "errors": 0}
+        self.index = Index(dim, config.hnsw_m, config.hnsw_ef, config.scopes, config.flat_max)
+        self.lock = threading.Lock()  # around following the change log, and reading a scope in
+        self.counts = dict.fromkeys(
+            ("hits", "misses", "refused", "puts", "evicted", "errors", "scope_reads", "scopes_forgotten"), 0
+        )
         self.cursor: str | None = None  # the store's change log, applied up to here; None: rebuild first
         try:
             self.rebuild()
         except Exception:  # a store out of reach at start-up: misses until it answers
-            log.warning("semantic cache: the store is out of reach; the index is built once it answers", exc_info=True)
+            log.warning("semantic cache: the store is out of reach; misses until it answers", exc_info=True)
 
     # ---- the index follows the store ----------------------------------------------------------
 
     def rebuild(self) -> None:
-        """Index every intact, unexpired entry of the store (at start-up, or after falling behind its log)."""
+        """Forget every scope held and follow the store's log from its end: each scope is read back
+        from the store when next looked up (at start-up, or after falling behind the log)."""
         with self.lock:
             self.index.clear()
             self.cursor = None
-            cursor = self.store.cursor()  # before the scan: a change made during it is replayed after
-            now = time.time()
-            for entry in self.store.entries():
-                if not entry.expired(now):
-                    self.index.add(entry.scope, entry.id, entry.vector)
-            self.cursor = cursor
+            self.cursor = self.store.cursor()
+
+    def hold(self, scope: str, now: float) -> None:
+        """Read `scope`'s unexpired entries from the store into the index, unless it is held already."""
+        with self.lock:
+            if self.index.holds(scope):
+                return
+            entries = [e for e in self.store.entries(scope) if not e.expired(now)]
+            vectors = np.stack([e.vector for e in entries]) if entries else np.zeros((0, self.embedder.dim))
+            self.counts["scopes_forgotten"] += self.index.load(scope, [e.id for e in entries], vectors)
+            self.counts["scope_reads"] += 1
 
     def sync(self) -> None:
-        """Apply the store's changes since the last sync: writes and deletions by any process."""
+        """Apply the store's changes since the last sync: writes and deletions by any process, to the
+        scopes held (a write to another scope is not even read)."""
         if self.cursor is None:
             return self.rebuild()
         with self.lock:
             found = self.store.changes(self.cursor)
             if found is not None:
                 self.cursor, changes = found
-                for op, entry_id in changes:
+                for op, entry_id, scope in changes:
                     if op == "del":
                         self.index.remove(entry_id)
-                    elif entry_id not in self.index and (entry := self.store.get(entry_id)) is not None:
-                        self.index.add(entry.scope, entry.id, entry.vector)
+                    elif entry_id not in self.index and (not scope or self.index.holds(scope)):
+                        self.follow(entry_id)
         if found is None:
-            log.info("semantic cache: fell behind the store's change log; rebuilding the index")
+            log.info("semantic cache: fell behind the store's change log; forgetting the scopes held")
             self.rebuild()
+
+    def follow(self, entry_id: str) -> None:
+        entry = self.store.get(entry_id)
+        if entry is not None:
+            self.index.add(entry.scope, entry.id, entry.vector)  # a no-op unless its scope is held
 
     # ---- the ways in ---------------------------------------------------------------------------
 
@@ -112,8 +130,10 @@ class SemanticCache:
         category = self.classify(query, vector)
         found = Lookup(category, vector, threshold(category, self.config, queued))
         try:
+            now = time.time() if now is None else now
             self.sync()
-            self.find(found, scope, query, time.time() if now is None else now)
+            self.hold(scope, now)
+            self.find(found, scope, query, now)
         except Exception:
             log.warning("semantic cache lookup failed; answering as a miss", exc_info=True)
             self.counts["errors"] += 1
@@ -170,8 +190,8 @@ class SemanticCache:
             last_used=now,
         )
         try:
-            dropped = self.store.put(entry, category.quota, now)
-            self.index.add(scope, entry.id, entry.vector)  # so that sync need not read it back from the store
+            dropped = self.store.put(entry, category.quota, now, category.quota * self.config.tenant_shares)
+            self.index.add(scope, entry.id, entry.vector)  # if held: so that sync need not read it back
             self.sync()
         except Exception:
             log.warning("semantic cache write failed; the answer is not cached", exc_info=True)
@@ -194,7 +214,8 @@ class SemanticCache:
         return gone
 
     def stats(self) -> dict[str, Any]:
-        return {"entries": len(self.index), "scopes": len(self.index.scopes), **self.counts}
+        held = {"entries": len(self.index), "scopes": len(self.index.scopes), "scope_limit": self.index.limit}
+        return {**held, **self.counts}
 
     def close(self) -> None:
         self.store.close()

@@ -17,7 +17,8 @@ class Category:
 
     threshold: the cosine similarity a hit needs; floor: the lowest it may be relaxed to under load;
     ttl_s: an entry's lifetime from its write (absolute, hits do not extend it);
-    quota: entries kept, the least recently used evicted beyond it;
+    quota: entries kept per tenant, its least recently used evicted beyond it (see also
+    SemanticCacheConfig.tenant_shares);
     patterns: regular expressions (case-insensitive) that put a question in this category;
     prototypes: example questions; a question not matched by any pattern goes to the category of
     its nearest prototype."""
@@ -69,6 +70,19 @@ class SemanticCacheConfig:
     queue_long: int = 8
     hnsw_m: int = 16
     hnsw_ef: int = 64
+    # Scopes held in memory (an index each), the least recently used forgotten beyond it and read
+    # back from the store when next looked up. A scope of up to flat_max entries is searched exactly
+    # (no hnswlib graph, whose ~2.6 MB fixed cost only larger scopes pay).
+    scopes: int = 64
+    flat_max: int = 1024
+    # A category holds at most quota * tenant_shares entries in all (tenants made up by callers must
+    # not grow the store without end); beyond, the tenant holding the most of it loses its least
+    # recently used entry, so one tenant's flood evicts its own entries first.
+    tenant_shares: int = 4
+
+    def __post_init__(self) -> None:
+        if self.scopes < 1 or self.flat_max < 0 or self.tenant_shares < 1:
+            raise ValueError("semantic cache: need scopes >= 1, flat_max >= 0 and tenant_shares >= 1")
 
     def category(self, name: str) -> Category:
         for c in self.categories:

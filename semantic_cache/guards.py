@@ -97,7 +97,10 @@ CALENDAR = frozenset(
 NOT_NAMES = frozenset("i i'm i've i'd i'll ok okay tv".split())
 
 
-@lru_cache(maxsize=65536)
+# Held for the few comparisons of one lookup (each guard splits both questions). Texts are at most
+# 800 characters through the gateway (QUERY_CHARS): 1024 of them hold ~12 MB at most, however many
+# distinct questions come.
+@lru_cache(maxsize=1024)
 def words(text: str) -> tuple[str, ...]:
     return tuple(w.lower().replace("'", "") for w in _WORD.findall(text))
 

@@ -17,49 +17,81 @@ from kvgate.semantic_cache.store import Change, Store, register_store
 LOG_KEEP = 100_000  # stream entries kept (roughly); a reader further behind rebuilds its index
 GRACE_S = 3600.0  # Redis drops an entry's hash this long after its expiry, if no sweep did first
 
-# KEYS: entry, category's last use (ZSET), tenant's ids (SET), expiries (ZSET), log (STREAM).
-# ARGV: id, expires, last_used, quota, now, key prefix, log length, grace, then the entry's field/value pairs.
-PUT = """
-local id, expires, quota, now, prefix = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
-local function drop(victim)
+# Both scripts start with ARGV[1] the key prefix and ARGV[2] the log's length. drop() forgets an
+# entry everywhere, from the names its hash keeps, or those given (a hash Redis expired is gone).
+# Per category: lru:<category> (ZSET, every tenant's ids by last use), most:<category> (ZSET: each
+# tenant's quota key, scored by its size). Per tenant and category, the quota key (ZSET, ids by last use).
+DROP = """
+local prefix, keep = ARGV[1], ARGV[2]
+local function recount(most, quota)
+  local n = redis.call('ZCARD', quota)
+  if n > 0 then redis.call('ZADD', most, n, quota) else redis.call('ZREM', most, quota) end
+end
+local function drop(victim, category, quota)
   local key = prefix .. 'e:' .. victim
-  local meta = redis.call('HMGET', key, 'category', 'tenant')
-  if meta[1] then redis.call('ZREM', prefix .. 'lru:' .. meta[1], victim) end
+  local meta = redis.call('HMGET', key, 'category', 'tenant', 'scope', '_quota')
+  category, quota = category or meta[1], quota or meta[4]
+  if category then
+    redis.call('ZREM', prefix .. 'lru:' .. category, victim)
+    if quota then
+      redis.call('ZREM', quota, victim)
+      recount(prefix .. 'most:' .. category, quota)
+    end
+  end
   if meta[2] then redis.call('SREM', prefix .. 't:' .. meta[2], victim) end
-  redis.call('ZREM', KEYS[4], victim)
+  if meta[3] then redis.call('SREM', prefix .. 's:' .. meta[3], victim) end
+  redis.call('ZREM', prefix .. 'expires', victim)
   redis.call('DEL', key)
-  redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[7], '*', 'op', 'del', 'id', victim)
+  redis.call('XADD', prefix .. 'log', 'MAXLEN', '~', keep, '*', 'op', 'del', 'id', victim)
   return victim
 end
+"""
+
+# KEYS: entry, its quota key, tenant's ids (SET), expiries (ZSET), log (STREAM), lru:<category>,
+# scope's ids (SET), most:<category>. ARGV (after the two above): id, expires, last_used, quota, now,
+# grace, scope, category, capacity (-1: none), then the entry's field/value pairs.
+PUT = (
+    DROP
+    + """
+local id, expires, quota, now = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local category, capacity = ARGV[10], tonumber(ARGV[11])
 if redis.call('EXISTS', KEYS[1]) == 1 then drop(id) end
-redis.call('HSET', KEYS[1], unpack(ARGV, 9))
+redis.call('HSET', KEYS[1], '_quota', KEYS[2], unpack(ARGV, 12))
 redis.call('PEXPIREAT', KEYS[1], math.floor((expires + tonumber(ARGV[8])) * 1000))
-redis.call('ZADD', KEYS[2], ARGV[3], id)
+redis.call('ZADD', KEYS[2], ARGV[5], id)
+recount(KEYS[8], KEYS[2])
+redis.call('ZADD', KEYS[6], ARGV[5], id)
 redis.call('SADD', KEYS[3], id)
+redis.call('SADD', KEYS[7], id)
 redis.call('ZADD', KEYS[4], expires, id)
-redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[7], '*', 'op', 'put', 'id', id)
+redis.call('XADD', KEYS[5], 'MAXLEN', '~', keep, '*', 'op', 'put', 'id', id, 'scope', ARGV[9])
 local dropped = {}
 for _, victim in ipairs(redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now)) do dropped[#dropped + 1] = drop(victim) end
 while redis.call('ZCARD', KEYS[2]) > quota do
-  dropped[#dropped + 1] = drop(redis.call('ZRANGE', KEYS[2], 0, 0)[1])
+  dropped[#dropped + 1] = drop(redis.call('ZRANGE', KEYS[2], 0, 0)[1], category, KEYS[2])
+end
+while capacity >= 0 and redis.call('ZCARD', KEYS[6]) > capacity do
+  local most = redis.call('ZREVRANGE', KEYS[8], 0, 0)[1]
+  local victim = most and redis.call('ZRANGE', most, 0, 0)[1]
+  if not victim then break end
+  dropped[#dropped + 1] = drop(victim, category, most)
 end
 return dropped
 """
+)
 
-# KEYS: expiries, log. ARGV: key prefix, log length, ids.
-DELETE = """
-local prefix, gone = ARGV[1], 0
+# KEYS: expiries, log. ARGV (after the two above): ids.
+DELETE = (
+    DROP
+    + """
+local gone = 0
 for i = 3, #ARGV do
-  local key = prefix .. 'e:' .. ARGV[i]
-  local meta = redis.call('HMGET', key, 'category', 'tenant')
-  if meta[1] then redis.call('ZREM', prefix .. 'lru:' .. meta[1], ARGV[i]) end
-  if meta[2] then redis.call('SREM', prefix .. 't:' .. meta[2], ARGV[i]) end
-  redis.call('ZREM', KEYS[1], ARGV[i])
-  gone = gone + redis.call('DEL', key)
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'op', 'del', 'id', ARGV[i])
+  gone = gone + redis.call('EXISTS', prefix .. 'e:' .. ARGV[i])
+  drop(ARGV[i])
 end
 return gone
 """
+)
 
 
 def connect(url: str, timeout_s: float = 2.0) -> redis.Redis | RedisCluster:
@@ -93,25 +125,24 @@ class RedisStore(Store):
     def key(self, entry_id: str) -> str:
         return f"{self.prefix}e:{entry_id}"
 
-    def put(self, entry: Entry, quota: int, now: float) -> list[str]:
+    def quota_key(self, tenant: str, category: str) -> str:
+        return f"{self.prefix}q:{len(category)}:{category}:{tenant}"  # the length: no two pairs share a key
+
+    def put(self, entry: Entry, quota: int, now: float, capacity: int | None = None) -> list[str]:
         fields = pack(entry)
         keys = [
             self.key(entry.id),
-            f"{self.prefix}lru:{entry.category}",
+            self.quota_key(entry.tenant, entry.category),
             f"{self.prefix}t:{entry.tenant}",
             self.expiries,
             self.log,
+            f"{self.prefix}lru:{entry.category}",
+            f"{self.prefix}s:{entry.scope}",
+            f"{self.prefix}most:{entry.category}",
         ]
-        args: list[bytes | str | float | int] = [
-            entry.id,
-            entry.expires,
-            entry.last_used or entry.created,
-            quota,
-            now,
-            self.prefix,
-            LOG_KEEP,
-            GRACE_S,
-        ]
+        args: list[bytes | str | float | int] = [self.prefix, LOG_KEEP, entry.id, entry.expires]
+        args += [entry.last_used or entry.created, quota, now, GRACE_S, entry.scope, entry.category]
+        args.append(-1 if capacity is None else capacity)
         for name, value in fields.items():
             args += [name, value]
         self.redis  # noqa: B018 (connects, and registers the scripts)
@@ -129,13 +160,15 @@ class RedisStore(Store):
 
     def touch(self, entry_id: str, now: float) -> None:
         key = self.key(entry_id)
-        category = self.redis.hget(key, "category")
+        category, quota = self.redis.hmget(key, ["category", "_quota"])
         if category is None:
             return
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(key, "last_used", repr(now))
         pipe.hincrby(key, "hits", 1)
         pipe.zadd(f"{self.prefix}lru:{category.decode()}", {entry_id: now}, xx=True)
+        if quota is not None:
+            pipe.zadd(quota.decode(), {entry_id: now}, xx=True)
         pipe.execute()
 
     def delete(self, entry_ids: list[str]) -> int:
@@ -155,16 +188,18 @@ class RedisStore(Store):
             found &= {m.decode() for m in self.redis.zrange(f"{self.prefix}lru:{category}", 0, -1)}
         return sorted(found)
 
-    def entries(self) -> Iterator[Entry]:
-        ids = self.ids()
+    def entries(self, scope: str) -> Iterator[Entry]:
+        members = f"{self.prefix}s:{scope}"
+        ids = sorted(m.decode() for m in self.redis.smembers(members))
         for start in range(0, len(ids), 256):
-            pipe = self.redis.pipeline(transaction=False)
-            for entry_id in ids[start : start + 256]:
+            batch, pipe = ids[start : start + 256], self.redis.pipeline(transaction=False)
+            for entry_id in batch:
                 pipe.hgetall(self.key(entry_id))
-            for fields in pipe.execute():
-                entry = unpack(fields, self.dim) if fields else None
-                if entry is not None:
-                    yield entry
+            found = [(i, f, unpack(f, self.dim) if f else None) for i, f in zip(batch, pipe.execute(), strict=True)]
+            if gone := [i for i, fields, _ in found if not fields]:  # hashes Redis expired before a sweep
+                self.redis.srem(members, *gone)
+            self.delete([i for i, fields, entry in found if fields and entry is None])  # damaged
+            yield from (entry for _, _, entry in found if entry is not None)
 
     def cursor(self) -> str:
         last = self.redis.xrevrange(self.log, count=1)
@@ -178,7 +213,7 @@ class RedisStore(Store):
                 return None
         if not rows:
             return since, []
-        changes = [(fields[b"op"].decode(), fields[b"id"].decode()) for _, fields in rows]
+        changes = [(f[b"op"].decode(), f[b"id"].decode(), f.get(b"scope", b"").decode()) for _, f in rows]
         return rows[-1][0].decode(), changes
 
     def close(self) -> None:

@@ -12,16 +12,18 @@ from typing import Any, ClassVar
 
 from kvgate.semantic_cache.entry import Entry
 
-Change = tuple[str, str]  # ("put" | "del", entry id)
+Change = tuple[str, str, str]  # ("put" | "del", entry id, the entry's scope or "" when unknown)
 
 
 class Store(ABC):
     name: ClassVar[str] = ""
 
     @abstractmethod
-    def put(self, entry: Entry, quota: int, now: float) -> list[str]:
-        """Write (or replace) an entry; then drop expired entries, and its category's least recently
-        used ones beyond `quota`. Returns the ids dropped."""
+    def put(self, entry: Entry, quota: int, now: float, capacity: int | None = None) -> list[str]:
+        """Write (or replace) an entry; then drop expired entries, the least recently used of its tenant's
+        entries of its category beyond `quota`, and, while the category holds more than `capacity`
+        entries (all tenants), the least recently used entry of the tenant holding the most of it.
+        Returns the ids dropped."""
 
     @abstractmethod
     def get(self, entry_id: str) -> Entry | None:
@@ -39,8 +41,8 @@ class Store(ABC):
         """Every entry's id, or those of one tenant and/or category."""
 
     @abstractmethod
-    def entries(self) -> Iterator[Entry]:
-        """Every intact entry (for rebuilding the index)."""
+    def entries(self, scope: str) -> Iterator[Entry]:
+        """Every intact entry of a scope (to read it into the index)."""
 
     @abstractmethod
     def cursor(self) -> str:

@@ -80,12 +80,15 @@ def test_a_category_keeps_its_quota_evicting_the_least_recently_used(tmp_path: P
     assert len(cache.store.ids()) == 2 and cache.stats()["evicted"] == 1
 
 
-def test_entries_survive_a_restart(tmp_path: Path, embedder: MiniLM) -> None:
+def test_entries_survive_a_restart_and_a_scope_is_read_in_when_first_looked_up(
+    tmp_path: Path, embedder: MiniLM
+) -> None:
     make(tmp_path, embedder).put("t", "s", QUESTION, {"content": "Paris"})
     again = make(tmp_path, embedder)
-    assert len(again.index) == 1
+    assert len(again.index) == 0 and again.stats()["scopes"] == 0  # start-up reads no scope
     found = again.lookup("s", QUESTION)
     assert found.hit and found.entry is not None and found.entry.response["content"] == "Paris"
+    assert len(again.index) == 1 and again.stats()["scope_reads"] == 1
 
 
 def test_a_damaged_entry_is_a_miss_and_is_deleted(tmp_path: Path, embedder: MiniLM) -> None:

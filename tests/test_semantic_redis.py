@@ -50,15 +50,16 @@ def test_an_answer_stored_by_one_process_is_a_hit_in_another(embedder: MiniLM, c
         assert not here.lookup("s", QUESTION).hit and len(here.index) == 0
 
 
-def test_a_new_process_builds_its_index_from_redis(embedder: MiniLM) -> None:
+def test_a_new_process_reads_a_scope_from_redis_when_first_looked_up(embedder: MiniLM) -> None:
     with RedisServer() as server:
         first = SemanticCache(SemanticCacheConfig(redis_url=server.url), embedder=embedder)
         for i in range(3):
             first.put("t", "s", f"How do I cook recipe number {i}?", {"content": str(i)})
         out = in_another_process(
-            server.url, "print(len(cache.index), cache.lookup('s', 'How do I cook recipe number 1?').hit)"
+            server.url,
+            "print(len(cache.index), cache.lookup('s', 'How do I cook recipe number 1?').hit, len(cache.index))",
         )
-        assert out == "3 True"
+        assert out == "0 True 3"
 
 
 def test_a_damaged_value_in_redis_is_a_miss_and_is_deleted(embedder: MiniLM) -> None:
