@@ -107,6 +107,18 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: to
     return out
 
 
+def attend_part(
+    layer: torch.nn.Module, kv: KVCache, i: int, q: torch.Tensor, rows: torch.Tensor, contiguous: bool
+) -> torch.Tensor:
+    """Attention of queries `q` [n, heads, d] at sorted positions `rows` over layer i's KV up to the
+    last of them; `contiguous`: the rows are every position up to there (a plain causal block)."""
+    end = int(rows[-1]) + 1
+    keys, values, scale = kv.keys[i][:, :end], kv.values[i][:, :end], layer.self_attn.scaling
+    if contiguous:
+        return attend(q.transpose(0, 1), keys, values, scale).transpose(0, 1)
+    return attend_rows(q.transpose(0, 1), keys, values, rows, scale).transpose(0, 1)
+
+
 def choose(
     deviation: torch.Tensor, reused: torch.Tensor, keep: int, forced: torch.Tensor, config: BlendConfig
 ) -> torch.Tensor:
@@ -154,6 +166,8 @@ def first_tokens(pieces: list[Piece], k: int) -> torch.Tensor:
     return torch.cat(masks)
 
 
+ROWS = 256  # queries a blend computes between two yields
+
 T = TypeVar("T")
 Steps = Generator[float, None, T]  # yields the work done since the last yield, in prefill tokens
 
@@ -195,9 +209,8 @@ def blend(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: Blen
     checks = sorted(config.check_layers) if n_reused else []
     deviation = 0.0
 
+    last = len(inner.layers) - 1
     for i, layer in enumerate(inner.layers):
-        if i:  # between layers, never after the last: a sequence whose KV is whole has its logits
-            yield len(sel) / len(inner.layers)
         place(kv, i, pieces, shifts, start)
         cos, sin = cos_all[sel], sin_all[sel]
         if i in checks:
@@ -218,18 +231,22 @@ def blend(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: Blen
             sel, h, cos, sin = sel[picked], h[picked], cos[picked], sin[picked]
 
         q, k, v = project(layer, h, cos, sin)
+        rows = sel + start
         if len(sel) == n:
             kv.keys[i][:, start:total] = k.transpose(0, 1)
             kv.values[i][:, start:total] = v.transpose(0, 1)
-            out = attend(q.transpose(0, 1), kv.keys[i][:, :total], kv.values[i][:, :total], layer.self_attn.scaling)
         else:
-            rows = sel + start
             scatter_rows(kv.keys[i], rows, k.transpose(0, 1))
             scatter_rows(kv.values[i], rows, v.transpose(0, 1))
-            out = attend_rows(
-                q.transpose(0, 1), kv.keys[i][:, :total], kv.values[i][:, :total], rows, layer.self_attn.scaling
-            )
-        h = finish_layer(layer, h, out.transpose(0, 1))
+        # Queries in parts of ROWS, each part's work yielded: a long prompt's layer (its attention
+        # grows with the square of its length) never holds a step up for long.
+        parts = torch.arange(len(sel), device=h.device).split(ROWS)
+        out = torch.empty_like(h)
+        for part in parts:
+            out[part] = finish_layer(layer, h[part], attend_part(layer, kv, i, q[part], rows[part], len(sel) == n))
+            if i < last or part is not parts[-1]:  # never after the end: a whole KV has its logits
+                yield len(part) / len(inner.layers)
+        h = out
         kv.lengths[i] = total  # the last layer's length is the KV's: whole only once the blend is
 
     computed = torch.zeros(n, dtype=torch.bool)

@@ -14,7 +14,8 @@ import torch
 
 from kvgate.agents.programs import Turn
 from kvgate.chunk_cache import ChunkStore
-from kvgate.runtime.blend import BlendConfig, Steps
+from kvgate.runtime.blend import BlendConfig
+from kvgate.runtime.caching import Caches
 from kvgate.runtime.calibration import Calibration, model_fingerprint
 from kvgate.runtime.calibration import load as load_calibration
 from kvgate.runtime.calibration import path as calibration_path
@@ -26,7 +27,7 @@ from kvgate.runtime.model import Run, forward
 from kvgate.runtime.reuse import Reuser
 from kvgate.runtime.sampling import SamplingParams, TokenLogprob, choose, logprob_of, penalise
 from kvgate.runtime.scheduler import Scheduler
-from kvgate.runtime.sequence import Missing, Output, Plan, Sequence
+from kvgate.runtime.sequence import Output, Plan, Sequence
 from kvgate.runtime.shared import Spans
 
 log = logging.getLogger("kvgate.engine")
@@ -85,6 +86,7 @@ class Engine:
         self.reuser = self.make_reuser(self.calibration)
         self.grammars = Grammars(self.tokenizer, self.loaded.eos_token_ids)
         self.spans = Spans(self.reuser, cost=self.prefill_s)  # the gateway lends it its anchor pool (agents.AnchorPool)
+        self.caches = Caches(self.reuser, self.spans, self.prefill_s)
         budget = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.scheduler = Scheduler(config.max_num_seqs, budget, config.queue_order)
         self.prefill_s_per_token: float | None = None  # measured: a moving average over prefill steps
@@ -287,7 +289,7 @@ class Engine:
         allowed = self.allowed([seq for seq, run in batch if run.kv is seq.kv and not seq.prefilling], logits.shape[-1])
         for (seq, run), row in zip(batch, logits):
             if run.kv is not seq.kv:
-                self.computed(seq)
+                self.caches.computed(seq)
                 continue
             if seq.prefilling:
                 continue
@@ -297,7 +299,7 @@ class Engine:
             except Exception as exc:  # e.g. a NaN distribution: only this sequence ends
                 self.fail(seq, exc)
             if first:
-                self.settle(seq)
+                self.caches.settle(seq)
 
     def prepare(self, seq: Sequence, budget: int) -> Run | None:
         """Advance a sequence's reuse by about `budget` tokens of work. A run for this step: the next
@@ -305,7 +307,7 @@ class Engine:
         to prefill; None when the step has nothing to run for it (the reuse goes on, or it covered the
         whole prompt and the first token is out)."""
         if seq.missing is None:
-            seq.missing = self.lacking(seq)
+            seq.missing = self.caches.lacking(seq)
         if seq.missing:
             doc = seq.missing[0]
             done = len(doc.kv)
@@ -314,7 +316,7 @@ class Engine:
             self.ingested(seq)
             return None
         if seq.reusing is None:
-            seq.reusing = self.reuse(seq)
+            seq.reusing = self.caches.reuse(seq)
         spent = 0.0
         try:
             while spent < budget:
@@ -327,37 +329,13 @@ class Engine:
                 seq.reusing = None
         if logits is not None:  # the whole prompt is in the KV: straight to the first token
             self.sample(seq, logits)
-            self.settle(seq)
+            self.caches.settle(seq)
             return None
         return Run(seq.kv, seq.next_run(budget), seq.computed)
 
-    def lacking(self, seq: Sequence) -> list[Missing]:
-        """The plan's documents no tier holds, to compute in the sequence's steps (a blend would
-        otherwise compute each in one piece, stalling every other stream meanwhile)."""
-        plan = seq.plan
-        if plan is None or not any(plan.documents):
-            return []
-        if not seq.ingest and (plan.reuse.mode not in ("naive", "blend") or not self.reuser.shiftable):
-            return []
-        found = self.reuser.missing(plan.pieces, plan.documents, plan.scope)
-        return [Missing(key, ids, self.reuser.new_kv()) for key, ids in found]
-
-    def computed(self, seq: Sequence) -> None:
-        """A step ran a chunk of a document the prompt lacked: once whole, it is stored."""
-        assert seq.missing
-        doc = seq.missing[0]
-        if len(doc.kv) < len(doc.token_ids):
-            return
-        seq.missing.pop(0)
-        seq.fresh[doc.key] = self.reuser.stored(doc.kv, doc.key, doc.token_ids, self.prefill_s(len(doc.token_ids)))
-
     def ingested(self, seq: Sequence) -> None:
         """A document ingest is done: its KV is stored, its tokens remembered to find it by id."""
-        plan = seq.plan
-        assert plan is not None
-        for ids, is_document in zip(plan.pieces, plan.documents):
-            if is_document:
-                self.reuser.remember(self.reuser.key(ids, plan.scope), ids)
+        self.caches.remember(seq)
         seq.cached_tokens = len(seq.prompt_ids) - sum(len(entry.token_ids) for entry in seq.fresh.values())
         seq.finish_reason = "stop"
         callback = self.callbacks[seq.id]
@@ -372,48 +350,6 @@ class Engine:
             rate = seconds / tokens
             old = self.prefill_s_per_token
             self.prefill_s_per_token = rate if old is None else 0.8 * old + 0.2 * rate
-
-    def reuse(self, seq: Sequence) -> Steps[torch.Tensor | None]:
-        """Start the KV of a prompt as its plan says, stepwise: documents reused (a blend, layer by
-        layer), or a program's stored context resumed and then its shared spans reused (KVCOMM);
-        the first token's logits when the whole prompt is done, else None (the rest is prefilled in
-        the usual steps)."""
-        plan = seq.plan
-        if plan is None or plan.spans:
-            seq.planned = True
-            if seq.turn is not None and seq.turn.resume:
-                seq.cached_tokens = self.reuser.resume(seq.kv, seq.prompt_ids, seq.turn.resume)
-                seq.reuse = "program" if seq.cached_tokens else ""
-                if seq.turn.keep:  # the KV now lives in the sequence: the stored copy would count twice
-                    self.reuser.store.delete(seq.turn.resume)
-            if plan is None:
-                return None
-            reuse = plan.reuse
-            ratio = reuse.ratio if reuse.ratio is not None else self.reuser.blend.ratio
-            seq.shared = self.spans.prefill(seq.kv, plan.pieces, plan.spans, reuse.mode, plan.agent, plan.scope, ratio)
-            done = seq.shared.prefilled
-            label = seq.reuse if done.mode == "full" else done.mode  # "full": no span reused
-            seq.cached_tokens, seq.recomputed_tokens = done.reused, done.recomputed
-            seq.reuse = "; ".join(x for x in (label, done.note) if x)
-            return done.logits
-        done = yield from self.reuser.prefilling(seq.kv, plan.pieces, plan.documents, plan.reuse, plan.scope, seq.fresh)
-        seq.planned = True
-        seq.cached_tokens, seq.recomputed_tokens = done.reused, done.recomputed
-        seq.reuse = done.mode + (f"; {done.note}" if done.note else "")
-        return done.logits
-
-    def settle(self, seq: Sequence) -> None:
-        """The prompt's KV is complete and its first token out (sampling leaves the prompt's rows
-        as they are): what it leaves to store, its exact prefix or its new spans as sources and
-        its dense ones as anchors."""
-        plan, shared, seq.shared = seq.plan, seq.shared, None
-        try:
-            if plan is not None and plan.reuse.mode == "prefix":
-                self.reuser.store_prefix(seq.kv, plan.pieces, plan.scope)
-            if shared is not None and plan is not None:
-                self.spans.settle(seq.kv, shared, plan.agent, plan.scope)
-        except Exception:  # the answer stands; later prompts compute these again
-            log.exception("request %d: storing its prompt's KV failed", seq.id)
 
     def allowed(self, seqs: list[Sequence], width: int) -> dict[int, torch.Tensor]:
         """The tokens each constrained sequence may take next, its masks filled in parallel."""
@@ -449,25 +385,11 @@ class Engine:
             seq.finish_reason = "stop"  # the grammar is complete: nothing may follow
         callback = self.callbacks[seq.id]
         if seq.finish_reason is not None:
-            self.keep(seq)
+            self.caches.keep(seq)
             self.finish(seq)
         out = seq.take_output()
         if out is not None:
             self.deliver(seq, callback, out)
-
-    def keep(self, seq: Sequence) -> None:
-        """A finished turn of a program: store its whole context for the next turn."""
-        turn = seq.turn
-        if turn is None or not turn.keep:
-            return
-        until = time.monotonic() + turn.pin_s if turn.pin_s > 0 else None
-        try:
-            self.reuser.keep(seq.kv, seq.all_ids, turn.keep, self.prefill_s(len(seq.kv)), until)
-            plan = seq.plan
-            if plan is not None and plan.spans:  # its answer: a span other agents may read
-                self.spans.wrote(seq.kv, len(seq.prompt_ids), seq.output_ids, seq.text, plan.agent, plan.scope)
-        except Exception:  # the answer stands; the next turn computes its prompt again
-            log.exception("request %d: keeping its context failed", seq.id)
 
     def fail(self, seq: Sequence, exc: Exception) -> None:
         log.exception("request %d failed", seq.id, exc_info=exc)

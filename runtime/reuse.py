@@ -163,13 +163,25 @@ class Reuser:
         kv = self.new_kv()
         start = time.perf_counter()
         forward(self.model, [Run(kv, token_ids, 0)])
-        return self.stored(kv, key, token_ids, time.perf_counter() - start), False
+        entry = snapshot(kv, key, token_ids, time.perf_counter() - start, self.model_fp)
+        self.store.put(entry)
+        return entry, False
 
-    def stored(self, kv: KVCache, key: str, token_ids: list[int], cost: float) -> ChunkKV:
-        """Keep the KV of a document computed alone (at positions 0..T-1)."""
-        entry = snapshot(kv, key, token_ids, cost, self.model_fp)
+    def stored(self, key: str, token_ids: list[int], keys: torch.Tensor, values: torch.Tensor, cost: float) -> ChunkKV:
+        """Keep the KV of a document computed alone (positions 0..T-1), [layers, kv_heads, T, head_dim]."""
+        entry = ChunkKV(key, tuple(token_ids), keys, values, cost, self.model_fp)
         self.store.put(entry)
         return entry
+
+    def document_kv(self, tokens: int) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
+        """An empty KV for a document of `tokens` tokens whose layers are views of one keys and one
+        values tensor (also returned): allocated once, no doubling copies, stored without a copy."""
+        kv = self.new_kv()
+        layers, kv_heads, head_dim = self.kv_shape
+        shape, dtype, device = (layers, kv_heads, tokens, head_dim), self.model.dtype, self.model.device
+        keys, values = (torch.empty(shape, dtype=dtype, device=device) for _ in "kv")
+        kv.keys, kv.values = list(keys.unbind(0)), list(values.unbind(0))
+        return kv, keys, values
 
     def remember(self, key: str, token_ids: list[int]) -> None:
         with self.lock:

@@ -43,7 +43,9 @@ class Missing:
 
     key: str
     token_ids: list[int]
-    kv: KVCache
+    kv: KVCache  # its layers: views of keys and values
+    keys: torch.Tensor  # [layers, kv_heads, T, head_dim]
+    values: torch.Tensor
 
 
 class Status(Enum):

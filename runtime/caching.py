@@ -1,0 +1,108 @@
+"""What a sequence takes from the caches and leaves to them: the documents its prompt lacks
+(computed in its own steps), the reuse that starts its KV, and what it leaves for later prompts:
+an exact prefix, spans, a program's context."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvgate.runtime.blend import Steps
+from kvgate.runtime.reuse import Reuser
+from kvgate.runtime.sequence import Missing, Sequence
+from kvgate.runtime.shared import Spans
+
+log = logging.getLogger("kvgate.engine")
+
+
+class Caches:
+    def __init__(self, reuser: Reuser, spans: Spans, cost: Callable[[int], float]) -> None:
+        self.reuser, self.spans, self.cost = reuser, spans, cost  # cost: seconds to prefill n tokens
+
+    def lacking(self, seq: Sequence) -> list[Missing]:
+        """The plan's documents no tier holds, to compute in the sequence's steps (a blend would
+        otherwise compute each in one piece, stalling every other stream meanwhile)."""
+        plan = seq.plan
+        if plan is None or not any(plan.documents):
+            return []
+        if not seq.ingest and (plan.reuse.mode not in ("naive", "blend") or not self.reuser.shiftable):
+            return []
+        found = self.reuser.missing(plan.pieces, plan.documents, plan.scope)
+        return [Missing(key, ids, *self.reuser.document_kv(len(ids))) for key, ids in found]
+
+    def computed(self, seq: Sequence) -> None:
+        """A step ran a chunk of a document the prompt lacked: once whole, it is stored."""
+        assert seq.missing
+        doc = seq.missing[0]
+        if len(doc.kv) < len(doc.token_ids):
+            return
+        seq.missing.pop(0)
+        cost = self.cost(len(doc.token_ids))
+        seq.fresh[doc.key] = self.reuser.stored(doc.key, doc.token_ids, doc.keys, doc.values, cost)
+
+    def remember(self, seq: Sequence) -> None:
+        """An ingest is done: its documents' tokens are kept to find them by id."""
+        plan = seq.plan
+        assert plan is not None
+        for ids, is_document in zip(plan.pieces, plan.documents):
+            if is_document:
+                self.reuser.remember(self.reuser.key(ids, plan.scope), ids)
+
+    def reuse(self, seq: Sequence) -> Steps[torch.Tensor | None]:
+        """Start the KV of a prompt as its plan says, stepwise: documents reused (a blend, layer by
+        layer), or a program's stored context resumed and then its shared spans reused (KVCOMM);
+        the first token's logits when the whole prompt is done, else None (the rest is prefilled in
+        the usual steps)."""
+        plan = seq.plan
+        if plan is None or plan.spans:
+            seq.planned = True
+            if seq.turn is not None and seq.turn.resume:
+                seq.cached_tokens = self.reuser.resume(seq.kv, seq.prompt_ids, seq.turn.resume)
+                seq.reuse = "program" if seq.cached_tokens else ""
+                if seq.turn.keep:  # the KV now lives in the sequence: the stored copy would count twice
+                    self.reuser.store.delete(seq.turn.resume)
+            if plan is None:
+                return None
+            reuse = plan.reuse
+            ratio = reuse.ratio if reuse.ratio is not None else self.reuser.blend.ratio
+            seq.shared = self.spans.prefill(seq.kv, plan.pieces, plan.spans, reuse.mode, plan.agent, plan.scope, ratio)
+            done = seq.shared.prefilled
+            label = seq.reuse if done.mode == "full" else done.mode  # "full": no span reused
+            seq.cached_tokens, seq.recomputed_tokens = done.reused, done.recomputed
+            seq.reuse = "; ".join(x for x in (label, done.note) if x)
+            return done.logits
+        done = yield from self.reuser.prefilling(seq.kv, plan.pieces, plan.documents, plan.reuse, plan.scope, seq.fresh)
+        seq.planned = True
+        seq.cached_tokens, seq.recomputed_tokens = done.reused, done.recomputed
+        seq.reuse = done.mode + (f"; {done.note}" if done.note else "")
+        return done.logits
+
+    def settle(self, seq: Sequence) -> None:
+        """The prompt's KV is complete and its first token out (sampling leaves the prompt's rows
+        as they are): what it leaves to store, its exact prefix or its new spans as sources and
+        its dense ones as anchors."""
+        plan, shared, seq.shared = seq.plan, seq.shared, None
+        try:
+            if plan is not None and plan.reuse.mode == "prefix":
+                self.reuser.store_prefix(seq.kv, plan.pieces, plan.scope)
+            if shared is not None and plan is not None:
+                self.spans.settle(seq.kv, shared, plan.agent, plan.scope)
+        except Exception:  # the answer stands; later prompts compute these again
+            log.exception("request %d: storing its prompt's KV failed", seq.id)
+
+    def keep(self, seq: Sequence) -> None:
+        """A finished turn of a program: store its whole context for the next turn."""
+        turn = seq.turn
+        if turn is None or not turn.keep:
+            return
+        until = time.monotonic() + turn.pin_s if turn.pin_s > 0 else None
+        try:
+            self.reuser.keep(seq.kv, seq.all_ids, turn.keep, self.cost(len(seq.kv)), until)
+            plan = seq.plan
+            if plan is not None and plan.spans:  # its answer: a span other agents may read
+                self.spans.wrote(seq.kv, len(seq.prompt_ids), seq.output_ids, seq.text, plan.agent, plan.scope)
+        except Exception:  # the answer stands; the next turn computes its prompt again
+            log.exception("request %d: keeping its context failed", seq.id)
