@@ -1,18 +1,25 @@
-"""Local disk: one file per entry in one directory, written to a temporary name and
-renamed (a reader sees an old file or a whole new one), read through mmap. Least recently used
-files go first when over budget; the file's mtime is its last use, so the order survives a restart.
+"""Local disk: one file per entry in one directory, which any number of processes may share.
 
-No fsync: a file cut short by a crash fails its checksums and is a miss.
+The directory is its own ledger. A write takes the directory's lock (fcntl.flock on LOCK), removes
+the least recently used entries until every file there, entries and writes in flight, leaves room
+within the budget, and reserves its bytes by creating its temporary file at full size, locked for
+as long as it is written; then, the directory unlocked, fills it, fsyncs it, renames it to the
+entry's name and fsyncs the directory. A crash leaves an old entry or a whole new one, never part of
+one, and an unlocked temporary file (its lock died with its writer) that the next writer or opener
+removes. Reads go through mmap; a file's mtime is its last use, so the order survives a restart and
+is the same for every process. A damaged file is a miss (checksums: see entry.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import mmap
 import os
 import tempfile
 import threading
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from kvgate.chunk_cache.byte_tier import ByteTier, Read
@@ -20,18 +27,25 @@ from kvgate.chunk_cache.entry import CorruptEntry, Header
 from kvgate.chunk_cache.tier import register_tier
 
 SUFFIX = ".kvc"
+TMP = ".tmp"
+LOCK = ".lock"
 
 
 @register_tier("disk")
 class DiskTier(ByteTier):
+    durable = True
+
     def __init__(self, root: str | Path, budget_bytes: int) -> None:
         super().__init__(budget_bytes)
         self.dir = Path(root).expanduser()
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._files: dict[str, tuple[int, float]] = {}  # file name -> (bytes, last use)
-        self._keys: dict[str, str] = {}  # file name -> key
-        self._index_lock = threading.Lock()
-        self._scan()
+        self._keys: dict[str, str] = {}  # file name -> key, read from its header once
+        self._keys_lock = threading.Lock()
+        with self._locked():
+            self._sweep()
+            for name, _, _ in self._files(SUFFIX):
+                if self._key_of(name) is None:
+                    (self.dir / name).unlink(missing_ok=True)  # unreadable: it could never be a hit
 
     def path(self, key: str) -> Path:
         # Keys are arbitrary strings; file names are not.
@@ -41,18 +55,13 @@ class DiskTier(ByteTier):
         path = self.path(key)
         try:
             with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size == 0:
+                if os.fstat(f.fileno()).st_size == 0:
                     raise CorruptEntry("an empty file")
                 mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except FileNotFoundError:
-            self._forget(path.name)
             return None
-        now = time.time()
-        os.utime(path, (now, now))
-        with self._index_lock:
-            if path.name in self._files:
-                self._files[path.name] = (size, now)
+        with contextlib.suppress(FileNotFoundError):  # evicted since: the mapping still reads it
+            os.utime(path)  # a use: last in line for eviction
         view = memoryview(mapped)  # keeps the mapping alive as long as a reader holds it
         return lambda start, stop: view[start:stop]
 
@@ -60,17 +69,21 @@ class DiskTier(ByteTier):
         if len(data) > self.budget_bytes:
             return False
         path = self.path(key)
-        self._make_room(len(data), path.name)
-        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=f".{path.name}.", suffix=".tmp")
+        reserved = self._reserve(path.name, len(data))
+        if reserved is None:
+            return False
+        fd, tmp = reserved
         try:
-            with os.fdopen(fd, "wb") as f:
+            with os.fdopen(fd, "r+b") as f:
                 f.write(data)
-            os.replace(tmp, path)
+                f.flush()
+                os.fsync(f.fileno())
+                os.replace(tmp, path)  # before close: the file is never an unlocked temporary one
+            self._sync_dir()
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        with self._index_lock:
-            self._files[path.name] = (len(data), time.time())
+        with self._keys_lock:
             self._keys[path.name] = key
         return True
 
@@ -87,52 +100,111 @@ class DiskTier(ByteTier):
         return isinstance(key, str) and self.path(key).is_file()
 
     def keys(self) -> list[str]:
-        with self._index_lock:
-            return [self._keys[name] for name in self._files if name in self._keys]
+        found = (self._key_of(name) for name, _, _ in self._files(SUFFIX))
+        return [key for key in found if key is not None]
 
     @property
     def nbytes(self) -> int:
-        with self._index_lock:
-            return sum(size for size, _ in self._files.values())
+        """Bytes held in the directory by every process sharing it, writes in flight included."""
+        return sum(size for _, size, _ in self._files())
 
     def stats(self) -> dict[str, int | float]:
-        with self._index_lock:
-            entries = len(self._files)
-        return {**super().stats(), "entries": entries}
+        return {**super().stats(), "entries": len(self._files(SUFFIX))}
 
-    def _forget(self, name: str) -> None:
-        with self._index_lock:
-            self._files.pop(name, None)
-            self._keys.pop(name, None)
+    # ---- the shared directory ---------------------------------------------------------------
 
-    def _make_room(self, size: int, replacing: str) -> None:
-        with self._index_lock:
-            held = sum(s for name, (s, _) in self._files.items() if name != replacing)
-            victims = []
-            for name, (s, _) in sorted(self._files.items(), key=lambda kv: kv[1][1]):
-                if held + size <= self.budget_bytes:
-                    break
-                if name != replacing:
-                    victims.append(name)
-                    held -= s
-        for name in victims:
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The directory's lock, between processes and between threads (each takes its own descriptor)."""
+        fd = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def _reserve(self, name: str, size: int) -> tuple[int, str] | None:
+        """A locked temporary file of `size` bytes (descriptor, path), once the budget has room for it;
+        None when it cannot have room (writes in flight hold it)."""
+        with self._locked():
+            self._sweep()
+            if not self._make_room(size):
+                return None
+            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=f".{name}.", suffix=TMP)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.posix_fallocate(fd, 0, size)  # the reservation: a scan counts it at full size
+            except BaseException:
+                os.unlink(tmp)
+                os.close(fd)
+                raise
+            return fd, tmp
+
+    def _make_room(self, size: int) -> bool:
+        files = self._files()
+        held = sum(s for _, s, _ in files)
+        in_flight = sum(s for name, s, _ in files if name.endswith(TMP))
+        if in_flight + size > self.budget_bytes:
+            return False
+        for name, s, _ in sorted((f for f in files if f[0].endswith(SUFFIX)), key=lambda f: f[2]):
+            if held + size <= self.budget_bytes:
+                break
             self._forget(name)
             (self.dir / name).unlink(missing_ok=True)
             self.count("evictions")
+            held -= s
+        return True
 
-    def _scan(self) -> None:
-        """Index the files already there (another run's): sizes, last use, keys from their headers."""
-        for path in self.dir.glob("*" + SUFFIX):
+    def _sweep(self) -> None:
+        """Remove the temporary files of writers that died (under the directory's lock: a live writer
+        locked its file when it made it, and holds that lock until the file has its entry's name)."""
+        for name, _, _ in self._files(TMP):
             try:
-                stat = path.stat()
-                with open(path, "rb") as f:
-                    head = f.read(8)
-                    key = Header.parse(head + f.read(Header.size_of(head) - 8)).key
-            except (OSError, CorruptEntry):
-                path.unlink(missing_ok=True)  # unreadable: it could never be a hit
+                fd = os.open(self.dir / name, os.O_RDWR)
+            except FileNotFoundError:
                 continue
-            self._files[path.name] = (stat.st_size, stat.st_mtime)
-            self._keys[path.name] = key
-        for stale in self.dir.glob(".*.tmp"):  # a writer that died before its rename
-            if time.time() - stale.stat().st_mtime > 600:
-                stale.unlink(missing_ok=True)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.unlink(self.dir / name)
+            except BlockingIOError:
+                pass  # a live writer's
+            finally:
+                os.close(fd)
+
+    def _files(self, *ends: str) -> list[tuple[str, int, int]]:
+        """(name, bytes, last use in ns) of the files there now: entries and temporary files, or those
+        ending with `ends`."""
+        ends = ends or (SUFFIX, TMP)
+        found = []
+        with os.scandir(self.dir) as it:
+            for e in it:
+                if e.name.endswith(ends):
+                    with contextlib.suppress(FileNotFoundError):  # removed by another process meanwhile
+                        st = e.stat()
+                        found.append((e.name, st.st_size, st.st_mtime_ns))
+        return found
+
+    def _key_of(self, name: str) -> str | None:
+        with self._keys_lock:
+            if name in self._keys:
+                return self._keys[name]
+        try:
+            with open(self.dir / name, "rb") as f:
+                head = f.read(8)
+                key = Header.parse(head + f.read(Header.size_of(head) - 8)).key
+        except (OSError, CorruptEntry):
+            return None
+        with self._keys_lock:
+            self._keys[name] = key
+        return key
+
+    def _forget(self, name: str) -> None:
+        with self._keys_lock:
+            self._keys.pop(name, None)
+
+    def _sync_dir(self) -> None:
+        fd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -77,6 +77,8 @@ if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then redis.call('ZADD', 
 
 @register_tier("redis")
 class RedisTier(ByteTier):
+    durable = True
+
     def __init__(
         self,
         url: str,
@@ -204,7 +206,7 @@ class RedisTier(ByteTier):
     def _call(self, command: str, *args: Any, **kwargs: Any) -> Any:
         """Run one redis-py command; after an outage, raise TierUnavailable without trying until retry_s."""
         if time.monotonic() < self._retry_at:
-            raise TierUnavailable(f"redis at {self.url} failed; next try in {self._retry_at - time.monotonic():.1f}s")
+            raise TierUnavailable(f"redis failed; next try in {self._retry_at - time.monotonic():.1f}s")
         try:
             result = getattr(self._client(), command)(*args, **kwargs)
             # scan_iter is lazy: consume it here, where its errors are caught

@@ -3,7 +3,8 @@
 Reads search the tiers in order; a hit in a lower tier is read layer by layer in the background
 (`fetch` hands back a `Loading` at once) and promoted to the first tier once whole. Writes go to
 the first tier now and to every lower tier behind the request, in a writer thread; each tier's
-evictions demote to the next one down the same way.
+evictions demote to the next one down the same way. `settle` waits (a bounded time) until an
+entry's writes have landed, and says which tier holds it: one that outlives the process, if any.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from kvgate.chunk_cache.tier import Tier, make_tier
 
 log = logging.getLogger(__name__)
 
+SETTLE_S = 30.0  # the longest `settle` waits for an entry's writes (behind the other writes queued)
+
 
 class ChunkStore:
     def __init__(self, tiers: Sequence[Tier], write_queue: int = 64) -> None:
@@ -42,6 +45,8 @@ class ChunkStore:
         self._order = itertools.count()
         self._deleted: dict[str, int] = {}
         self._writing = threading.Lock()  # held while one write lands, and while a delete runs
+        self._pending: dict[str, int] = {}  # key -> its writes queued or landing
+        self._landed = threading.Condition()
         self._writer = threading.Thread(target=self._write_behind, name="kvgate-chunk-write", daemon=True)
         self._writer.start()
 
@@ -98,6 +103,19 @@ class ChunkStore:
     def __contains__(self, key: object) -> bool:
         return any(key in tier for tier in self.tiers)
 
+    def where(self, key: str) -> Tier | None:
+        """The tier that holds `key`: the lowest durable one that does, else the first that does."""
+        holding = [tier for tier in self.tiers if key in tier]
+        durable = [tier for tier in holding if tier.durable]
+        return durable[-1] if durable else holding[0] if holding else None
+
+    def settle(self, key: str, timeout_s: float = SETTLE_S) -> Tier | None:
+        """Wait until the writes of `key` queued so far have landed (at most `timeout_s`), then say
+        where it is. A write dropped or refused is not waited for: the answer is then where it is."""
+        with self._landed:
+            self._landed.wait_for(lambda: key not in self._pending, timeout_s)
+        return self.where(key)
+
     def pin(self, key: str, until: float) -> bool:
         """Pin `key` in the fastest tier that holds it and can pin (`until` on that tier's clock)."""
         return any(tier.pin(key, until) for tier in self.tiers)
@@ -147,10 +165,21 @@ class ChunkStore:
             self._count("promotions")
 
     def _enqueue(self, entry: ChunkKV, below: int) -> None:
+        self._pend(entry.key, 1)
         try:
             self._writes.put_nowait((entry, below, next(self._order)))
         except queue.Full:
+            self._pend(entry.key, -1)
             self._count("writes_dropped")
+
+    def _pend(self, key: str, n: int) -> None:
+        with self._landed:
+            left = self._pending.get(key, 0) + n
+            if left:
+                self._pending[key] = left
+            else:
+                del self._pending[key]
+                self._landed.notify_all()
 
     def _write_behind(self) -> None:
         while (job := self._writes.get()) is not None:
@@ -166,5 +195,6 @@ class ChunkStore:
             except Exception:
                 log.exception("writing chunk %s behind failed", entry.key)
             finally:
+                self._pend(entry.key, -1)
                 self._writes.task_done()
         self._writes.task_done()

@@ -18,6 +18,8 @@ class Tier(ABC):
     """
 
     name: ClassVar[str] = ""
+    # Whether an entry it holds outlives this process (a crash, a restart): disk and Redis do.
+    durable: ClassVar[bool] = False
 
     def __init__(self) -> None:
         # Called with each entry this tier evicts, after its lock is released; the store points

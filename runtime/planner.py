@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.chunk_cache import fingerprint
+from kvgate.chunk_cache import Tier, fingerprint
 from kvgate.runtime.documents import chat_pieces, document_ids, message_pieces
 from kvgate.runtime.reuse import Reuse, Reuser
 from kvgate.runtime.sequence import Plan
@@ -95,10 +95,9 @@ class Planner:
     def tokens(self, text: str) -> list[int]:
         return document_ids(self.tokenizer, text)
 
-    def store(self, token_ids: list[int], scope: str) -> tuple[str, int]:
-        """Compute and keep a document's KV (on the engine thread): its id and token count."""
-        entry, _ = self.reuser.document(token_ids, scope, remember=True)
-        return PREFIX + entry.key, entry.tokens
+    def document_id(self, token_ids: list[int], scope: str) -> str:
+        """The id of a document (its KV computed and kept by Engine.ingest)."""
+        return PREFIX + self.reuser.key(token_ids, scope)
 
     def find(self, document_id: str, scope: str, index: int | None = None) -> tuple[str, tuple[int, ...]]:
         """A stored document's key and tokens."""
@@ -108,8 +107,11 @@ class Planner:
             raise DocumentNotFound(document_id, index)
         return key, tokens
 
-    def cached(self, key: str) -> bool:
-        return key in self.reuser.store
+    def cached(self, key: str, settle: bool = False) -> Tier | None:
+        """The tier holding a document's KV: the lowest durable one that does, else the first that does;
+        None when none does. `settle` (blocking, bounded): first wait until its queued writes landed."""
+        store = self.reuser.store
+        return store.settle(key) if settle else store.where(key)
 
     def forget(self, document_id: str, scope: str) -> None:
         key, _ = self.find(document_id, scope)

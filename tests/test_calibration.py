@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,7 +14,10 @@ import pytest
 from kvgate.bench.calibrate import deviation_limit
 from kvgate.bench.fidelity import Scores
 from kvgate.runtime.calibration import Calibration, load, model_fingerprint, path, pick_ratio, save
+from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.loader import LoadedModel
+from kvgate.runtime.loader import load as load_model
+from tests.test_families import FAMILIES, saved
 
 
 def sample() -> Calibration:
@@ -71,9 +77,45 @@ def test_the_deviation_limit_comes_from_the_chosen_ratio() -> None:
     assert deviation_limit({0.0: Scores(deviation=[0.0])}, 0.0) is None
 
 
-def test_the_model_fingerprint_is_the_engines(loaded: LoadedModel) -> None:
+def test_the_model_fingerprint_is_the_engines(loaded: LoadedModel, engine) -> None:
     fp = model_fingerprint(loaded)
-    assert fp == model_fingerprint(loaded) and len(fp) == 64
-    from kvgate.chunk_cache import fingerprint
+    assert fp == model_fingerprint(loaded) == engine.model_fp and len(fp) == 64
 
-    assert fp == fingerprint(str(loaded.path), str(loaded.model.dtype))
+
+def tiny(where: Path, **config) -> LoadedModel:
+    if not (where / "config.json").is_file():
+        saved(FAMILIES["llama"], where)
+    return load_model(EngineConfig(model=str(where), cache_dir=where.parent / f"cache-{where.name}", **config))
+
+
+def test_the_model_fingerprint_is_its_content_not_its_path(tmp_path: Path) -> None:
+    a = tiny(tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    b = tiny(tmp_path / "b")  # another path, another cache dir
+    fp = model_fingerprint(a)
+    assert model_fingerprint(b) == fp == model_fingerprint(replace(a, cache_dir=None))
+    save(sample(), path(tmp_path / "cache", fp))  # a calibration made with one copy serves the other
+    assert load(path(tmp_path / "cache", model_fingerprint(b))) == sample()
+
+    assert model_fingerprint(tiny(tmp_path / "a", dtype="bfloat16")) != fp  # KV differs by dtype
+    a.tokenizer.chat_template = "{{ messages }}"
+    assert model_fingerprint(a) != fp  # so do the prompts the template makes
+
+
+def test_weights_are_hashed_once_and_again_when_their_file_changes(tmp_path: Path) -> None:
+    loaded = tiny(tmp_path / "m")
+    fp = model_fingerprint(loaded)
+    weights = (tmp_path / "m" / "model.safetensors").resolve()
+    kept = next(
+        f
+        for f in (tmp_path / "cache-m" / "digests").glob("*.json")
+        if json.loads(f.read_text())["path"] == str(weights)
+    )
+    record = json.loads(kept.read_text())
+    assert record["sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
+    # A restart reads the kept hash rather than hashing again: a kept hash changed by hand is followed.
+    kept.write_text(json.dumps({**record, "sha256": "0" * 64}))
+    assert model_fingerprint(loaded) != fp
+    # Any change to the file's stat (here a rewrite of the same bytes) and it is hashed again.
+    weights.write_bytes(weights.read_bytes())
+    assert model_fingerprint(loaded) == fp

@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
-from kvgate.chunk_cache import fingerprint
 from kvgate.runtime.calibration import load as load_calibration
+from kvgate.runtime.calibration import model_fingerprint
 from kvgate.runtime.calibration import path as calibration_path
 from kvgate.runtime.loader import converted_dir, default_gguf, resolve
 from tests.servers import free_port
@@ -165,8 +165,8 @@ def test_calibrate_stores_a_calibration_the_engine_finds(tmp_path: Path, setting
     args = ["calibrate", "--docs", "2", "--limit", "1", "--words", "50", "--ratios", "0,20", "--target", "0.5"]
     proc = subprocess.run([KVGATE, *args], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    # Where the engine looks: the model as loaded from this cache dir, and its dtype.
-    model_fp = fingerprint(str(converted_dir(default_gguf(), cache)), str(loaded.model.dtype))
+    # Where the engine looks: the model's fingerprint (its content: the same from this cache dir).
+    model_fp = model_fingerprint(loaded)
     cal = load_calibration(calibration_path(cache, model_fp))
     assert cal is not None and cal.items == 1 and cal.metric == "top1" and cal.target == 0.5
     assert set(cal.curve) == {"0", "0.2"} and cal.ratio in (0.0, 0.2)

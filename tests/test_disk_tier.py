@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -152,3 +154,80 @@ def test_damage_found_mid_load_fails_the_load_and_deletes_the_file(tmp_path: Pat
     store.flush()
     assert "doc" not in disk and "doc" not in store and store.get("doc") is None
     store.close()
+
+
+# ---- durability: settle, crashed writers, one budget per directory ---------------------------------
+
+
+class HeldDisk(DiskTier):
+    """A disk tier whose writes wait until the test lets them go, to watch `settle` wait for one.
+    (A gate, not a fake: the bytes still go to the real file.)"""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.open, self.writing = threading.Event(), threading.Event()
+
+    def write(self, key: str, data: bytes) -> bool:
+        self.writing.set()
+        self.open.wait(10)
+        return super().write(key, data)
+
+
+def test_settle_waits_until_the_disk_holds_the_entry_and_names_it(tmp_path: Path) -> None:
+    memory, disk = MemoryTier(budget_bytes=1 << 20), HeldDisk(tmp_path, budget_bytes=1 << 20)
+    store = ChunkStore([memory, disk])
+    entry = chunk()
+    store.put(entry)
+    assert store.where("doc") is memory and not memory.durable  # in memory only, so far
+    started = time.monotonic()
+    assert store.settle("doc", timeout_s=0.3) is memory  # bounded: the write is still held
+    assert 0.3 <= time.monotonic() - started < 5
+    threading.Timer(0.2, disk.open.set).start()
+    assert store.settle("doc") is disk and disk.durable
+    assert same(DiskTier(tmp_path, budget_bytes=1 << 20).get("doc"), entry)  # whole, as another process sees it
+    assert store.where("absent") is None and store.settle("absent") is None
+    store.close()
+
+
+def test_settle_does_not_wait_for_a_write_dropped_or_refused(tmp_path: Path) -> None:
+    memory, disk = MemoryTier(budget_bytes=1 << 20), HeldDisk(tmp_path, budget_bytes=1 << 20)
+    store = ChunkStore([memory, disk], write_queue=1)
+    store.put(chunk("a"))
+    assert disk.writing.wait(10)  # the writer took it, and waits
+    store.put(chunk("b"))  # queued
+    store.put(chunk("c"))  # the queue is full: dropped
+    started = time.monotonic()
+    assert store.settle("c") is memory and time.monotonic() - started < 1
+    disk.open.set()
+    assert store.settle("b") is disk
+    store.close()
+
+    small = ChunkStore([MemoryTier(budget_bytes=1 << 20), DiskTier(tmp_path / "small", budget_bytes=100)])
+    small.put(chunk("big"))  # larger than the disk's budget: refused there
+    assert small.settle("big") is small.tiers[0]
+    small.close()
+
+
+def test_temporary_files_of_dead_writers_go_at_open_and_a_live_writers_stay(tmp_path: Path) -> None:
+    dead, live = tmp_path / ".a.kvc.dead.tmp", tmp_path / ".b.kvc.live.tmp"
+    dead.write_bytes(b"half an entry")
+    live.write_bytes(b"an entry being written")
+    with open(live, "r+b") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as its writer holds it, until its rename
+        disk = DiskTier(tmp_path, budget_bytes=1 << 20)
+        assert not dead.exists() and live.exists()
+        assert disk.nbytes == live.stat().st_size  # a write in flight counts against the budget
+    disk.put(chunk())  # its writer gone, the next write sweeps it
+    assert not live.exists() and disk.keys() == ["doc"]
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_writes_in_flight_hold_their_room_until_done(tmp_path: Path) -> None:
+    size = len(chunk().to_bytes())
+    disk = DiskTier(tmp_path, budget_bytes=int(1.5 * size))
+    flight = tmp_path / ".x.kvc.flight.tmp"
+    flight.write_bytes(b"\0" * size)
+    with open(flight, "r+b") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert not disk.put(chunk("a"))  # no room beside the write in flight, whatever is evicted
+    assert disk.put(chunk("a")) and disk.nbytes <= disk.budget

@@ -8,6 +8,8 @@ import httpx
 import openai
 import pytest
 
+from kvgate.chunk_cache import DiskTier
+
 QUESTION = "Where was the author of Hannibal and Scipio educated?"
 DOCS = [
     "Hannibal and Scipio is a Caroline era stage play, a classical tragedy written by Thomas Nabbes. "
@@ -67,6 +69,14 @@ def test_a_stored_document_cited_by_id_answers_as_its_text(client, model_name, b
     by_text = ask(client, model_name, [{"text": d} for d in DOCS]).parse()
     assert by_id.choices[0].message.content == by_text.choices[0].message.content
     assert by_id.usage == by_text.usage
+
+
+def test_a_stored_document_is_on_disk_when_its_card_says_so(base_url, settings) -> None:
+    text = "The Old Mill station closes at nine; the last train leaves Pier Street at half past eight."
+    card = httpx.post(f"{base_url}/v1/documents", json={"text": text}, headers=AS_CLIENT, timeout=60).json()
+    assert card["cached"] and card["durable"] and card["tier"] == "disk"
+    # Whole on disk as the server answers: another process opening the directory reads it.
+    assert DiskTier(settings.chunk_cache_dir, 1 << 30).get(card["id"].removeprefix("doc-")) is not None
 
 
 def test_exact_prefix_reuse_finds_an_earlier_prompt(client, model_name) -> None:
