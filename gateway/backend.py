@@ -84,6 +84,10 @@ class Backend(ABC):
     @abstractmethod
     def serves(self, model: str) -> bool: ...
 
+    def document_models(self) -> list[str]:
+        """The models whose KV `POST /v1/documents` computes (a key must be allowed one of them)."""
+        return [c["id"] for c in self.models()]
+
     @abstractmethod
     def identity(self, model: str) -> dict[str, str]:
         """What answers for `model` (the semantic cache's entries are scoped by it)."""

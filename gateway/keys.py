@@ -1,30 +1,50 @@
 """API keys: each maps to a tenant, the models it may use and its rate limits. Keys come from the
 settings file (plain, or `sha256:<hex>` of the key) or are created through the admin API; created ones
 live in Redis when `redis_url` is set (stored hashed, shared by every process), else in this process.
-Every cache and pin is scoped by the tenant `authenticate` sets on the request."""
+Every cache and pin is scoped by the tenant `authenticate` sets on the request.
+
+Where keys are not required, a bearer token that is no key is a tenant of its own, named by an HMAC of
+the token under a secret kept in `cache_dir` (no one computes a tenant's name without its token, even
+a guessable token's); callers without a token are one tenant, ANONYMOUS. A Redis that does not answer a
+key lookup or an admin call is a 503 (`redis_unavailable`) within TIMEOUT_S, never a 401 or a 500."""
 
 from __future__ import annotations
 
 import hashlib
+import hmac
+import ipaddress
 import json
 import logging
+import os
 import re
 import secrets
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
 from fastapi import Request
+from fastapi.responses import JSONResponse
+from redis.exceptions import ClusterDownError, RedisClusterException
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.limits import Limiter, Limits
+from kvgate.gateway.settings import Settings
 
 log = logging.getLogger("kvgate.keys")
 REDIS_PREFIX = "kvgate:key:"
 CACHE_S = 5.0  # a key revoked in Redis stops working in other processes within this long
 CACHE_MAX = 10_000
 KEY_ID = re.compile(r"^key-[0-9a-f]{16}$")
+TIMEOUT_S = 0.5  # a Redis command that takes longer is an outage
+ANONYMOUS = "anonymous"  # the tenant of callers without a token, where keys are not required
+SECRET_FILE = "tenant-secret"  # in cache_dir, mode 0600
+# Redis out of reach (stopped, paused, unreachable, a cluster without its slots), not a wrong command.
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ClusterDownError, RedisClusterException)
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 def digest(token: str) -> str:
@@ -65,14 +85,25 @@ def key_of(hashed: str, spec: str | dict[str, Any], source: str, default: Limits
 
 
 class Keys:
-    def __init__(self, configured: dict[str, Any], redis_url: str | None, required: bool, default: Limits) -> None:
-        self.required, self.default = required, default
+    def __init__(self, settings: Settings) -> None:
+        self.required, self.default = settings.keys_required, settings.limits()
         self.known: dict[str, Key] = {}  # sha256 of the key -> Key
-        for token, spec in configured.items():
+        for token, spec in settings.api_keys.items():
             hashed = token.removeprefix("sha256:").lower() if token.startswith("sha256:") else digest(token)
-            self.known[hashed] = key_of(hashed, spec, "settings", default)
-        self.redis = aioredis.from_url(redis_url) if redis_url else None
+            self.known[hashed] = key_of(hashed, spec, "settings", self.default)
+        self.redis: aioredis.Redis | None = None
+        if settings.redis_url:
+            timeouts = {"socket_timeout": TIMEOUT_S, "socket_connect_timeout": TIMEOUT_S}
+            self.redis = aioredis.from_url(settings.redis_url, **timeouts)
         self.cached: dict[str, tuple[float, Key | None]] = {}
+        self.secret = b"" if self.required else tenant_secret(settings.cache_dir)
+        self.proxies = networks(settings.trusted_proxies)
+
+    def tenant(self, token: str) -> str:
+        """The tenant of a caller without a key: its token's own, or ANONYMOUS without one."""
+        if not token:
+            return ANONYMOUS
+        return "anon-" + hmac.new(self.secret, token.encode(), hashlib.sha256).hexdigest()[:24]
 
     async def find(self, token: str) -> Key | None:
         hashed = digest(token)
@@ -82,11 +113,8 @@ class Keys:
         hit = self.cached.get(hashed)
         if hit is not None and hit[0] > now:
             return hit[1]
-        try:
-            raw = await self.redis.get(REDIS_PREFIX + hashed)
-        except Exception as exc:  # Redis down: keys from the settings still work
-            log.warning("api key lookup in Redis failed: %s", exc)
-            return None
+        # Redis down: a REDIS_DOWN error, answered 503 (keys from the settings still work)
+        raw = await self.redis.get(REDIS_PREFIX + hashed)
         key = key_of(hashed, json.loads(raw), "redis", self.default) if raw else None
         if len(self.cached) >= CACHE_MAX:
             self.cached.clear()
@@ -134,15 +162,71 @@ class Keys:
             await self.redis.aclose()
 
 
+def tenant_secret(cache_dir: Path) -> bytes:
+    """The secret that names token tenants: read from cache_dir, or made there (0600) the first time,
+    so that a token keeps its tenant across restarts and in every process sharing the directory."""
+    path = cache_dir / SECRET_FILE
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            fresh = cache_dir / f".{SECRET_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
+            fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(secrets.token_hex(32))
+            try:
+                os.link(fresh, path)  # atomic, and never over another process's secret
+            except FileExistsError:
+                pass
+            finally:
+                fresh.unlink()
+        os.chmod(path, 0o600)
+        secret = path.read_text().strip()
+        if len(secret) >= 32:
+            return secret.encode()
+        log.warning("%s is too short; token tenants get a secret of this process", path)
+    except OSError as exc:
+        log.warning("cannot keep the tenant secret in %s (%s); token tenants get one of this process", path, exc)
+    return secrets.token_bytes(32)
+
+
+def networks(given: list[str]) -> tuple[Network, ...]:
+    """The trusted proxies' addresses and networks (`trusted_proxies`)."""
+    try:
+        return tuple(ipaddress.ip_network(n.strip(), strict=False) for n in given)
+    except ValueError as exc:
+        raise ValueError(f"trusted_proxies: {exc}") from None
+
+
+def trusted(address: str, proxies: tuple[Network, ...]) -> bool:
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return any(ip in n for n in proxies)
+
+
+def caller_address(request: Request) -> str:
+    """Whom a request comes from: the peer; behind trusted proxies, the right-most address of
+    X-Forwarded-For that is not a trusted proxy (what comes before it, anyone could have written)."""
+    peer = request.client.host if request.client else ""
+    proxies: tuple[Network, ...] = request.app.state.keys.proxies
+    if not proxies or not trusted(peer, proxies):
+        return peer
+    chain = [a.strip() for h in request.headers.getlist("x-forwarded-for") for a in h.split(",")]
+    for address in reversed([a for a in chain if a]):
+        if not trusted(address, proxies):
+            return address[:64]
+        peer = address
+    return peer
+
+
 def bearer(request: Request) -> str:
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     return token.strip() if scheme.lower() == "bearer" else ""
 
 
 async def authenticate(request: Request) -> None:
-    """Sets request.state.tenant and .key, and counts the request against the key's rate limits.
-    Without a key (where keys are not required) the tenant is a hash of the bearer token, so two
-    callers never share cached answers by default."""
+    """Sets request.state.tenant and .key, and counts the request against the key's rate limits."""
     keys: Keys = request.app.state.keys
     token = bearer(request)
     key = await keys.find(token) if token else None
@@ -150,7 +234,7 @@ async def authenticate(request: Request) -> None:
         said = "Incorrect API key provided." if token else "You didn't provide an API key (Authorization: Bearer)."
         raise APIError(401, said, code="invalid_api_key")
     request.state.key = key
-    request.state.tenant = key.tenant if key else "anon-" + digest(token)[:24]
+    request.state.tenant = key.tenant if key else keys.tenant(token)
     limits = limits_of(request)
     if limits.rpm is None and limits.tpm is None:
         return
@@ -179,15 +263,16 @@ def limits_of(request: Request) -> Limits:
 
 def budget_of(request: Request) -> str:
     """Whose rate limits: the key's; a caller without a key is counted by address (a bearer token it
-    makes up must not buy a new budget)."""
+    makes up must not buy a new budget, nor an X-Forwarded-For header no trusted proxy wrote)."""
     key: Key | None = request.state.key
-    return key.id if key else "addr:" + (request.client.host if request.client else "")
+    return key.id if key else "addr:" + caller_address(request)
 
 
-def allow_model(request: Request, model: str) -> None:
+def allow_model(request: Request, *models: str) -> None:
+    """403 unless the key may use one of `models` (the one a request names, or those a route runs)."""
     key: Key | None = request.state.key
-    if key is not None and not key.allows(model):
-        raise APIError(403, f"this API key may not use the model `{model}`", "model", "model_not_allowed")
+    if key is not None and models and not any(key.allows(m) for m in models):
+        raise APIError(403, f"this API key may not use the model `{models[0]}`", "model", "model_not_allowed")
 
 
 async def spend(request: Request, tokens: int) -> None:
@@ -196,3 +281,10 @@ async def spend(request: Request, tokens: int) -> None:
     if limits.tpm is not None and tokens > 0:
         limiter: Limiter = request.app.state.limiter
         await limiter.spend(budget_of(request), limits, tokens)
+
+
+async def redis_down(request: Request, exc: Exception) -> JSONResponse:
+    """The answer when Redis, which holds created keys and what the admin routes change, does not answer."""
+    log.warning("%s %s: redis did not answer (%s)", request.method, request.url.path, type(exc).__name__)
+    said = "Redis (keys, the semantic cache) is not answering; retry shortly."
+    return APIError(503, said, code="redis_unavailable", headers={"retry-after": "1"}).response()

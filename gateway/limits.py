@@ -31,6 +31,8 @@ import redis.asyncio as redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ClusterDownError, RedisClusterException
 
+from kvgate.gateway.logs import redacted
+
 log = logging.getLogger("kvgate.limits")
 
 WINDOW_S = 60
@@ -221,7 +223,7 @@ class RedisLimiter(Limiter):
             return None
         if self._failing:
             self._failing = False
-            log.warning("redis at %s is back; rate limits are enforced again", self.url)
+            log.warning("redis at %s is back; rate limits are enforced again", redacted(self.url))
         return done
 
     def _fail(self, what: str, exc: Exception) -> None:
@@ -229,7 +231,7 @@ class RedisLimiter(Limiter):
         if not self._failing:
             self._failing = True
             name = type(exc).__name__
-            log.warning("redis at %s %s (%s: %s); rate limits are not enforced", self.url, what, name, exc)
+            log.warning("redis at %s %s (%s: %s); rate limits are not enforced", redacted(self.url), what, name, exc)
 
     async def _connect(self) -> None:
         async with self._connecting:

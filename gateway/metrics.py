@@ -18,6 +18,25 @@ disable_created_metrics()  # the *_created series double the output and say litt
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
+MAX_VALUES = 64  # distinct values of a label a caller names (a model in proxy mode with "*"); then OTHER
+OTHER = "other"
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+class Capped:
+    """A label's values as they come, up to `limit` distinct ones; any new one after that is OTHER, so
+    that callers cannot grow the series without bound."""
+
+    def __init__(self, limit: int = MAX_VALUES) -> None:
+        self.limit, self.seen = limit, set[str]()
+
+    def __call__(self, value: str) -> str:
+        if value in self.seen:
+            return value
+        if len(self.seen) >= self.limit:
+            return OTHER
+        self.seen.add(value)
+        return value
 
 
 class Metrics:
@@ -25,6 +44,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
+        self.model = Capped()
         self.requests = Counter("kvgate_requests", "HTTP requests", ["route", "method", "status"], registry=r)
         self.latency = Histogram(
             "kvgate_request_duration_seconds", "request latency", ["route"], buckets=LATENCY_BUCKETS, registry=r
@@ -55,8 +75,11 @@ class Metrics:
         )
 
     def usage(self, model: str, counted: dict[str, Any]) -> None:
-        self.prompt_tokens.labels(model).inc(counted.get("prompt_tokens") or 0)
-        self.completion_tokens.labels(model).inc(counted.get("completion_tokens") or 0)
+        prompt, completion = counted.get("prompt_tokens") or 0, counted.get("completion_tokens") or 0
+        if not prompt and not completion:  # nothing answered: no series for a name that served nothing
+            return
+        self.prompt_tokens.labels(self.model(model)).inc(prompt)
+        self.completion_tokens.labels(self.model(model)).inc(completion)
 
     def reuse(self, mode: str, reused: int, recomputed: int) -> None:
         if reused <= 0:
@@ -151,8 +174,9 @@ class Observe:
         try:
             await self.app(scope, receive, sent)
         finally:
-            route = getattr(scope.get("route"), "path", "unmatched")
-            self.metrics.requests.labels(route, scope["method"], str(status)).inc()
+            route = getattr(scope.get("route"), "path", "unmatched")  # a template: bounded by the app
+            method = scope["method"] if scope["method"] in METHODS else OTHER
+            self.metrics.requests.labels(route, method, str(status)).inc()
             self.metrics.latency.labels(route).observe(time.perf_counter() - started)
             if streamed and first is not None:
                 self.metrics.ttft.labels(route).observe(first)

@@ -49,8 +49,20 @@ async def add_document(request: Request) -> Response:
     document = validated(DocumentRequest, read(raw), strict=True)
     assert isinstance(document, DocumentRequest)
     backend: Backend = request.app.state.backend
+    allow_model(request, *backend.document_models())  # computing a document's KV runs the model
     reply = await backend.add_document(document.text, raw, request.state.tenant, request.state.request_id)
+    if reply.status == 200:
+        await spend(request, tokens_of(reply.content))
     return Response(reply.content, reply.status, headers=reply.headers)
+
+
+def tokens_of(card: bytes | None) -> int:
+    """The tokens of a stored document, from its card (what its KV cost, as a prompt's tokens do)."""
+    try:
+        tokens = json.loads(card or b"{}").get("tokens")
+    except (ValueError, AttributeError):
+        return 0
+    return tokens if isinstance(tokens, int) else 0
 
 
 @router.get("/v1/documents/{document_id}")

@@ -40,7 +40,8 @@ def serving(settings: Settings, engine: Engine | None, workers: tuple[Upstream, 
     """The gateway over `engine` (None: over upstreams, or `workers`) on loopback; yields its base URL."""
     port = free_port()
     app = create_app(settings, make_backend(settings, engine, workers))
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    # proxy_headers off, as `kvgate serve` runs it: X-Forwarded-For is the app's to believe or not
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", proxy_headers=False)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -80,7 +80,10 @@ def test_tokens_per_minute_refuse_the_next_request(url, model_name):
 
 def test_documents_belong_to_their_tenant(url, model_name):
     stored = httpx.post(
-        url + "/v1/documents", json={"text": "Alpha's private notes."}, headers={"authorization": "Bearer sk-alpha"}
+        url + "/v1/documents",
+        json={"text": "Alpha's private notes."},
+        headers={"authorization": "Bearer sk-alpha"},
+        timeout=60,
     ).json()
     cite = {"documents": [{"id": stored["id"]}]}
     assert ask(url, "sk-alpha", model_name, **cite).status_code == 200
@@ -125,3 +128,21 @@ def test_callers_without_a_key_share_their_address_budget(settings, engine, mode
     with serving(settings.model_copy(update={"rate_limit_rpm": 1}), engine) as url:
         assert ask(url, "made-up-1", model_name).status_code == 200
         assert ask(url, "made-up-2", model_name).status_code == 429
+
+
+def test_a_token_tenant_needs_the_token_and_the_servers_secret(tmp_path):
+    """Without keys, a token's tenant is an HMAC of it under a secret made once (0600) in cache_dir:
+    the same across processes sharing the directory, not computable from the token alone (a plain
+    hash of a guessable token would be), and callers without a token are one tenant of their own."""
+    import hmac
+
+    from kvgate.gateway.keys import ANONYMOUS, SECRET_FILE, Keys
+
+    one, two = (Keys(Settings(cache_dir=tmp_path / "a")) for _ in range(2))
+    secret = (tmp_path / "a" / SECRET_FILE).read_bytes()
+    assert (tmp_path / "a" / SECRET_FILE).stat().st_mode & 0o777 == 0o600 and len(secret) >= 32
+    token = "EMPTY"  # what many clients send when no key is needed
+    assert one.tenant(token) == two.tenant(token) == "anon-" + hmac.new(secret, b"EMPTY", "sha256").hexdigest()[:24]
+    assert one.tenant(token) != "anon-" + hashlib.sha256(b"EMPTY").hexdigest()[:24]
+    assert one.tenant(token) != Keys(Settings(cache_dir=tmp_path / "b")).tenant(token)
+    assert one.tenant("EMPTY2") != one.tenant(token) and one.tenant("") == ANONYMOUS != one.tenant(token)

@@ -234,3 +234,37 @@ def test_redis_down_at_start_allows_and_skips_redis_for_a_while() -> None:
     with RedisServer() as redis_server:
         redis_server.kill()
         asyncio.run(run(redis_server.url))
+
+
+def test_a_paused_redis_costs_one_timeout_then_limits_come_back() -> None:
+    """A redis-server stopped with SIGSTOP accepts connections and never answers: a request waits one
+    socket timeout, whether on a command or on a new connection's AUTH, is allowed, and Redis is left
+    alone for retry_s; once it answers again, the counts before the pause hold."""
+    import os
+    import signal
+
+    async def run(redis_server: RedisServer) -> None:
+        limits = RedisLimiter(redis_server.url.replace("://", "://:pw-4711@"), timeout_s=0.3, retry_s=0.5)
+        try:
+            assert (await limits.admit("k", Limits(rpm=1))).allowed
+            assert redis_server.process is not None
+            os.kill(redis_server.process.pid, signal.SIGSTOP)
+            try:
+                for _ in range(2):  # the command on the open connection, then a new connection
+                    started = time.monotonic()
+                    assert await limits.admit("k", Limits(rpm=1)) == Verdict(True, 0.0, {})
+                    assert time.monotonic() - started < 0.6  # one timeout
+                    started = time.monotonic()
+                    assert (await limits.admit("k", Limits(rpm=1))).allowed
+                    assert time.monotonic() - started < 0.05  # not tried again for retry_s
+                    await asyncio.sleep(0.5)
+            finally:
+                os.kill(redis_server.process.pid, signal.SIGCONT)
+            assert not (await limits.admit("k", Limits(rpm=1))).allowed
+        finally:
+            await limits.close()
+
+    with RedisServer() as redis_server:
+        with redis_server.client() as raw:
+            raw.config_set("requirepass", "pw-4711")
+        asyncio.run(run(redis_server))

@@ -80,3 +80,37 @@ def test_the_semantic_layer_is_counted_in_proxy_mode(tmp_path):
     assert value(samples, "kvgate_cache_lookups_total", layer="semantic", result="miss") == 1
     assert value(samples, "kvgate_cache_lookups_total", layer="semantic", result="hit") == 1
     assert value(samples, "kvgate_prompt_tokens_total", model="stub-a") > 0  # from the upstream's usage
+
+
+def test_label_values_callers_name_are_capped(tmp_path):
+    """In proxy mode an upstream serving `*` answers any model name: the `model` label keeps the
+    first MAX_VALUES names and counts the rest as `other`; an unknown HTTP method is `other` too."""
+    import asyncio
+
+    from kvgate.gateway.metrics import MAX_VALUES, OTHER, Metrics, Observe
+    from kvgate.gateway.settings import Settings
+
+    names = [f"m{i}" for i in range(MAX_VALUES + 6)]
+    with serve_upstream(models=names) as up:
+        settings = Settings(upstreams=[{"base_url": up, "models": ["*"]}], cache_dir=tmp_path, semantic_cache=False)
+        with serving(settings, None) as url:
+            for name in names:
+                ask = {"model": name, "messages": ASK, "max_tokens": 2}
+                httpx.post(url + "/v1/chat/completions", json=ask, timeout=30).raise_for_status()
+            samples = scrape(url)
+    labelled = {dict(labels)["model"] for (name, labels) in samples if name == "kvgate_prompt_tokens_total"}
+    assert labelled == {*names[:MAX_VALUES], OTHER}
+    assert value(samples, "kvgate_completion_tokens_total", model=OTHER) > 0
+
+    async def answer(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 405, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def nothing(message) -> None:
+        return None
+
+    metrics = Metrics()
+    for method in ("GET", "BREW", "PROPFIND-ME"):  # h11 (uvicorn without httptools) passes any token
+        asyncio.run(Observe(answer, metrics)({"type": "http", "method": method}, None, nothing))
+    methods = {s.labels["method"] for f in metrics.registry.collect() for s in f.samples if "method" in s.labels}
+    assert methods == {"GET", OTHER}
