@@ -31,7 +31,7 @@ def front(upstream: str, semantic: bool, cache_dir: Path) -> Iterator[str]:
         "cache_dir": str(cache_dir),
         "log_level": "warning",
     }
-    with serving(config, cache_dir) as process:
+    with serving(config) as process:
         yield process.url
 
 

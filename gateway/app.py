@@ -14,14 +14,15 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvgate.gateway import admin, errors, responses, routes
+from kvgate.gateway import admin, errors, logs, responses, routes
 from kvgate.gateway.backend import Backend
 from kvgate.gateway.errors import APIError, internal
-from kvgate.gateway.keys import Keys, authenticate
+from kvgate.gateway.keys import REDIS_DOWN, Keys, authenticate, redis_down
 from kvgate.gateway.limits import limiter as make_limiter
 from kvgate.gateway.metrics import CONTENT_TYPE, Metrics, Observe, merged
 from kvgate.gateway.responses_store import ResponseStore
 from kvgate.gateway.settings import Settings
+from kvgate.gateway.workers import front_only
 
 log = logging.getLogger("kvgate")
 
@@ -122,8 +123,9 @@ async def send_json(send: Send, error: APIError) -> None:
 def create_app(settings: Settings, backend: Backend) -> FastAPI:
     """The gateway: one set of OpenAI routes over `backend` (the local engine, runtime workers or
     upstream servers), with keys, limits, the semantic cache and metrics in front."""
+    logs.install()
     metrics = Metrics()
-    keys = Keys(settings.api_keys, settings.redis_url, settings.keys_required, settings.limits())
+    keys = Keys(settings)
     limiter = make_limiter(settings.redis_url)
     semantic = None
     if settings.semantic_cache:  # the embedder and the index: torch and hnswlib, only when wanted
@@ -140,11 +142,21 @@ def create_app(settings: Settings, backend: Backend) -> FastAPI:
         if semantic is not None:
             semantic.close()
 
-    app = FastAPI(title="kvgate", version="0.1.0", lifespan=lifespan)
+    docs = settings.openapi_docs
+    app = FastAPI(
+        title="kvgate",
+        version="0.1.0",
+        lifespan=lifespan,
+        openapi_url="/openapi.json" if docs else None,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+    )
     app.state.settings, app.state.metrics, app.state.keys, app.state.limiter = settings, metrics, keys, limiter
     app.state.backend, app.state.semantic = backend, semantic
     app.state.responses = ResponseStore()  # /v1/responses kept for previous_response_id
     errors.install(app)
+    for outage in REDIS_DOWN:
+        app.add_exception_handler(outage, redis_down)
     app.include_router(routes.router, dependencies=[Depends(authenticate)])
     app.include_router(responses.router, dependencies=[Depends(authenticate)])
     app.include_router(admin.router)
@@ -171,13 +183,17 @@ def create_app(settings: Settings, backend: Backend) -> FastAPI:
         """Readiness: the model is loaded and serving, or the upstreams answer."""
         return await backend.ready()
 
-    @app.get("/metrics")
     async def prometheus() -> Response:
         """This process's metrics; a front's also carry its workers' (labelled `worker`)."""
         behind = await backend.scrape()
         return Response(merged(metrics.text(), behind) if behind else metrics.text(), media_type=CONTENT_TYPE)
 
+    if settings.metrics_access != "off":  # off: no route, a 404
+        guard = [Depends(admin.admin_only)] if settings.metrics_access == "admin" else []
+        app.add_api_route("/metrics", prometheus, methods=["GET"], dependencies=guard)
+
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    front_only(app, settings)  # a runtime worker answers its front only, before reading a body
     app.add_middleware(Observe, metrics=metrics)
     app.add_middleware(RequestId)  # outermost: even a 413 carries the id
     return app

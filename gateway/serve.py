@@ -1,23 +1,60 @@
 """`kvgate serve`: the gateway over the in-process runtime, runtime workers or upstreams. A front over
-upstreams imports no torch: it loads nothing but the gateway."""
+upstreams imports no torch: it loads nothing but the gateway.
+
+SIGTERM (or SIGINT): the server stops accepting, requests in flight may finish for `shutdown_grace_s`,
+then the engine or the runtime workers are stopped, and the process exits 0. Before it serves, the
+same signals stop whatever was started so far."""
 
 from __future__ import annotations
+
+import signal
+from types import FrameType
 
 from kvgate.gateway.settings import Settings
 
 
+class Stopped(BaseException):
+    """A SIGTERM or SIGINT that uvicorn is not handling (before it serves, or the one it raises again
+    once it has drained): it unwinds through every `finally` (not an Exception: nothing catches it)."""
+
+
+def stopped(signum: int, frame: FrameType | None) -> None:
+    raise Stopped(signum)
+
+
 def serve_forever(settings: Settings) -> int:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stopped)
+    if settings.exit_with_pid is not None:
+        from kvgate.gateway.workers import exit_with
+
+        exit_with(settings.exit_with_pid)
+    try:
+        run(settings)
+    except Stopped:
+        pass
+    return 0
+
+
+def run(settings: Settings) -> None:
     import uvicorn
 
     from kvgate.gateway.app import create_app
     from kvgate.gateway.backend import make_backend
 
     def serve(app: object) -> None:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)  # type: ignore[arg-type]
+        uvicorn.run(
+            app,  # type: ignore[arg-type]
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level,
+            proxy_headers=False,  # X-Forwarded-For is believed from `trusted_proxies` only (gateway/keys.py)
+            timeout_graceful_shutdown=settings.shutdown_grace_s,  # type: ignore[arg-type]  # a float waits as well
+        )
 
     if settings.upstreams and not settings.workers:
         serve(create_app(settings, make_backend(settings)))
-        return 0
+        return
     from kvgate.runtime.loader import resolve
 
     resolve(settings.engine_config(), progress=True)  # convert once, with a progress bar, before loading
@@ -26,7 +63,7 @@ def serve_forever(settings: Settings) -> int:
 
         with running(settings, settings.workers) as workers:
             serve(create_app(settings, make_backend(settings, workers=workers)))
-        return 0
+        return
     from kvgate.runtime.engine import Engine
 
     engine = Engine(settings.engine_config())
@@ -34,4 +71,3 @@ def serve_forever(settings: Settings) -> int:
         serve(create_app(settings, make_backend(settings, engine)))
     finally:
         engine.shutdown()
-    return 0

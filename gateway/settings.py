@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvgate.agents import AgentConfig, AnchorConfig, PinPolicy, Prior
@@ -111,6 +111,9 @@ class Settings(BaseSettings):
     openapi_docs: bool = True  # /openapi.json and /docs
     # ---- operations
     shutdown_grace_s: float = Field(30.0, ge=0.0)  # SIGTERM: in-flight requests may finish for this long
+    # ---- set by a front for the runtime workers it starts (gateway/workers.py), not by hand
+    worker_secret: SecretStr | None = None  # set: every request but /health must carry it
+    exit_with_pid: int | None = None  # set: this server stops once that process is no longer its parent
 
     @classmethod
     def load(cls, config_file: str | Path | None = None, **overrides: Any) -> Settings:
@@ -159,6 +162,7 @@ class Settings(BaseSettings):
             guards=tuple(self.semantic_guards),
             relax_step=self.semantic_relax_step,
             queue_long=self.semantic_queue_long,
+            scopes=self.semantic_scopes,
         )
 
     def engine_config(self) -> EngineConfig:

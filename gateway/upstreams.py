@@ -20,6 +20,7 @@ from kvgate.gateway.routing import Ring
 
 log = logging.getLogger("kvgate.proxy")
 RETRYABLE = {429, 500, 502, 503, 504}
+SECRET_HEADER = "x-kvgate-worker-secret"  # what a runtime worker asks of every request: its front's secret
 
 
 @dataclass(frozen=True)
@@ -30,12 +31,18 @@ class Upstream:
     api_key: str | None = None  # sent as the bearer token; None: no authorization header
     max_in_flight: int = 64  # beyond this, requests wait at the gateway in program order
     worker: bool = False  # one of kvgate's own runtime workers: routed by cache affinity
+    secret: str | None = field(default=None, repr=False)  # a worker's: sent with every request to it
 
     def serves(self, model: str) -> bool:
         return model in self.models or "*" in self.models
 
     def model_name(self, model: str) -> str:
         return self.models.get(model, model)
+
+    def credentials(self) -> dict[str, str]:
+        """What proves this gateway to the upstream: its API key; to a worker, its front's secret."""
+        found = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return found | ({SECRET_HEADER: self.secret} if self.secret else {})
 
 
 @dataclass(frozen=True)
@@ -167,9 +174,7 @@ class Pool:
         self, upstream: Upstream, method: str, path: str, body: bytes, headers: dict[str, str], stream: bool
     ) -> tuple[httpx.Response, bytes, AsyncIterator[bytes]]:
         """The upstream's response, its first body bytes (a failure before them may be retried), the rest."""
-        sent = {**headers, "content-type": "application/json", "accept-encoding": "identity"}
-        if upstream.api_key:
-            sent["authorization"] = f"Bearer {upstream.api_key}"
+        sent = {**headers, "content-type": "application/json", "accept-encoding": "identity", **upstream.credentials()}
         request = self.client.build_request(method, upstream.base_url + path, content=body or None, headers=sent)
         deadline = self.config.first_byte_timeout_s if stream else None
         async with asyncio.timeout(deadline):  # no task per call, unlike wait_for
@@ -183,12 +188,15 @@ class Pool:
         return response, first, chunks
 
     async def reachable(self, timeout_s: float = 2.0) -> dict[str, bool]:
-        """Whether each upstream answers `GET /v1/models` (any status: the server is up)."""
+        """Whether each upstream answers `GET /v1/models` (any status: the server is up; its body is
+        never read)."""
 
         async def probe(u: Upstream) -> bool:
             try:
-                await self.client.get(u.base_url + "/v1/models", timeout=timeout_s)
-                return True
+                async with self.client.stream(
+                    "GET", u.base_url + "/v1/models", headers=u.credentials(), timeout=timeout_s
+                ):
+                    return True
             except httpx.HTTPError:
                 return False
 
@@ -200,7 +208,7 @@ class Pool:
 
         async def one(u: Upstream) -> str | None:
             try:
-                r = await self.client.get(u.base_url + "/metrics", timeout=timeout_s)
+                r = await self.client.get(u.base_url + "/metrics", headers=u.credentials(), timeout=timeout_s)
                 return r.text if r.status_code == 200 else None
             except httpx.HTTPError:
                 return None

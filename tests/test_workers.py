@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.gateway.routing import Ring
 from kvgate.gateway.settings import Settings
+from kvgate.gateway.upstreams import Upstream
 from kvgate.gateway.workers import running
 from tests.servers import serving
 
@@ -31,8 +32,8 @@ def owner(text: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def front(loaded, tmp_path_factory) -> Iterator[tuple[str, dict[str, str]]]:
-    """The front's URL, and each worker's URL by name. `loaded` has converted the model already."""
+def front(loaded, tmp_path_factory) -> Iterator[tuple[str, dict[str, Upstream]]]:
+    """The front's URL, and each worker by name. `loaded` has converted the model already."""
     settings = Settings(
         workers=2,
         max_num_seqs=4,
@@ -43,7 +44,7 @@ def front(loaded, tmp_path_factory) -> Iterator[tuple[str, dict[str, str]]]:
     )
     with running(settings, 2) as workers:
         with serving(settings, None, workers) as url:
-            yield url, {w.name: w.base_url for w in workers}
+            yield url, {w.name: w for w in workers}
 
 
 def chat(url: str, model: str, documents: list[dict], **body) -> httpx.Response:
@@ -104,8 +105,13 @@ def long_stream(url: str, model: str, text: str, opened: threading.Event, stop: 
                 return  # leaves mid-stream: the connection closes
 
 
-def running_at(worker_url: str) -> int:
-    return httpx.get(worker_url + "/ready").json()["running"]
+def asked(worker: Upstream, path: str) -> httpx.Response:
+    """A worker's answer to a GET as its front asks it (with the secret it holds)."""
+    return httpx.get(worker.base_url + path, headers=worker.credentials())
+
+
+def running_at(worker: Upstream) -> int:
+    return asked(worker, "/ready").json()["running"]
 
 
 def test_a_busy_worker_spills_over_and_a_client_leaving_frees_its_slot(front, model_name):
@@ -129,8 +135,8 @@ def test_a_busy_worker_spills_over_and_a_client_leaving_frees_its_slot(front, mo
     assert running_at(workers[busy]) == 0  # the worker stopped generating for the client that left
 
 
-def ready_model(workers: dict[str, str]) -> str:
-    return httpx.get(next(iter(workers.values())) + "/v1/models").json()["data"][0]["id"]
+def ready_model(workers: dict[str, Upstream]) -> str:
+    return asked(next(iter(workers.values())), "/v1/models").json()["data"][0]["id"]
 
 
 def test_the_front_reports_its_workers(front):
