@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgate.agents import Turn
+from kvgate.gateway.admission import Admission
 from kvgate.gateway.backend import Outcome
 from kvgate.gateway.errors import APIError, bad_request
 from kvgate.gateway.protocol import SEED_BOUND, CompletionRequest, Sampling
@@ -31,6 +32,7 @@ class Choice:
     params: SamplingParams
     plan: Plan | None = None
     turn: Turn | None = None
+    tenant: str = ""  # whose: admission counts it, the scheduler shares its slots fairly by it
 
 
 def sampling_params(
@@ -80,19 +82,27 @@ def token_ids(tokenizer: Any, body: CompletionRequest) -> list[list[int]]:
     return prompts
 
 
-async def run(engine: Engine, choices: list[Choice]) -> AsyncIterator[tuple[int, Output]]:
-    """Every choice's outputs, interleaved as they come; leaving early aborts the rest."""
+async def run(
+    engine: Engine, choices: list[Choice], admission: Admission | None = None
+) -> AsyncIterator[tuple[int, Output]]:
+    """Every choice's outputs, interleaved as they come; leaving early aborts the rest. With
+    `admission`, the choices are admitted together before any reaches the engine (or the request is
+    refused: APIError), and each counts until it ends: finished, failed, or aborted."""
+    tenant = choices[0].tenant if choices else ""
+    held = admission.admit(tenant, len(choices)) if admission is not None else None
     merged: asyncio.Queue[tuple[int, Output | Exception]] = asyncio.Queue()
 
     async def pump(choice: Choice) -> None:
         try:
-            async for out in engine.generate(choice.prompt_ids, choice.params, choice.plan, choice.turn):
+            outputs = engine.generate(choice.prompt_ids, choice.params, choice.plan, choice.turn, tenant=choice.tenant)
+            async for out in outputs:
                 await merged.put((choice.index, out))
         except Exception as exc:
             await merged.put((choice.index, exc))
 
-    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    tasks = []
     try:
+        tasks = [asyncio.create_task(pump(c)) for c in choices]
         remaining = len(choices)
         while remaining:
             index, out = await merged.get()
@@ -100,11 +110,16 @@ async def run(engine: Engine, choices: list[Choice]) -> AsyncIterator[tuple[int,
                 raise failed(out) from out
             if isinstance(out, Exception):
                 raise out
-            remaining -= out.finish_reason is not None
+            if out.finish_reason is not None:
+                remaining -= 1
+                if held is not None:
+                    held.end()
             yield index, out
     finally:
         for task in tasks:
             task.cancel()
+        if held is not None:
+            held.close()
 
 
 def failed(exc: EngineError) -> APIError:
@@ -112,10 +127,10 @@ def failed(exc: EngineError) -> APIError:
     return APIError(500, f"generation failed: {exc}", code="internal_error")
 
 
-async def collect(engine: Engine, choices: list[Choice]) -> dict[int, Result]:
+async def collect(engine: Engine, choices: list[Choice], admission: Admission | None = None) -> dict[int, Result]:
     """Run the choices to the end (cancelled, they free the engine: see `run`)."""
     done = {c.index: Result() for c in choices}
-    async for index, out in run(engine, choices):
+    async for index, out in run(engine, choices, admission):
         done[index].add(out)
     return done
 

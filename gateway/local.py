@@ -14,6 +14,7 @@ from typing import Any
 from prometheus_client.core import Metric
 
 from kvgate.agents import AnchorPool, Conversations, Expirer, Programs, Turn
+from kvgate.gateway.admission import Admission
 from kvgate.gateway.backend import Backend, Call, Reply
 from kvgate.gateway.choices import (
     CHAT_CHUNK,
@@ -69,13 +70,20 @@ class Local(Backend):
         engine.spans.offsets = self.anchors
         self.planner = Planner(engine.reuser, config.kvcomm, settings.kvcomm_recompute_ratio)
         self.embeddings = Embeddings(settings)  # /v1/embeddings: the semantic cache's embedding model
+        self.admission = Admission(
+            settings.max_request_seqs, settings.max_waiting_seqs, settings.max_waiting_seqs_per_tenant
+        )
 
     # ---- what is served ----------------------------------------------------------------
 
     def models(self) -> list[dict[str, Any]]:
         card = {"id": self.name, "object": "model", "created": self.created, "owned_by": "kvgate"}
-        llm = {**card, "root": str(self.engine.loaded.path), "max_model_len": self.engine.max_model_len}
+        # root: the served name, as vLLM has it (the weights' path is no caller's business)
+        llm = {**card, "root": self.name, "max_model_len": self.engine.max_model_len}
         return [llm, *self.embeddings.cards(self.created)]
+
+    def document_models(self) -> list[str]:
+        return [self.name]
 
     def serves(self, model: str) -> bool:
         return model == self.name or self.embeddings.serves(model)
@@ -110,6 +118,7 @@ class Local(Backend):
         raise APIError(404, f"{call.path} is not served by this model's runtime", code="unsupported_route")
 
     async def chat(self, call: Call, body: ChatCompletionRequest) -> Reply:
+        await self.admission.screen(call.tenant, 1, body.n)  # 400, 429 or 503 before any work (run admits)
         messages = [m.for_template(i) for i, m in enumerate(body.messages)]
         given = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         shown, tools = prepare(self.tool_format, messages, given)
@@ -142,7 +151,7 @@ class Local(Backend):
         turn = None
         if program is not None:
             turn = self.programs.begin(program, call.tenant, messages, len(prompt))
-        choices = self.choices([prompt], body, body.max_new_tokens, body.logprobs_k, plan, turn, grammar)
+        choices = self.choices([prompt], body, body.max_new_tokens, body.logprobs_k, plan, turn, grammar, call.tenant)
         names = frozenset(t.function.name for t in body.tools or ())
         calls = partial(CallStream, self.tool_format, names, incremental) if body.calls_tools else None
         head = response_head("chatcmpl", call.request_id, self.name)
@@ -153,7 +162,7 @@ class Local(Backend):
             chunks = chat_chunks(self.token_bytes, body.logprobs, calls)
             return await self.streamed(body, choices, head | CHAT_CHUNK, len(prompt), opening, chunks, headers, ended)
         try:
-            done = await collect(self.engine, choices)
+            done = await collect(self.engine, choices, self.admission)
         except BaseException:
             await ended(None)
             raise
@@ -165,8 +174,9 @@ class Local(Backend):
         )
 
     async def complete(self, call: Call, body: CompletionRequest) -> Reply:
+        await self.admission.screen(call.tenant, len(body.prompts), body.n)  # before tokenizing (run admits)
         prompts = await asyncio.to_thread(token_ids, self.tokenizer, body)  # tokenizing may take seconds
-        choices = self.choices(prompts, body, body.max_tokens, body.logprobs)
+        choices = self.choices(prompts, body, body.max_tokens, body.logprobs, tenant=call.tenant)
         texts = [""] * len(prompts)  # echo: each prompt as text in front of its completion
         if body.echo:
             texts = await asyncio.to_thread(self.tokenizer.batch_decode, prompts, skip_special_tokens=True)
@@ -179,7 +189,7 @@ class Local(Backend):
             ]
             chunks = completion_chunks(self.token_bytes, body.logprobs)
             return await self.streamed(body, choices, head | COMPLETION_CHUNK, prompt_tokens, opening, chunks)
-        done = await collect(self.engine, choices)
+        done = await collect(self.engine, choices, self.admission)
         counted = usage(prompt_tokens, sum(f.completion_tokens for f in done.values()))
         payload = completion_answer(head, done, counted, echo, self.token_bytes if body.logprobs is not None else None)
         return Reply(headers=JSON | reuse_headers(done[0]), content=dumps(payload), outcome=outcome(done[0], counted))
@@ -193,9 +203,11 @@ class Local(Backend):
         plan: Plan | None = None,
         turn: Turn | None = None,
         grammar: str | None = None,
+        tenant: str = "",
     ) -> list[Choice]:
-        """The engine's work for a request: n choices per prompt. Only the first choice of a
-        program's turn keeps its context for the next turn."""
+        """The engine's work for a request: n choices per prompt, the tenant's. Only the first choice
+        of a program's turn keeps its context for the next turn. `run` admits them (or refuses them
+        all) before any reaches the engine."""
         param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
         choices = []
         for p, ids in enumerate(prompts):
@@ -209,7 +221,7 @@ class Local(Backend):
                 index = p * body.n + i
                 params = sampling_params(body, limit, logprobs, len(self.tokenizer), index, grammar)
                 keep = turn if index == 0 or turn is None else replace(turn, keep="", pin_s=0.0)
-                choices.append(Choice(index, ids, params, plan, keep))
+                choices.append(Choice(index, ids, params, plan, keep, tenant))
         return choices
 
     def continued(self, tenant: str, tools: list[dict[str, Any]] | None, messages: list[dict[str, Any]]) -> str | None:
@@ -257,7 +269,7 @@ class Local(Backend):
         usage chunk if asked for, and always [DONE]. The reply is made once the prompt is prefilled:
         its headers say what reuse did (an error before then is an ordinary error response)."""
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        outputs = run(self.engine, choices)
+        outputs = run(self.engine, choices, self.admission)
         first = await anext(outputs)
         reply = Reply(headers=reuse_headers(first[1]) | (headers or {}), close=outputs.aclose)
 
@@ -303,8 +315,9 @@ class Local(Backend):
             said = f"the document has {len(ids)} tokens; the context window is {limit}"
             raise bad_request(said, "text", "context_length_exceeded")
         scope = self.scope(tenant)
-        document_id, tokens = await asyncio.wrap_future(self.engine.call(lambda: self.planner.store(ids, scope)))
-        return self.document_card(document_id, tokens)
+        await self.engine.ingest(ids, scope, tenant)
+        # Answered once durable where it can be: its writes to lower tiers land first (bounded wait).
+        return await asyncio.to_thread(self.document_card, self.planner.document_id(ids, scope), len(ids), True)
 
     async def document(self, method: str, document_id: str, tenant: str, request_id: str) -> Reply:
         try:
@@ -316,10 +329,12 @@ class Local(Backend):
             raise APIError(404, str(exc), "id", "document_not_found") from exc
         return self.document_card(document_id, len(tokens))
 
-    def document_card(self, document_id: str, tokens: int) -> Reply:
-        cached = self.planner.cached(document_id.removeprefix("doc-"))
-        body = {"id": document_id, "object": "document", "tokens": tokens, "cached": cached}
-        return Reply(headers=JSON, content=dumps(body))
+    def document_card(self, document_id: str, tokens: int, settle: bool = False) -> Reply:
+        """`tier`: where its KV is; `durable`: that tier outlives this process (disk, Redis). `settle`
+        (blocking: call it off the event loop) waits first until its KV's writes have landed."""
+        tier = self.planner.cached(document_id.removeprefix("doc-"), settle)
+        where = {"cached": tier is not None, "tier": tier and tier.name, "durable": bool(tier and tier.durable)}
+        return Reply(headers=JSON, content=dumps({"id": document_id, "object": "document", "tokens": tokens, **where}))
 
     # ---- the process -----------------------------------------------------------------------
 

@@ -9,14 +9,14 @@ import json
 import re
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 from urllib.parse import quote
 
 import httpx
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from kvgate.gateway.admission import ProgramClock
+from kvgate.gateway.admission import Admission, ProgramClock, fan_out
 from kvgate.gateway.backend import Backend, Call, Outcome, Reply
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.programs import HEADER
@@ -39,6 +39,10 @@ class Upstreams(Backend):
         self.clock = ProgramClock(settings.agent_config().idle_s)
         self.owners: OrderedDict[str, str] = OrderedDict()  # document id -> the affinity key of its text
         self.created = int(time.time())
+        self.admission = Admission(
+            settings.max_request_seqs, settings.max_waiting_seqs, settings.max_waiting_seqs_per_tenant
+        )
+        self.limit = settings.proxy_max_response_bytes  # a whole answer, or one SSE event, held here
 
     def models(self) -> list[dict[str, Any]]:
         return [
@@ -48,6 +52,9 @@ class Upstreams(Backend):
 
     def serves(self, model: str) -> bool:
         return any(u.serves(model) for u in self.pool.config.upstreams)
+
+    def document_models(self) -> list[str]:
+        return sorted({m for u in self.pool.config.upstreams if u.worker for m in u.models})
 
     def identity(self, model: str) -> dict[str, str]:
         serving = sorted(u.name for u in self.pool.config.upstreams if u.serves(model))  # not by load: stable
@@ -76,6 +83,22 @@ class Upstreams(Backend):
         return keys
 
     async def generate(self, call: Call) -> Reply:
+        """Forwarded once admitted: the local engine's bounds, on sequences (prompts x n) waiting at the
+        gates or in flight upstream, held until the answer has been read or its stream closed."""
+        await self.admission.screen(call.tenant, *fan_out(call.body))  # a 429 held back a second
+        held = self.admission.admit(call.tenant, *fan_out(call.body))  # nothing awaited since: it fits
+        try:
+            reply = await self.forward(call)
+        except BaseException:
+            held.close()
+            raise
+        if reply.events is None:
+            held.close()
+        else:
+            reply.close = releasing(reply.close, held.close)
+        return reply
+
+    async def forward(self, call: Call) -> Reply:
         body, model = call.body, call.model
         stream_options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
         asked_usage = stream_options.get("include_usage") is True
@@ -101,10 +124,10 @@ class Upstreams(Backend):
             rank=self.clock.rank(tenant_program),
             stream=call.stream,
         )
-        relay = Relay(opened, keep_usage=asked_usage, keep_text=call.keep)
+        relay = Relay(opened, keep_usage=asked_usage, keep_text=call.keep, limit=self.limit)
         reply = Reply(opened.response.status_code, passed_on(opened), outcome=relay.outcome, close=opened.close)
         if not call.stream or opened.response.status_code != 200:
-            reply.content = await whole(opened)
+            reply.content = await whole(opened, self.limit)
             relay.read_whole(reply.content)
         else:
             reply.events = relay.events()
@@ -136,7 +159,7 @@ class Upstreams(Backend):
         opened = await self.pool.open(
             order, path, lambda _: raw, lambda u: headers_for(request_id, tenant, u.worker), method
         )
-        return Reply(opened.response.status_code, passed_on(opened), await whole(opened))
+        return Reply(opened.response.status_code, passed_on(opened), await whole(opened, self.limit))
 
     # ---- the process -----------------------------------------------------------------------
 
@@ -171,6 +194,21 @@ class Workers(Upstreams):
         return await self.pool.scrape(self.workers)
 
 
+def releasing(
+    close: Callable[[], Awaitable[None]] | None, release: Callable[[], None]
+) -> Callable[[], Awaitable[None]]:
+    """`close`, then `release` (whatever `close` did)."""
+
+    async def closing() -> None:
+        try:
+            if close is not None:
+                await close()
+        finally:
+            release()
+
+    return closing
+
+
 def text_key(text: str) -> str:
     return "text:" + hashlib.sha256(text.encode()).hexdigest()
 
@@ -179,7 +217,9 @@ def headers_for(request_id: str, tenant: str, upstream_is_worker: bool, program:
     sent = {"x-request-id": request_id}
     if program is not None:
         sent[HEADER] = program
-    if upstream_is_worker:  # a worker scopes its caches by the bearer token: one per tenant
+    # A worker scopes its caches by the bearer token, one per tenant: believed only with the secret
+    # its front sends (gateway/workers.py), and named there by an HMAC of it (gateway/keys.py).
+    if upstream_is_worker:
         sent["authorization"] = "Bearer tenant-" + hashlib.sha256(tenant.encode()).hexdigest()
     return sent
 
@@ -189,14 +229,29 @@ def passed_on(opened: Opened) -> dict[str, str]:
     return {**found, "x-kvgate-upstream": opened.upstream.name}
 
 
-async def whole(opened: Opened) -> bytes:
-    """The rest of an answer that is not streamed (the route lets the upstream go if the client leaves)."""
+async def whole(opened: Opened, limit: int) -> bytes:
+    """The rest of an answer that is not streamed (the route lets the upstream go if the client leaves):
+    more than `limit` bytes is a 502, and nothing more is read."""
     try:
-        return opened.first + b"".join([c async for c in opened.chunks])
+        declared = opened.response.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large(opened, limit, "one answer")
+        parts, size = [opened.first], len(opened.first)
+        while size <= limit and (chunk := await anext(opened.chunks, None)) is not None:
+            parts.append(chunk)
+            size += len(chunk)
+        if size > limit:
+            raise too_large(opened, limit, "one answer")
+        return b"".join(parts)
     except httpx.HTTPError as exc:
         raise failed(opened, exc, "mid-answer") from exc
     finally:
         await opened.close()
+
+
+def too_large(opened: Opened, limit: int, what: str) -> APIError:
+    said = f"upstream {opened.upstream.name} sent more than {limit} bytes in {what} (proxy_max_response_bytes)"
+    return APIError(502, said, code="upstream_response_too_large")
 
 
 def failed(opened: Opened, exc: httpx.HTTPError, where: str) -> APIError:
@@ -207,31 +262,66 @@ def failed(opened: Opened, exc: httpx.HTTPError, where: str) -> APIError:
     return APIError(status, said, code="upstream_error")
 
 
+class Events:
+    """SSE events cut out of a stream's bytes as they arrive. One event may hold at most `limit` bytes:
+    more raises OverflowError. Each byte is searched once (a stream sent in small pieces is not
+    searched again from its start each time)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.buffer = bytearray()  # the event not yet ended
+        self.searched = 0  # bytes of it without an event's end
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        self.buffer += chunk
+        found, start = [], 0
+        # An event's end is up to 4 bytes (\r\n\r\n): it may begin 3 bytes before the new ones.
+        while (end := EVENT_END.search(self.buffer, max(start, self.searched - 3))) is not None:
+            found.append(bytes(self.buffer[start : end.start()]))
+            start = end.end()
+        del self.buffer[:start]
+        self.searched = len(self.buffer)
+        if len(self.buffer) > self.limit or any(len(event) > self.limit for event in found):
+            raise OverflowError(f"an SSE event over {self.limit} bytes")
+        return found
+
+    def rest(self) -> list[bytes]:
+        """What the stream ended with after its last event's end."""
+        return [bytes(self.buffer)] if self.buffer.strip() else []
+
+
 class Relay:
     """An upstream's answer on its way to the client: a whole one read at once; a stream passed on
     event by event, its usage chunk read (and dropped if the client did not ask for it), an upstream
-    failing mid-stream ending it with an error event. What it came to is its `outcome`."""
+    failing mid-stream (or sending an event over `limit` bytes) ending it with an error event. What it
+    came to is its `outcome`; the text kept of it (`keep_text`) is at most `limit` bytes too."""
 
-    def __init__(self, opened: Opened, keep_usage: bool, keep_text: bool) -> None:
-        self.opened, self.keep_usage, self.keep_text = opened, keep_usage, keep_text
+    def __init__(self, opened: Opened, keep_usage: bool, keep_text: bool, limit: int) -> None:
+        self.opened, self.keep_usage, self.keep_text, self.limit = opened, keep_usage, keep_text, limit
         self.outcome = Outcome()
         self.text: list[str] = []
+        self.kept = 0  # the text's length so far
+        self.cut = False  # the text outgrew the limit: not kept, the outcome is not whole
 
     async def events(self) -> AsyncIterator[bytes]:
-        buffer = self.opened.first
+        events = Events(self.limit)
         try:
-            async for chunk in self.opened.chunks:
-                buffer += chunk
-                *complete, buffer = EVENT_END.split(buffer)
-                for event in complete:
+            chunk: bytes | None = self.opened.first
+            while chunk is not None:
+                for event in events.feed(chunk):
                     if self.read(event):
                         yield event + b"\n\n"
-            for event in EVENT_END.split(buffer):
-                if event.strip() and self.read(event):
+                chunk = await anext(self.opened.chunks, None)
+            for event in events.rest():
+                if self.read(event):
                     yield event + b"\n\n"
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, OverflowError) as exc:
             self.outcome.done = False
-            yield sse(failed(self.opened, exc, "mid-stream").body()).encode()
+            if isinstance(exc, httpx.HTTPError):
+                error = failed(self.opened, exc, "mid-stream")
+            else:
+                error = too_large(self.opened, self.limit, "one SSE event")
+            yield sse(error.body()).encode()
             yield sse("[DONE]").encode()
         finally:
             await self.opened.close()
@@ -241,7 +331,7 @@ class Relay:
         outcome = self.outcome
         if not event.startswith(b"data:") or event.endswith(b"[DONE]"):
             if event.endswith(b"[DONE]"):
-                outcome.done, outcome.text = True, "".join(self.text)
+                outcome.done, outcome.text = not self.cut, "".join(self.text)
             return bool(event.strip())
         if not self.keep_text and b'"usage"' not in event:
             return True
@@ -255,9 +345,15 @@ class Relay:
                 return self.keep_usage
         for choice in chunk.get("choices") or ():
             if isinstance(choice, dict) and choice.get("index", 0) == 0:
-                self.text.append((choice.get("delta") or {}).get("content") or "")
+                self.keep((choice.get("delta") or {}).get("content") or "")
                 outcome.finish_reason = choice.get("finish_reason") or outcome.finish_reason
         return True
+
+    def keep(self, text: str) -> None:
+        self.text.append(text)
+        self.kept += len(text)
+        if self.kept > self.limit:
+            self.keep_text, self.cut, self.text = False, True, []
 
     def read_whole(self, content: bytes) -> None:
         if self.opened.response.status_code != 200:

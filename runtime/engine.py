@@ -8,7 +8,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import torch
 
@@ -25,9 +24,9 @@ from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.reuse import Reuser
-from kvgate.runtime.sampling import SamplingParams, TokenLogprob, choose, logprob_of, penalise
+from kvgate.runtime.sampling import SamplingParams, choose, logprob_of, penalise
 from kvgate.runtime.scheduler import Scheduler
-from kvgate.runtime.sequence import Output, Plan, Sequence
+from kvgate.runtime.sequence import Output, Plan, Result, Sequence
 from kvgate.runtime.shared import Spans
 
 log = logging.getLogger("kvgate.engine")
@@ -42,29 +41,6 @@ class EngineError(RuntimeError):
 
 
 Callback = Callable[[Output | BaseException], None]
-
-
-@dataclass
-class Result:
-    """A whole completion, gathered from its outputs."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    recomputed_tokens: int = 0
-    reuse: str = ""
-
-    def add(self, out: Output) -> None:
-        self.text += out.text
-        self.token_ids += out.token_ids
-        self.logprobs += out.logprobs
-        self.finish_reason = out.finish_reason
-        self.prompt_tokens, self.completion_tokens = out.prompt_tokens, out.completion_tokens
-        self.cached_tokens, self.recomputed_tokens, self.reuse = out.cached_tokens, out.recomputed_tokens, out.reuse
 
 
 class Engine:

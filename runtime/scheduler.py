@@ -1,20 +1,44 @@
 """Decide which tokens each step computes: continuous batching with chunked prefill, and the
-order in which waiting requests are admitted."""
+order in which waiting requests are admitted.
+
+Admission is fair between tenants (agents/queue.py, FairQueue): when a slot frees, the tenant with
+the fewest running sequences goes next, ties broken by `order`; within a tenant, `order` alone:
+"program" (pinned programs, then program arrival, then arrival) or "fcfs" (arrival). With one tenant
+(a server without keys) both mean exactly what they did before tenants were counted.
+
+Fairness alone lets a tenant that floods an idle server fill every slot, and then another tenant's
+short request waits for one of those generations to end (seconds). So once the server has seen more
+than one tenant, the last `reserve` slots are kept for tenants with nothing running: a newcomer
+starts at the next step."""
 
 from __future__ import annotations
 
-from kvgate.agents.queue import ProgramQueue
+from kvgate.agents.queue import FairQueue
 from kvgate.runtime.sequence import Sequence, Status
 
 
+def default_reserve(max_num_seqs: int) -> int:
+    """Slots kept for a tenant with nothing running: an eighth of the batch, at least one."""
+    return max(1, max_num_seqs // 8) if max_num_seqs > 1 else 0
+
+
+def tenant_of(seq: Sequence) -> str:
+    return getattr(seq, "tenant", "")  # the agent simulator's sequences (benchmarks/agents_sim.py) have none
+
+
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, order: str = "fcfs") -> None:
+    def __init__(
+        self, max_num_seqs: int, max_num_batched_tokens: int, order: str = "fcfs", reserve: int | None = None
+    ) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.order = order
-        self.waiting: ProgramQueue[Sequence] = ProgramQueue(order)
+        self.waiting: FairQueue[Sequence] = FairQueue(order)
         self.running: list[Sequence] = []
         self.waiting_tokens = 0  # prompt tokens waiting, read from other threads for cost estimates
+        self.reserve = default_reserve(max_num_seqs) if reserve is None else min(reserve, max_num_seqs - 1)
+        self.first_tenant: str | None = None
+        self.shared = False  # a second tenant has been seen: the reserve applies
 
     def __bool__(self) -> bool:
         return bool(self.waiting or self.running)
@@ -22,14 +46,19 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         turn = seq.turn  # None: a program of its own
         program_arrival, pinned = (None, False) if turn is None else (turn.arrival, turn.pinned)
-        self.waiting.push(seq, program_arrival, pinned, seq.arrival)
+        tenant = tenant_of(seq)
+        if self.first_tenant is None:
+            self.first_tenant = tenant
+        elif tenant != self.first_tenant:
+            self.shared = True
+        self.waiting.push(seq, tenant, program_arrival, pinned, seq.arrival)
         self.waiting_tokens += len(seq.prompt_ids)
 
     def remove(self, seq: Sequence) -> None:
-        if seq in self.running:
+        if seq.status is Status.RUNNING and seq in self.running:
             self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+            self.waiting.done(tenant_of(seq))
+        elif self.waiting.remove(seq):
             self.waiting_tokens -= len(seq.prompt_ids)
         seq.status = Status.FINISHED
 
@@ -39,6 +68,15 @@ class Scheduler:
         (program FCFS only; FCFS admits it behind them all)."""
         return self.waiting_tokens if self.order == "program" else 0
 
+    def admittable(self) -> bool:
+        """Whether the next waiting sequence may take a free slot now."""
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return False
+        if not self.shared or len(self.running) < self.max_num_seqs - self.reserve:
+            return True
+        found = self.waiting.peek()
+        return found is not None and found[1] == 0  # the reserved slots: a tenant with nothing running
+
     def admit(self) -> Sequence:
         seq = self.waiting.pop()
         self.waiting_tokens -= len(seq.prompt_ids)
@@ -47,7 +85,7 @@ class Scheduler:
     def schedule(self) -> list[tuple[Sequence, list[int]]]:
         """One step's work: every decoding sequence's next token first (so decodes never starve
         behind a long prompt), then prompt chunks within the token budget; waiting sequences
-        join the running batch while there is room, in the queue's order."""
+        join the running batch while there is room, fairly between tenants."""
         budget = self.max_num_batched_tokens
         batch = []
         decoding = [s for s in self.running if not s.prefilling]
@@ -58,7 +96,7 @@ class Scheduler:
             tokens = seq.next_run(budget)
             batch.append((seq, tokens))
             budget -= len(tokens)
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+        while budget > 0 and self.admittable():
             seq = self.admit()
             seq.status = Status.RUNNING
             self.running.append(seq)

@@ -70,6 +70,29 @@ class Output:
 
 
 @dataclass
+class Result:
+    """A whole completion, gathered from its outputs."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    recomputed_tokens: int = 0
+    reuse: str = ""
+
+    def add(self, out: Output) -> None:
+        self.text += out.text
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs
+        self.finish_reason = out.finish_reason
+        self.prompt_tokens, self.completion_tokens = out.prompt_tokens, out.completion_tokens
+        self.cached_tokens, self.recomputed_tokens, self.reuse = out.cached_tokens, out.recomputed_tokens, out.reuse
+
+
+@dataclass
 class Sequence:
     prompt_ids: list[int]
     params: SamplingParams

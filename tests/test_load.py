@@ -1,6 +1,7 @@
 """Load: concurrent clients for a while against kvgate running as its own process, started as in production
 (`python -m gateway.cli --config kvgate.yaml serve`): no request fails, requests keep flowing, and the server's
-memory stays flat.
+memory stays flat. Against the model, two tenants: one flooding past its share of the queue (its extra
+requests get 429 with Retry-After, and are sent again at once), one asking as usual (never refused).
 
 Memory is the server's resident set (VmRSS in /proc/<pid>/status), read once a warm-up at full concurrency has
 grown its pools, buffers and allocator arenas to their working size, and again after the main run. CPython
@@ -11,7 +12,9 @@ Measured on the 2-core CPU machine (eleven or twelve runs each, warm-up 5 s, mai
   proxy mode, 8 clients: 338-505 requests/s (5,084-7,575 requests), latency median 12-18 ms; RSS 460 MiB,
   growth +0.5 to +0.6 MiB (and once, in a first run whose slowness was not found again: 195/s, +0.4 MiB).
   the model, 4 clients, 8 new tokens: 48-56 requests (about 3.4/s, latency median 1.1-1.3 s); RSS 1,065 MiB,
-  growth +0.3 to +2.4 MiB (in that first run: 8 requests in 32 s, each waiting up to 17 s, RSS +2.0 MiB)."""
+  growth +0.3 to +2.4 MiB (in that first run: 8 requests in 32 s, each waiting up to 17 s, RSS +2.0 MiB).
+  the model, two tenants (one run): calm, 2 clients of 1 sequence: 39 answered, latency median 0.77 s; flood,
+  4 clients of 4 sequences over a share of 8: 25 answered, 32 refused; RSS 1,133 MiB, growth +1.8 MiB."""
 
 from __future__ import annotations
 
@@ -56,7 +59,7 @@ def kvgate(tmp_path: Path, ready_within_s: float, **settings: Any) -> Iterator[S
     log = tmp_path / "kvgate.log"
     with log.open("wb") as out, ExitStack() as stack:
         try:
-            worker = stack.enter_context(serving({"log_level": "warning", **settings}, tmp_path, out, ready_within_s))
+            worker = stack.enter_context(serving({"log_level": "warning", **settings}, out, ready_within_s))
         except RuntimeError as exc:
             raise AssertionError(f"{exc}:\n{log.read_text()}") from None
         yield Server(worker.url, worker.process, log)
@@ -69,6 +72,7 @@ def kvgate(tmp_path: Path, ready_within_s: float, **settings: Any) -> Iterator[S
 class Tally:
     answered: int = 0
     streamed: int = 0
+    refused: int = 0  # 429 with a Retry-After of at least a second: over the tenant's share
     errors: list[str] = field(default_factory=list)
     latencies: list[float] = field(default_factory=list)
     seconds: float = 0.0
@@ -78,9 +82,20 @@ class Tally:
         return self.answered / self.seconds
 
 
+class Refused(Exception):
+    """A 429 over the tenant's share of the queue, with its Retry-After."""
+
+
+def refused(response: httpx.Response, text: str) -> None:
+    if response.status_code == 429 and response.json()["error"]["code"] == "tenant_queue_full":
+        assert int(response.headers["retry-after"]) >= 1, response.headers
+        raise Refused(text)
+
+
 async def ask(http: httpx.AsyncClient, body: dict[str, Any]) -> str:
     """A whole chat completion; its answer."""
     response = await http.post("/v1/chat/completions", json=body)
+    refused(response, response.text)
     assert response.status_code == 200, f"{response.status_code}: {response.text}"
     choice = response.json()["choices"][0]
     assert choice["finish_reason"] in ("stop", "length"), choice
@@ -90,24 +105,31 @@ async def ask(http: httpx.AsyncClient, body: dict[str, Any]) -> str:
 async def ask_streamed(http: httpx.AsyncClient, body: dict[str, Any]) -> str:
     """A streamed chat completion, to its [DONE]; its answer, joined from the chunks."""
     async with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
-        assert response.status_code == 200, f"{response.status_code}: {(await response.aread()).decode()}"
+        if response.status_code != 200:
+            text = (await response.aread()).decode()
+            refused(response, text)
+            raise AssertionError(f"{response.status_code}: {text}")
         events = [line.removeprefix("data: ") async for line in response.aiter_lines() if line.startswith("data: ")]
     assert events and events[-1] == "[DONE]", f"the stream ended without [DONE]: {events[-3:]}"
     chunks = [json.loads(event) for event in events[:-1]]
     assert not [c for c in chunks if "error" in c], f"an error event: {chunks}"
-    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
-    assert finishes in (["stop"], ["length"]), finishes
-    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    finishes = sorted((c["index"], c["finish_reason"]) for c in choices if c["finish_reason"])
+    n = body.get("n", 1)
+    assert [i for i, _ in finishes] == list(range(n)), finishes  # each choice ends once
+    assert all(reason in ("stop", "length") for _, reason in finishes), finishes
+    return "".join(c["delta"].get("content") or "" for c in choices if c["index"] == 0)
 
 
-async def drive(url: str, clients: int, seconds: float, body: Body, check: Check) -> Tally:
-    """`clients` clients, each with its own connection and API key, sending one request after another for
-    `seconds`, every other one streamed; what came back."""
+async def drive(url: str, clients: int, seconds: float, body: Body, check: Check, key: str | None = None) -> Tally:
+    """`clients` clients, each with its own connection, sending one request after another for `seconds`,
+    every other one streamed; what came back. Each client is its own (anonymous) tenant, or all are the
+    tenant of `key`. A refused request (429) is sent again 50 ms later."""
     tally = Tally()
     started = time.monotonic()
 
     async def client(i: int) -> None:
-        headers = {"authorization": f"Bearer sk-load-{i}"}  # each client its own (anonymous) tenant
+        headers = {"authorization": f"Bearer {key or f'sk-load-{i}'}"}
         async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as http:
             n = 0
             while time.monotonic() - started < seconds:
@@ -115,6 +137,9 @@ async def drive(url: str, clients: int, seconds: float, body: Body, check: Check
                 sent = time.monotonic()
                 try:
                     check(await (ask_streamed if streamed else ask)(http, body(i + n)))
+                except Refused:
+                    tally.refused += 1
+                    await asyncio.sleep(0.05)
                 except Exception as exc:
                     tally.errors.append(f"client {i}, request {n}: {type(exc).__name__}: {exc}")
                 else:
@@ -128,37 +153,57 @@ async def drive(url: str, clients: int, seconds: float, body: Body, check: Check
     return tally
 
 
-def chat(model: str, max_tokens: int) -> Body:
-    def body(n: int) -> dict[str, Any]:
-        question = QUESTIONS[n % len(QUESTIONS)]
-        return {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens}
+def chat(model: str, max_tokens: int, n: int = 1) -> Body:
+    def body(i: int) -> dict[str, Any]:
+        question = QUESTIONS[i % len(QUESTIONS)]
+        return {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "n": n}
 
     return body
 
 
 @dataclass
+class Tenant:
+    """Clients that send `body` one request after another: each its own tenant, or all `key`'s."""
+
+    clients: int
+    body: Body
+    key: str | None = None
+
+
+@dataclass
 class Run:
-    load: Tally
+    loads: list[Tally]  # one per tenant, in the order given
     rss_before_mib: float  # after the warm-up
     rss_after_mib: float  # after the main run
+
+    @property
+    def load(self) -> Tally:
+        return self.loads[0]
 
     @property
     def growth_mib(self) -> float:
         return self.rss_after_mib - self.rss_before_mib
 
 
-def warm_up_then_load(server: Server, clients: int, warmup_s: float, load_s: float, body: Body, check: Check) -> Run:
-    warmup = asyncio.run(drive(server.url, clients, warmup_s, body, check))
-    assert not warmup.errors, "\n".join(warmup.errors[:10])
+async def drive_all(url: str, tenants: list[Tenant], seconds: float, check: Check) -> list[Tally]:
+    return list(await asyncio.gather(*(drive(url, t.clients, seconds, t.body, check, t.key) for t in tenants)))
+
+
+def warm_up_then_load(server: Server, tenants: list[Tenant], warmup_s: float, load_s: float, check: Check) -> Run:
+    warmup = asyncio.run(drive_all(server.url, tenants, warmup_s, check))
+    errors = [e for tally in warmup for e in tally.errors]
+    assert not errors, "\n".join(errors[:10])
     before = server.rss_mib()
-    load = asyncio.run(drive(server.url, clients, load_s, body, check))
-    run = Run(load, before, server.rss_mib())
-    print(
-        f"\n{load.answered} answered in {load.seconds:.1f} s ({load.per_second:.1f}/s, {load.streamed} streamed), "
-        f"{len(load.errors)} errors; latency median {statistics.median(load.latencies or [0]):.3f} s, "
-        f"max {max(load.latencies or [0]):.2f} s; RSS {before:.1f} -> {run.rss_after_mib:.1f} MiB "
-        f"({run.growth_mib:+.1f})"
-    )
+    loads = asyncio.run(drive_all(server.url, tenants, load_s, check))
+    run = Run(loads, before, server.rss_mib())
+    for tenant, load in zip(tenants, loads):
+        print(
+            f"\n{tenant.key or 'a tenant each'}: {load.answered} answered in {load.seconds:.1f} s "
+            f"({load.per_second:.1f}/s, {load.streamed} streamed), {load.refused} refused (429), "
+            f"{len(load.errors)} errors; latency median {statistics.median(load.latencies or [0]):.3f} s, "
+            f"max {max(load.latencies or [0]):.2f} s"
+        )
+    print(f"RSS {before:.1f} -> {run.rss_after_mib:.1f} MiB ({run.growth_mib:+.1f})")
     return run
 
 
@@ -175,7 +220,8 @@ def test_proxy_mode_under_load_fails_nothing_and_keeps_its_memory(tmp_path: Path
     with serve_upstream(models=("stub-a",), words=8) as upstream:
         upstreams = [{"base_url": upstream, "models": ["stub-a"]}]
         with kvgate(tmp_path, 60, upstreams=upstreams, semantic_cache=False, cache_dir=str(tmp_path)) as server:
-            run = warm_up_then_load(server, 8, warmup_s=5, load_s=15, body=chat("stub-a", 8), check=the_stub_answer)
+            clients = [Tenant(8, chat("stub-a", 8))]
+            run = warm_up_then_load(server, clients, warmup_s=5, load_s=15, check=the_stub_answer)
     assert not run.load.errors, "\n".join(run.load.errors[:10])
     # A quarter of the slowest rate measured: a gateway that stalls or serialises its clients falls far below.
     assert run.load.per_second > 50
@@ -192,13 +238,20 @@ def some_answer(text: str) -> None:
 
 
 def test_the_model_under_load_fails_nothing_and_keeps_its_memory(tmp_path: Path) -> None:
+    """Two tenants: `calm` (2 clients, one sequence a request) and `flood` (4 clients, 4 sequences a request:
+    16 wanted, twice its share of 8, so about half its requests are refused and sent again at once)."""
     # The model and its converted weights from the user cache, as `kvgate serve` runs them; no disk or semantic tier.
     settings = {"semantic_cache": False, "chunk_cache_disk_bytes": 0, "max_num_seqs": 8}
-    with kvgate(tmp_path, 180, **settings) as server:
+    with kvgate(tmp_path, 180, max_waiting_seqs_per_tenant=8, **settings) as server:
         model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        run = warm_up_then_load(server, 4, warmup_s=5, load_s=15, body=chat(model, 8), check=some_answer)
-    assert not run.load.errors, "\n".join(run.load.errors[:10])
-    assert run.load.answered >= 12  # a quarter of the ~50 measured
+        tenants = [Tenant(2, chat(model, 8), "sk-calm"), Tenant(4, chat(model, 8, n=4), "sk-flood")]
+        run = warm_up_then_load(server, tenants, warmup_s=5, load_s=15, check=some_answer)
+    calm, flood = run.loads
+    errors = calm.errors + flood.errors  # anything but a 429 with Retry-After to the flood: no 5xx, no other 4xx
+    assert not errors, "\n".join(errors[:10])
+    assert calm.refused == 0  # within its share, whatever the other tenant does
+    assert flood.refused > 0 and flood.answered > 0
+    assert calm.answered >= 6  # about a sixth of the 39 measured
     # Over six times the largest growth measured. One request's KV cache (45 tokens x 45 KiB, about 3 MiB as
     # allocated) kept by each of the ~50 requests would add some 150 MiB; kept by five of them, 16 MiB.
     assert run.growth_mib < 16, f"RSS grew {run.growth_mib:.1f} MiB over {run.load.answered} requests"

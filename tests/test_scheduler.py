@@ -1,11 +1,16 @@
-"""The admission queue: plain FCFS, or program FCFS (pinned programs, then by program arrival)."""
+"""The admission queue: plain FCFS, or program FCFS (pinned programs, then by program arrival); fair
+between tenants (the fewest running first), a reserve of slots for a tenant with nothing running."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import settings as hyp_settings
+from hypothesis import strategies as st
 
 from kvgate.agents.programs import Turn
+from kvgate.agents.queue import FairQueue
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.sampling import SamplingParams
 from kvgate.runtime.scheduler import Scheduler
@@ -62,3 +67,140 @@ def test_waiting_tokens_follow_the_queue() -> None:
 def test_an_unknown_order_is_refused() -> None:
     with pytest.raises(ValueError, match="queue order"):
         Scheduler(1, 64, order="lifo")
+
+
+# --- fairness between tenants ---------------------------------------------------------------------
+
+
+def tenants_request(tenant: str, name: str, arrival: float, turn: Turn | None = None) -> Sequence:
+    seq = request(name, arrival, turn)
+    seq.tenant = tenant
+    return seq
+
+
+def step_names(scheduler: Scheduler) -> list[str]:
+    """The sequences one step admits, by name."""
+    before = set(map(id, scheduler.running))
+    scheduler.schedule()
+    return [s.text for s in scheduler.running if id(s) not in before]
+
+
+def test_a_free_slot_goes_to_the_tenant_with_the_fewest_running() -> None:
+    """A flood queued first does not keep a later tenant waiting: slots alternate, ties by arrival."""
+    scheduler = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, order="fcfs", reserve=0)
+    for i in range(6):
+        scheduler.add(tenants_request("flood", f"f{i}", float(i)))
+    scheduler.add(tenants_request("calm", "c0", 10.0))
+    scheduler.add(tenants_request("calm", "c1", 11.0))
+    assert step_names(scheduler) == ["f0", "c0", "f1", "c1"]
+    scheduler.remove(scheduler.running[1])  # c0 ends; calm has nothing left waiting
+    assert step_names(scheduler) == ["f2"]
+
+
+def test_program_order_holds_within_a_tenant() -> None:
+    scheduler = Scheduler(max_num_seqs=1, max_num_batched_tokens=64, order="program", reserve=0)
+    for seq in queue():
+        seq.tenant = "a"
+        scheduler.add(seq)
+    scheduler.add(tenants_request("b", "b plain", 14.0))
+    names = []
+    while scheduler:
+        names += step_names(scheduler)
+        scheduler.remove(scheduler.running[0])
+    # Each admission finds both tenants with nothing running: the heads' program order decides.
+    assert names == ["pinned", "older program", "new program", "plain", "b plain"]
+
+
+def test_once_tenants_share_the_server_the_last_slot_waits_for_a_tenant_with_nothing_running() -> None:
+    scheduler = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, order="fcfs", reserve=1)
+    for i in range(8):
+        scheduler.add(tenants_request("flood", f"f{i}", float(i)))
+    assert len(step_names(scheduler)) == 4  # one tenant so far: every slot is its
+    for seq in list(scheduler.running):
+        scheduler.remove(seq)
+    scheduler.add(tenants_request("calm", "c0", 20.0))  # a second tenant: the reserve applies from now on
+    assert step_names(scheduler) == ["f4", "c0", "f5"]  # the fourth slot: not for flood, which has two
+    calm = next(s for s in scheduler.running if s.tenant == "calm")
+    scheduler.remove(calm)
+    assert step_names(scheduler) == ["f6"]  # three running at most while flood is alone
+    scheduler.add(tenants_request("calm", "c1", 30.0))
+    assert step_names(scheduler) == ["c1"]  # and a newcomer starts at once, in the reserved slot
+
+
+def test_the_default_reserve_is_an_eighth_of_the_batch() -> None:
+    assert [Scheduler(n, 64).reserve for n in (1, 2, 8, 16, 64)] == [0, 1, 1, 2, 8]
+
+
+def test_an_aborted_waiting_sequence_leaves_the_queue() -> None:
+    scheduler = Scheduler(max_num_seqs=1, max_num_batched_tokens=64)
+    seqs = [tenants_request("a", f"a{i}", float(i)) for i in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    scheduler.remove(seqs[0])
+    assert len(scheduler.waiting) == 2 and seqs[0] not in scheduler.waiting
+    assert scheduler.waiting_tokens == 6
+    assert step_names(scheduler) == ["a1"]
+
+
+class Reference:
+    """FairQueue's order spelt out: the fewest running, then the queue key; O(n) a pop."""
+
+    def __init__(self) -> None:
+        self.waiting: list[tuple[tuple[bool, float, float, int], str, int]] = []
+        self.running: dict[str, int] = {}
+
+    def best(self) -> tuple[tuple[bool, float, float, int], str, int]:
+        return min(self.waiting, key=lambda w: (self.running.get(w[1], 0), w[0]))
+
+    def peek(self) -> tuple[str, int]:
+        tenant = self.best()[1]
+        return tenant, self.running.get(tenant, 0)
+
+    def pop(self) -> tuple[str, int]:
+        best = self.best()
+        self.waiting.remove(best)
+        self.running[best[1]] = self.running.get(best[1], 0) + 1
+        return best[1], best[2]
+
+
+@given(st.lists(st.tuples(st.sampled_from("push pop done remove".split()), st.integers(0, 3), st.integers(0, 5))))
+@hyp_settings(max_examples=300, deadline=None)
+def test_the_fair_queue_matches_its_definition(ops: list[tuple[str, int, int]]) -> None:
+    """Random pushes (tenant, program arrival), pops, ends and withdrawals: the same order as the
+    definition, in the program order."""
+    fair: FairQueue[int] = FairQueue("program")
+    ref = Reference()
+    items: dict[int, str] = {}  # waiting item -> tenant
+    running: list[tuple[str, int]] = []
+    for n, (op, t, p) in enumerate(ops):
+        tenant = "t" + str(t)
+        if op == "push":
+            fair.push(n, tenant, program_arrival=float(p), pinned=p == 0, arrival=float(n))
+            ref.waiting.append(((p != 0, float(p), float(n), n), tenant, n))
+            items[n] = tenant
+        elif op == "pop" and items:
+            assert fair.peek() == ref.peek()
+            got, want = fair.pop(), ref.pop()
+            assert got == want[1]
+            running.append((items.pop(got), got))
+        elif op == "done" and running:
+            tenant, _ = running.pop(t % len(running))
+            fair.done(tenant)
+            ref.running[tenant] -= 1
+        elif op == "remove" and items:
+            item = sorted(items)[p % len(items)]
+            assert fair.remove(item)
+            del items[item]
+            ref.waiting = [w for w in ref.waiting if w[2] != item]
+        assert len(fair) == len(items) and set(fair) == set(items)
+        assert len(fair.heap) <= max(64, 4 * len(fair.version)) + 1
+
+
+def test_a_thousand_waiting_sequences_of_many_tenants_do_not_scan_the_queue() -> None:
+    """Each admission costs heap operations: the tenant heap stays within a few entries per tenant."""
+    fair: FairQueue[int] = FairQueue("fcfs")
+    for i in range(5000):
+        fair.push(i, f"t{i % 50}")
+    taken = [fair.pop() for _ in range(100)]
+    assert taken == list(range(100))  # 50 tenants with nothing running, then one each: arrival order
+    assert len(fair.heap) <= 4 * 50 + 64
