@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import uvicorn
 
 from kvgate.gateway.app import create_app
-from kvgate.gateway.backend import make_backend
+from kvgate.gateway.backend import Backend, make_backend
 from kvgate.gateway.settings import Settings
 from kvgate.gateway.upstreams import Upstream
 from kvgate.runtime.engine import Engine
@@ -36,10 +36,13 @@ def free_port(cluster: bool = False) -> int:
 
 
 @contextmanager
-def serving(settings: Settings, engine: Engine | None, workers: tuple[Upstream, ...] = ()) -> Iterator[str]:
-    """The gateway over `engine` (None: over upstreams, or `workers`) on loopback; yields its base URL."""
+def serving(
+    settings: Settings, engine: Engine | None, workers: tuple[Upstream, ...] = (), backend: Backend | None = None
+) -> Iterator[str]:
+    """The gateway over `engine` (None: over upstreams, or `workers`; or over `backend` when given) on
+    loopback; yields its base URL."""
     port = free_port()
-    app = create_app(settings, make_backend(settings, engine, workers))
+    app = create_app(settings, backend or make_backend(settings, engine, workers))
     # proxy_headers off, as `kvgate serve` runs it: X-Forwarded-For is the app's to believe or not
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", proxy_headers=False)
     server = uvicorn.Server(config)

@@ -8,7 +8,6 @@ proxy mode the same bounds hold at the gateway, in front of an upstream."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,16 +15,14 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-import uvicorn
 
 from kvgate.bench.upstream import serve_upstream
-from kvgate.gateway.app import create_app
 from kvgate.gateway.backend import make_backend
 from kvgate.gateway.local import Local
 from kvgate.gateway.proxy import Upstreams
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
-from tests.servers import free_port
+from tests import servers
 
 KEYS = {"sk-flood": "flood", "sk-calm": "calm", "sk-third": "third"}
 SHARE, TOTAL = 32, 40  # sequences in flight: per tenant, in all
@@ -50,19 +47,8 @@ def serving(settings: Settings, engine: Engine | None) -> Iterator[Server]:
     """The gateway over the shared engine (None: over upstreams) on loopback, its backend at hand."""
     backend = make_backend(settings, engine)
     assert isinstance(backend, Local | Upstreams)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(settings, backend), host="127.0.0.1", port=port))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    try:
-        yield Server(f"http://127.0.0.1:{port}", backend)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    with servers.serving(settings, engine, backend=backend) as url:
+        yield Server(url, backend)
 
 
 @pytest.fixture(scope="module")
