@@ -264,8 +264,11 @@ class Engine:
         self.measure(time.perf_counter() - start, batch)
         allowed = self.allowed([seq for seq, run in batch if run.kv is seq.kv and not seq.prefilling], logits.shape[-1])
         for (seq, run), row in zip(batch, logits):
-            if run.kv is not seq.kv:
-                self.caches.computed(seq)
+            if run.kv is not seq.kv:  # a chunk of a document the prompt lacks
+                try:
+                    self.caches.computed(seq)
+                except Exception as exc:
+                    self.fail(seq, exc)
                 continue
             if seq.prefilling:
                 continue
