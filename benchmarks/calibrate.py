@@ -51,7 +51,10 @@ def calibrate(
     words: int,
     report: Path | None,
     command: str,
+    counts: list[int] | None = None,
 ) -> tuple[Calibration, Path]:
+    """`counts`: the document counts the served table covers (each measured on its own items);
+    the single ratio (and its curve) is `docs`'s."""
     if metric not in METRICS:
         raise ValueError(f"--metric {metric!r}: one of {', '.join(METRICS)}")
     began = time.perf_counter()
@@ -60,8 +63,19 @@ def calibrate(
     reuser = make_reuser(loaded)
     ratios = sorted(set(ratios))
     modes = [Reuse("blend", r) for r in ratios]
-    scores = measure(reuser, data_items, modes, loaded.eos_token_ids, loaded.tokenizer.decode, answers=False)
-    curve = dict(zip(ratios, scores.values()))
+
+    def curve_of(found: list) -> dict[float, Scores]:
+        scores = measure(reuser, found, modes, loaded.eos_token_ids, loaded.tokenizer.decode, answers=False)
+        return dict(zip(ratios, scores.values()))
+
+    curve = curve_of(data_items)
+    curves = {docs: curve}
+    for n in sorted(set(counts or ()) - {docs}):
+        curves[n] = curve_of(load_items(loaded, data, n, limit, shuffle, offset, words))
+    served = {
+        str(n): {f"{r:g}": {"kl": s.mean("kl"), "top1": s.mean("top1")} for r, s in c.items()}
+        for n, c in sorted(curves.items())
+    }
     values = {r: metric_of(s, metric) for r, s in curve.items()}
     ratio, met = pick_ratio(values, target, metric)
     cal = Calibration(
@@ -71,6 +85,7 @@ def calibrate(
         metric=metric,
         items=len(data_items),
         curve={f"{r:g}": v for r, v in values.items()},
+        table=served,
     )
     where = path(config.cache_dir, model_fingerprint(loaded))
     save(cal, where)

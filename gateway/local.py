@@ -34,7 +34,7 @@ from kvgate.gateway.choices import (
 )
 from kvgate.gateway.embeddings import Embeddings
 from kvgate.gateway.errors import APIError, bad_request
-from kvgate.gateway.metrics import counter, gauge, tier_metrics
+from kvgate.gateway.metrics import counter, fidelity_metrics, gauge, tier_metrics
 from kvgate.gateway.programs import HEADER
 from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest, Sampling
 from kvgate.gateway.render import dumps, response_head, sse, sse_error, usage
@@ -68,7 +68,7 @@ class Local(Backend):
         self.conversations = Conversations(config.conversations)
         self.anchors = AnchorPool(config.anchors) if config.kvcomm else None
         engine.spans.offsets = self.anchors
-        self.planner = Planner(engine.reuser, config.kvcomm, settings.kvcomm_recompute_ratio)
+        self.planner = Planner(engine.reuser, config.kvcomm)
         self.embeddings = Embeddings(settings)  # /v1/embeddings: the semantic cache's embedding model
         self.admission = Admission(
             settings.max_request_seqs, settings.max_waiting_seqs, settings.max_waiting_seqs_per_tenant
@@ -352,6 +352,7 @@ class Local(Backend):
         load = engine.load_stats
         yield gauge("kvgate_requests_waiting", "sequences waiting for the engine", load["waiting"])
         yield gauge("kvgate_requests_running", "sequences the engine is running", load["running"])
+        yield from fidelity_metrics(self.name, engine.gate.stats(), engine.gate.dropped)
         programs = self.programs.stats()
         yield gauge("kvgate_programs", "agent programs seen recently", programs["programs"])
         yield gauge("kvgate_pinned_programs", "agent programs whose context is pinned", programs["pinned"])

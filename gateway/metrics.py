@@ -5,7 +5,7 @@ cache tiers, pins and queues are read from their owners at scrape time (nothing 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
@@ -129,6 +129,29 @@ def gauge(name: str, doc: str, value: float, labels: dict[str, str] | None = Non
 
 def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=value)
+
+
+def fidelity_metrics(model: str, gate: Iterable[tuple[str, dict[str, float]]], dropped: int) -> Iterator[Metric]:
+    """The quality gate's shadow checks per reuse mode: how far reuse moved first tokens, and the
+    recompute ratio each mode is served at now (1: full prefill, reuse withheld)."""
+    kinds = {
+        "checks": (CounterMetricFamily, "kvgate_shadow_checks", "reused requests checked against full prefill"),
+        "kl": (GaugeMetricFamily, "kvgate_reuse_fidelity_kl", "mean first-token KL(full || reuse) of the checks"),
+        "top1": (GaugeMetricFamily, "kvgate_reuse_fidelity_top1", "share of checks whose first token agreed"),
+        "window_kl": (
+            GaugeMetricFamily,
+            "kvgate_reuse_fidelity_window_kl",
+            "mean KL, latest checks of the ratio served",
+        ),
+        "window_top1": (GaugeMetricFamily, "kvgate_reuse_fidelity_window_top1", "top-1 agreement of those checks"),
+        "ratio": (GaugeMetricFamily, "kvgate_reuse_gate_ratio", "recompute ratio served (1: full prefill)"),
+    }
+    families = {key: kind(name, doc, labels=["model", "mode"]) for key, (kind, name, doc) in kinds.items()}
+    for mode, stats in gate:
+        for name, family in families.items():
+            family.add_metric([model, mode], stats[name])
+    yield from families.values()
+    yield counter("kvgate_shadow_dropped", "shadow checks dropped: too many were waiting", dropped)
 
 
 def tier_metrics(tiers: list[dict[str, Any]]) -> Iterator[Metric]:

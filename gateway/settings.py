@@ -15,6 +15,7 @@ from kvgate.chunk_cache import ChunkCacheConfig
 from kvgate.gateway.limits import Limits
 from kvgate.gateway.upstreams import ProxyConfig, Upstream
 from kvgate.runtime.config import EngineConfig
+from kvgate.runtime.quality import QualityConfig
 from kvgate.semantic_cache import SemanticCacheConfig
 from kvgate.semantic_cache import categories as semantic_categories
 from kvgate.semantic_cache.guards import GUARDS
@@ -81,6 +82,13 @@ class Settings(BaseSettings):
     # Span tokens recomputed (CacheBlend) on top of the offsets; measured: offsets alone beat blend at 15%.
     kvcomm_recompute_ratio: float = Field(0.0, ge=0.0, le=1.0)
     queue_order: Literal["fcfs", "program"] = "program"  # the runtime's admission queue
+    # ---- the quality gate: a share of reused requests checked against full prefill on spare capacity
+    shadow_rate: float = Field(0.05, ge=0.0, le=1.0)
+    fidelity_kl: float = Field(0.05, ge=0.0)  # target: mean first-token KL of the checks, at most
+    fidelity_top1: float = Field(0.95, ge=0.0, le=1.0)  # target: first tokens agreeing with full prefill
+    gate_window: int = Field(16, ge=1)  # checks of a recompute ratio that decide whether it holds
+    gate_min_checks: int = Field(8, ge=1)  # checks before a ratio may be raised
+    gate_ratios: list[float] = Field(default_factory=lambda: [0.3, 0.5])  # the rungs before full prefill
     # API key (or "sha256:<hex>" of it) -> tenant, or {tenant, models, rpm, tpm}; more keys via POST /admin/keys.
     api_keys: dict[str, str | dict[str, Any]] = Field(default_factory=dict)
     require_api_key: bool | None = None  # None: required when api_keys is set; false: unknown keys are anonymous
@@ -178,6 +186,15 @@ class Settings(BaseSettings):
             chunk_cache=self.chunk_cache_config(),
             recompute_ratio=self.recompute_ratio,
             queue_order=self.queue_order,
+            kvcomm_ratio=self.kvcomm_recompute_ratio,
+            quality=QualityConfig(
+                self.shadow_rate,
+                self.fidelity_kl,
+                self.fidelity_top1,
+                self.gate_window,
+                min(self.gate_min_checks, self.gate_window),
+                tuple(self.gate_ratios),
+            ),
         )
 
     def agent_config(self) -> AgentConfig:

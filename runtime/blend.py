@@ -156,6 +156,17 @@ def question_attention(
     return scores.masked_fill(future, float("-inf")).softmax(-1).float().mean((0, 1))
 
 
+OVERHEAD = 16  # a blend's fixed cost beyond a full prefill's, in prefill tokens (measured on CPU)
+
+
+def cost(tokens: int, reused: int, layers: int, config: BlendConfig) -> float:
+    """A blend's work in prefill tokens, for `tokens` prompt tokens of which `reused` have cached KV:
+    every token up to the first check layer, the fresh and the recomputed ones above it."""
+    below = min(config.check_layers, default=0) + 1 if reused else layers
+    above = tokens - reused + reused * config.ratio
+    return (tokens * below + above * (layers - below)) / layers + OVERHEAD
+
+
 def first_tokens(pieces: list[Piece], k: int) -> torch.Tensor:
     masks = []
     for piece in pieces:

@@ -10,17 +10,22 @@ from collections.abc import Callable
 
 import torch
 
-from kvgate.runtime.blend import Steps
-from kvgate.runtime.reuse import Reuser
-from kvgate.runtime.sequence import Missing, Sequence
+from kvgate.runtime.blend import Steps, cost
+from kvgate.runtime.calibration import Calibration
+from kvgate.runtime.quality import FULL, Gate
+from kvgate.runtime.reuse import Reuse, Reuser
+from kvgate.runtime.sequence import Missing, Plan, Sequence
 from kvgate.runtime.shared import Spans
 
 log = logging.getLogger("kvgate.engine")
 
 
 class Caches:
-    def __init__(self, reuser: Reuser, spans: Spans, cost: Callable[[int], float]) -> None:
+    def __init__(
+        self, reuser: Reuser, spans: Spans, cost: Callable[[int], float], gate: Gate, calibration: Calibration | None
+    ) -> None:
         self.reuser, self.spans, self.cost = reuser, spans, cost  # cost: seconds to prefill n tokens
+        self.gate, self.calibration = gate, calibration
 
     def lacking(self, seq: Sequence) -> list[Missing]:
         """The plan's documents no tier holds, to compute in the sequence's steps (a blend would
@@ -66,19 +71,57 @@ class Caches:
                     self.reuser.store.delete(seq.turn.resume)
             if plan is None:
                 return None
-            reuse = plan.reuse
-            ratio = reuse.ratio if reuse.ratio is not None else self.reuser.blend.ratio
+            reuse, why = self.choose(seq, plan)
+            own = self.gate.base("kvcomm" if reuse.mode == "kvcomm" else "blend")
+            ratio = reuse.ratio if reuse.ratio is not None else own
             seq.shared = self.spans.prefill(seq.kv, plan.pieces, plan.spans, reuse.mode, plan.agent, plan.scope, ratio)
             done = seq.shared.prefilled
             label = seq.reuse if done.mode == "full" else done.mode  # "full": no span reused
             seq.cached_tokens, seq.recomputed_tokens = done.reused, done.recomputed
-            seq.reuse = "; ".join(x for x in (label, done.note) if x)
+            seq.reuse = "; ".join(x for x in (label, done.note, why) if x)
             return done.logits
-        done = yield from self.reuser.prefilling(seq.kv, plan.pieces, plan.documents, plan.reuse, plan.scope, seq.fresh)
+        reuse, why = self.choose(seq, plan)
+        done = yield from self.reuser.prefilling(seq.kv, plan.pieces, plan.documents, reuse, plan.scope, seq.fresh)
         seq.planned = True
         seq.cached_tokens, seq.recomputed_tokens = done.reused, done.recomputed
-        seq.reuse = done.mode + (f"; {done.note}" if done.note else "")
+        seq.reuse = "; ".join(x for x in (done.mode, done.note, why) if x)
         return done.logits
+
+    def choose(self, seq: Sequence, plan: Plan) -> tuple[Reuse, str]:
+        """The reuse to run, and why when it is not the one the plan asked for. A mode left to the
+        server (no ratio asked) gets the smallest ratio the calibration table says meets the fidelity
+        target for this many documents (none: full prefill), never below the quality gate's rung, and
+        may be checked (`seq.gated`); a blend the cost model says is slower than full prefill runs as
+        full prefill."""
+        reuse, why = plan.reuse, ""
+        gated = reuse.ratio is None and reuse.mode == ("kvcomm" if plan.spans else "blend")
+        if gated:
+            rung, why = self.gate.serve(reuse.mode)
+            ratio = rung
+            if reuse.mode == "blend" and self.calibration is not None:
+                planned, note = self.calibration.ratio_for(sum(plan.documents), *self.targets)
+                if planned is None:
+                    return Reuse("full"), note
+                ratio = max(ratio, planned)
+            if ratio == FULL:
+                seq.gated = (reuse.mode, FULL)
+                return Reuse("full"), why
+            reuse = Reuse(reuse.mode, None if ratio == self.gate.base(reuse.mode) else ratio)
+        if reuse.mode == "blend" and not plan.spans:
+            tokens = sum(len(p) for p in plan.pieces)
+            reused = sum(len(p) for p, d in zip(plan.pieces, plan.documents) if d)
+            config = self.reuser.config(reuse.ratio if reuse.ratio is not None else self.reuser.blend.ratio, "blend")
+            blend = cost(tokens, reused, self.reuser.kv_shape[0], config)
+            if blend >= tokens:
+                slower = f"reuse would be slower than full prefill here (cost model: {blend:.0f} vs {tokens} tokens)"
+                return Reuse("full"), slower
+        if gated:  # checks are of the gate's rung, whatever the calibration added on top
+            seq.gated = (reuse.mode, rung)
+        return reuse, why
+
+    @property
+    def targets(self) -> tuple[float, float]:
+        return self.gate.config.target_kl, self.gate.config.target_top1
 
     def settle(self, seq: Sequence) -> None:
         """The prompt's KV is complete and its first token out (sampling leaves the prompt's rows

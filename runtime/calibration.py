@@ -26,6 +26,26 @@ class Calibration:
     metric: str
     items: int
     curve: dict[str, float] = field(default_factory=dict)  # ratio -> measured metric
+    # Per number of documents calibrated, per ratio: the measured {"kl", "top1"}.
+    table: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+
+    def ratio_for(self, documents: int, target_kl: float, target_top1: float) -> tuple[float | None, str]:
+        """The smallest calibrated ratio that met both targets on prompts of as many documents
+        (the nearest count calibrated at or above, else the largest); None and why when none did.
+        Without a table: the one calibrated ratio."""
+        if not self.table:
+            return self.ratio, ""
+        counts = sorted(int(d) for d in self.table)
+        count = next((c for c in counts if c >= documents), counts[-1])
+        rows = sorted((float(r), m) for r, m in self.table[str(count)].items())
+        for ratio, m in rows:
+            if m["kl"] <= target_kl and m["top1"] >= target_top1:
+                return ratio, ""
+        r, m = max(rows, key=lambda row: row[1]["top1"])
+        return None, (
+            f"no calibrated recompute ratio meets the fidelity target (KL <= {target_kl:g}, top-1 >= "
+            f"{target_top1:.0%}) for {count} documents; the best, {r:.0%}, had KL {m['kl']:.3f}, top-1 {m['top1']:.1%}"
+        )
 
 
 def model_fingerprint(loaded: LoadedModel) -> str:
@@ -58,8 +78,14 @@ def load(where: Path) -> Calibration | None:
             raise ValueError(f"ratio {cal.ratio} outside [0, 1]")
         if cal.deviation_limit is not None and not cal.deviation_limit >= 0.0:
             raise ValueError(f"deviation limit {cal.deviation_limit} is not a non-negative number")
+        for count, rows in cal.table.items():
+            if int(count) < 1 or not rows:
+                raise ValueError(f"table row for {count!r} documents")
+            for ratio, m in rows.items():
+                if not 0.0 <= float(ratio) <= 1.0 or not {"kl", "top1"} <= set(m):
+                    raise ValueError(f"table entry {ratio!r} for {count} documents")
         return cal
-    except (OSError, ValueError, TypeError) as exc:
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
         log.warning("ignoring the calibration in %s: %s", where, exc)
         return None
 

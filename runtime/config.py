@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvgate.chunk_cache import ChunkCacheConfig
+from kvgate.runtime.quality import QualityConfig
 
 
 @dataclass(frozen=True)
@@ -29,3 +30,7 @@ class EngineConfig:
     queue_order: str = "fcfs"
     # Blend's recompute ratio; None: the calibrated one (`kvgate calibrate`), else the default.
     recompute_ratio: float | None = None
+    # KVCOMM's recompute ratio for shared spans, on top of the anchors' offsets.
+    kvcomm_ratio: float = 0.0
+    # Shadow checks of reuse against full prefill, and the gate they move (runtime/quality.py).
+    quality: QualityConfig = QualityConfig()

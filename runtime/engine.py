@@ -23,10 +23,12 @@ from kvgate.runtime.grammar import GrammarError, Grammars
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.model import Run, forward
+from kvgate.runtime.quality import Gate
 from kvgate.runtime.reuse import Reuser
 from kvgate.runtime.sampling import SamplingParams, choose, logprob_of, penalise
 from kvgate.runtime.scheduler import Scheduler
 from kvgate.runtime.sequence import Output, Plan, Result, Sequence
+from kvgate.runtime.shadow import Shadow
 from kvgate.runtime.shared import Spans
 
 log = logging.getLogger("kvgate.engine")
@@ -62,7 +64,10 @@ class Engine:
         self.reuser = self.make_reuser(self.calibration)
         self.grammars = Grammars(self.tokenizer, self.loaded.eos_token_ids)
         self.spans = Spans(self.reuser, cost=self.prefill_s)  # the gateway lends it its anchor pool (agents.AnchorPool)
-        self.caches = Caches(self.reuser, self.spans, self.prefill_s)
+        self.gate = Gate(config.quality, {"blend": self.reuser.blend.ratio, "kvcomm": config.kvcomm_ratio})
+        self.shadow = Shadow(self.gate, self.reuser, self.spans)
+        calibration = self.calibration if config.recompute_ratio is None else None
+        self.caches = Caches(self.reuser, self.spans, self.prefill_s, self.gate, calibration)
         budget = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.scheduler = Scheduler(config.max_num_seqs, budget, config.queue_order)
         self.prefill_s_per_token: float | None = None  # measured: a moving average over prefill steps
@@ -212,7 +217,10 @@ class Engine:
             self.wake.clear()
             self.drain_inbox()
             if not self.scheduler:
-                self.wake.wait()
+                if self.shadow.busy:  # spare capacity: one part of a quality check, then look again
+                    self.shadow.step()
+                else:
+                    self.wake.wait()
                 continue
             self.step()
 
@@ -342,6 +350,8 @@ class Engine:
 
     def sample(self, seq: Sequence, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> None:
         params = seq.params
+        if seq.gated is not None and seq.plan is not None and not seq.output_ids:
+            self.shadow.offer(seq.plan, seq.prompt_ids, *seq.gated, logits)
         chosen = penalise(logits, params, seq.output_ids)
         if seq.matcher is not None:
             if allowed is None:

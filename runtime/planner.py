@@ -45,9 +45,9 @@ class Chat:
 
 
 class Planner:
-    def __init__(self, reuser: Reuser, kvcomm: bool = True, kvcomm_ratio: float = 0.0) -> None:
+    def __init__(self, reuser: Reuser, kvcomm: bool = True) -> None:
         self.reuser, self.tokenizer = reuser, reuser.tokenizer
-        self.kvcomm, self.kvcomm_ratio = kvcomm, kvcomm_ratio
+        self.kvcomm = kvcomm
 
     def chat(self, chat: Chat) -> tuple[list[int], Plan | None]:
         """The prompt's token ids, and its plan when some of it may be reused (TemplateError for
@@ -84,11 +84,8 @@ class Planner:
             pieces, spans = message_pieces(self.tokenizer, chat.messages, chat.add_generation_prompt, chat.tools)
         except TemplateError:
             return None
-        ratio = chat.ratio
-        if ratio is None and mode == "kvcomm":
-            ratio = self.kvcomm_ratio
         agent = agent_of(chat.messages, chat.tools)
-        return Plan(pieces, [False] * len(pieces), Reuse(mode, ratio), chat.tenant, spans, agent)
+        return Plan(pieces, [False] * len(pieces), Reuse(mode, chat.ratio), chat.tenant, spans, agent)
 
     # ---- stored documents -----------------------------------------------------------------
 

@@ -116,6 +116,7 @@ class Sequence:
     missing: list[Missing] | None = None  # the plan's documents no tier holds (None: not looked yet)
     fresh: dict[str, ChunkKV] = field(default_factory=dict)  # documents computed for this prompt
     reusing: Steps[torch.Tensor | None] | None = None  # the reuse underway, spread over steps
+    gated: tuple[str, float] | None = None  # the gated reuse mode served and its ratio (FULL: none reused)
     shared: Shared | None = None  # a span prefill whose lessons wait for the prompt's KV to complete
     matcher: Any = None  # the grammar's state (an llguidance LLMatcher) when params.grammar is set
     arrival: float = field(default_factory=time.monotonic)

@@ -119,3 +119,52 @@ def test_weights_are_hashed_once_and_again_when_their_file_changes(tmp_path: Pat
     # Any change to the file's stat (here a rewrite of the same bytes) and it is hashed again.
     weights.write_bytes(weights.read_bytes())
     assert model_fingerprint(loaded) == fp
+
+
+TABLE = {
+    "2": {"0.15": {"kl": 0.03, "top1": 0.97}, "0.3": {"kl": 0.01, "top1": 0.99}},
+    "6": {"0.15": {"kl": 0.09, "top1": 0.88}, "0.3": {"kl": 0.04, "top1": 0.96}, "0.5": {"kl": 0.02, "top1": 0.97}},
+}
+
+
+def test_the_table_gives_the_cheapest_ratio_meeting_both_targets_per_document_count() -> None:
+    cal = replace(sample(), table=TABLE)
+    assert cal.ratio_for(1, 0.05, 0.95) == (0.15, "")  # the nearest count at or above: 2
+    assert cal.ratio_for(3, 0.05, 0.95) == (0.3, "")  # 6's row
+    assert cal.ratio_for(10, 0.05, 0.95) == (0.3, "")  # beyond every count: the largest
+    ratio, why = cal.ratio_for(6, 0.01, 0.99)
+    assert ratio is None and "for 6 documents" in why and "50%" in why
+    assert sample().ratio_for(6, 0.0, 1.0) == (0.15, "")  # no table: the one calibrated ratio
+
+
+@pytest.mark.parametrize(
+    "table", [{"0": {"0.1": {"kl": 0, "top1": 1}}}, {"2": {"1.5": {"kl": 0, "top1": 1}}}, {"2": {"0.1": {}}}, {"2": []}]
+)
+def test_a_damaged_table_counts_as_none(tmp_path: Path, table) -> None:
+    where = path(tmp_path, "ef" * 32)
+    where.parent.mkdir(parents=True)
+    where.write_text(json.dumps({**sample().__dict__, "table": table}))
+    assert load(where) is None
+
+
+def test_the_engine_serves_what_the_table_says_and_full_prefill_where_nothing_meets(
+    loaded: LoadedModel, tmp_path: Path
+) -> None:
+    from kvgate.runtime.engine import Engine
+    from kvgate.runtime.planner import Planner
+    from tests.test_quality import DOCS, ask
+
+    save(
+        replace(sample(), table={"1": {"0.15": {"kl": 0.2, "top1": 0.5}}, "2": TABLE["2"]}),
+        path(tmp_path, model_fingerprint(loaded)),
+    )
+    engine = Engine(EngineConfig(cache_dir=tmp_path), loaded)
+    try:
+        planner = Planner(engine.reuser)
+        two = ask(engine, planner, "Who kept the lamp?")  # TABLE's 2 documents: 15% meets the target
+        assert two.reuse.startswith("blend") and "no calibrated" not in two.reuse
+        one = ask(engine, planner, "Who kept the lamp?", DOCS[:1])
+        assert one.reuse.startswith("full") and "no calibrated recompute ratio meets" in one.reuse
+        assert one.cached_tokens == 0
+    finally:
+        engine.shutdown()

@@ -59,6 +59,11 @@ def test_requests_tokens_reuse_and_tiers_are_counted(url, model_name):
     assert grew("kvgate_recompute_ratio_count") == 2  # the second and third request reused the documents
     assert grew("kvgate_document_kv_hits_total", tier="memory") >= 2
     assert ("kvgate_pinned_programs", ()) in after and ("kvgate_requests_waiting", ()) in after
+    # The quality gate, per model and gated mode: the ratio served and the shadow checks so far.
+    for mode in ("blend", "kvcomm"):
+        labels = (("mode", mode), ("model", model_name))
+        assert ("kvgate_reuse_gate_ratio", labels) in after and ("kvgate_shadow_checks_total", labels) in after
+    assert value(after, "kvgate_reuse_gate_ratio", mode="blend", model=model_name) < 1.0
 
 
 def test_health_is_liveness_and_ready_says_the_model_serves(url, model_name):

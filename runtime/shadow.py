@@ -1,0 +1,103 @@
+"""Shadow checks: a served request's first token, computed the other way on spare capacity.
+
+The engine hands over a request it served as the quality gate said (runtime/quality.py) together
+with the first-token logits it served. When the engine has nothing else to run, the check computes
+the other side in parts (a full prefill in chunks, a blend layer by layer), so a request arriving
+meanwhile waits one part at most; then it compares the two distributions and tells the gate.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Generator
+from dataclasses import dataclass
+
+import torch
+
+from kvgate.runtime.blend import ROWS
+from kvgate.runtime.model import Run, forward
+from kvgate.runtime.quality import FULL, Gate
+from kvgate.runtime.reuse import Reuse, Reuser
+from kvgate.runtime.sequence import Plan
+from kvgate.runtime.shared import Spans
+
+log = logging.getLogger("kvgate.engine")
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt_ids: list[int]
+    plan: Plan
+    mode: str  # the gated mode: "blend" or "kvcomm"
+    ratio: float  # the rung served (FULL: full prefill was)
+    logits: torch.Tensor  # the first token's, as served
+
+
+def compare(reference: torch.Tensor, other: torch.Tensor) -> tuple[float, bool]:
+    """First-token KL(reference || other) and whether their argmax agree."""
+    p, q = reference.float().log_softmax(-1), other.float().log_softmax(-1)
+    return float((p.exp() * (p - q)).sum()), bool(reference.argmax() == other.argmax())
+
+
+class Shadow:
+    def __init__(self, gate: Gate, reuser: Reuser, spans: Spans) -> None:
+        self.gate, self.reuser, self.spans = gate, reuser, spans
+        self.jobs: deque[Job] = deque()
+        self.running: Generator[float, None, None] | None = None
+
+    def offer(self, plan: Plan, prompt_ids: list[int], mode: str, ratio: float, logits: torch.Tensor) -> None:
+        """A request was served: check it if one is due and there is room (else it is dropped)."""
+        if not self.gate.due():
+            return
+        if len(self.jobs) >= self.gate.config.max_pending:
+            self.gate.dropped += 1
+            return
+        self.jobs.append(Job(list(prompt_ids), plan, mode, ratio, logits.detach().float().clone()))
+
+    @property
+    def busy(self) -> bool:
+        return self.running is not None or bool(self.jobs)
+
+    def step(self) -> None:
+        """Run one part of the current check (the engine calls this only when it is idle)."""
+        if self.running is None:
+            self.running = self.check(self.jobs.popleft())
+        try:
+            next(self.running)
+        except StopIteration:
+            self.running = None
+        except Exception:  # a check that fails says nothing about reuse; serving goes on
+            log.exception("a shadow check failed")
+            self.running = None
+
+    def check(self, job: Job) -> Generator[float, None, None]:
+        probe = self.gate.probe(job.mode)
+        if job.ratio == FULL:  # full prefill was served: compute the reuse it withheld
+            reference, other = job.logits, (yield from self.reuse(job, probe))
+        else:
+            reference, other = (yield from self.full(job.prompt_ids)), job.logits
+            probe = job.ratio
+        kl, agree = compare(reference, other)
+        self.gate.record(job.mode, probe, kl, agree)
+
+    def full(self, ids: list[int]) -> Generator[float, None, torch.Tensor]:
+        kv = self.reuser.new_kv()
+        logits = None
+        for start in range(0, len(ids), ROWS):
+            logits = forward(self.reuser.model, [Run(kv, ids[start : start + ROWS], start)])[0]
+            yield float(min(ROWS, len(ids) - start))
+        assert logits is not None
+        return logits
+
+    def reuse(self, job: Job, ratio: float) -> Generator[float, None, torch.Tensor]:
+        plan, kv = job.plan, self.reuser.new_kv()
+        asked = Reuse("blend", None if ratio == self.gate.base(job.mode) else ratio)
+        if job.mode == "kvcomm":
+            done = self.spans.prefill(kv, plan.pieces, plan.spans, "kvcomm", plan.agent, plan.scope, ratio).prefilled
+        else:
+            done = yield from self.reuser.prefilling(kv, plan.pieces, plan.documents, asked, plan.scope)
+        if done.logits is not None:
+            return done.logits
+        rest = job.prompt_ids[len(kv) :]
+        return forward(self.reuser.model, [Run(kv, rest, len(kv))])[0]

@@ -1,0 +1,165 @@
+"""runtime/quality.py and runtime/shadow.py: the gate's ladder, and shadow checks on a real engine
+that close it when the stored KV is perturbed and open it again once the KV is sound."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from kvgate.runtime.config import EngineConfig
+from kvgate.runtime.engine import Engine
+from kvgate.runtime.loader import LoadedModel
+from kvgate.runtime.planner import Chat, Planner
+from kvgate.runtime.quality import FULL, Gate, QualityConfig
+from kvgate.runtime.sampling import SamplingParams
+from kvgate.runtime.sequence import Result
+from kvgate.runtime.shadow import compare
+
+CONFIG = QualityConfig(shadow_rate=1.0, window=4, min_checks=2, ratios=(0.5,))
+GOOD, BAD = (0.001, True), (0.4, False)
+
+
+def test_a_mode_climbs_one_rung_per_min_checks_missed_and_names_why() -> None:
+    gate = Gate(CONFIG, {"blend": 0.15})
+    assert gate.serve("blend") == (0.15, "")
+    gate.record("blend", 0.15, *BAD)
+    assert gate.serve("blend")[0] == 0.15  # one check is not enough
+    gate.record("blend", 0.15, *BAD)
+    ratio, why = gate.serve("blend")
+    assert ratio == 0.5 and "quality gate" in why and "KL 0.400" in why and "raised to 50%" in why
+    for _ in range(2):
+        gate.record("blend", 0.5, *BAD)
+    ratio, why = gate.serve("blend")
+    assert ratio == FULL and "withheld" in why
+
+
+def test_at_full_prefill_checks_probe_the_rung_below_and_reopen_it() -> None:
+    gate = Gate(CONFIG, {"blend": 0.15})
+    for ratio in (0.15, 0.15, 0.5, 0.5):
+        gate.record("blend", ratio, *BAD)
+    assert gate.serve("blend")[0] == FULL and gate.probe("blend") == 0.5
+    for _ in range(CONFIG.window - 1):
+        gate.record("blend", 0.5, *GOOD)
+    assert gate.serve("blend")[0] == FULL  # a whole window first
+    gate.record("blend", 0.5, *GOOD)
+    assert gate.serve("blend")[0] == 0.5
+    for _ in range(CONFIG.window):
+        gate.record("blend", 0.5, *GOOD)
+    assert gate.serve("blend") == (0.15, "")
+
+
+def test_a_check_of_a_rung_left_meanwhile_only_counts_in_the_totals() -> None:
+    gate = Gate(CONFIG, {"blend": 0.15})
+    gate.record("blend", 0.15, *BAD)
+    gate.record("blend", 0.15, *BAD)  # climbs to 50%
+    gate.record("blend", 0.15, *BAD)  # taken at 15%, landed after the climb
+    stats = dict(gate.stats())["blend"]
+    assert stats["checks"] == 3 and stats["ratio"] == 0.5
+    assert torch.isnan(torch.tensor(stats["window_kl"]))
+
+
+def test_top1_alone_can_close_the_gate() -> None:
+    gate = Gate(CONFIG, {"blend": 0.15})
+    gate.record("blend", 0.15, 0.0, False)
+    gate.record("blend", 0.15, 0.0, True)
+    assert gate.serve("blend")[0] == 0.5  # 50% agreement is under 95%, whatever the KL
+
+
+def test_the_shadow_rate_checks_evenly_and_zero_never() -> None:
+    gate = Gate(QualityConfig(shadow_rate=0.25), {"blend": 0.15})
+    assert [gate.due() for _ in range(8)] == [False, False, False, True] * 2
+    assert not any(Gate(QualityConfig(), {"blend": 0.15}).due() for _ in range(100))
+
+
+def test_bad_configs_are_refused() -> None:
+    for bad in ({"shadow_rate": 1.5}, {"window": 2, "min_checks": 3}, {"ratios": (1.0,)}):
+        with pytest.raises(ValueError):
+            QualityConfig(**bad)
+
+
+def test_compare_is_zero_for_the_same_distribution() -> None:
+    logits = torch.randn(50)
+    assert compare(logits, logits) == (pytest.approx(0.0, abs=1e-6), True)
+    kl, agree = compare(logits, -logits)
+    assert kl > 0.1 and not agree
+
+
+# ---- on a real engine ------------------------------------------------------------------------
+
+DOCS = [
+    "The lighthouse on Mirren Point was built in 1871 from granite quarried on the island itself. "
+    "Its keeper, Agnes Dunmore, kept the lamp lit for forty-one years without missing a night.",
+    "Mirren Point lies at the northern tip of the island of Calloway, where the ferry from Brask "
+    "docks twice a day in summer and once a day in winter, weather permitting.",
+]
+
+
+@pytest.fixture(scope="module")
+def gated(loaded: LoadedModel, tmp_path_factory: pytest.TempPathFactory):
+    # Targets a sound blend of two short documents meets, and a perturbed one cannot.
+    quality = QualityConfig(shadow_rate=1.0, target_kl=0.2, target_top1=0.9, window=4, min_checks=2, ratios=(0.5,))
+    config = EngineConfig(cache_dir=tmp_path_factory.mktemp("quality"), quality=quality)
+    engine = Engine(config, loaded)
+    yield engine, Planner(engine.reuser)
+    engine.shutdown()
+
+
+def ask(engine: Engine, planner: Planner, question: str, docs: list[str] = DOCS) -> Result:
+    """A chat over `docs` through the engine, once its shadow check (if any) is done."""
+    ids, plan = planner.chat(Chat([{"role": "user", "content": question}], documents=[{"text": d} for d in docs]))
+
+    async def run() -> Result:
+        result = Result()
+        async for out in engine.generate(ids, SamplingParams(max_tokens=1, temperature=0), plan):
+            result.add(out)
+        return result
+
+    result = asyncio.run(run())
+    deadline = time.monotonic() + 60
+    while engine.shadow.busy and time.monotonic() < deadline:  # its check runs once the engine is idle
+        time.sleep(0.02)
+    return result
+
+
+def test_perturbed_document_kv_closes_the_gate_and_sound_kv_reopens_it(gated) -> None:
+    engine, planner = gated
+    questions = [f"Question {i}: who kept the lamp on Mirren Point?" for i in range(40)]
+    first = ask(engine, planner, questions[0])
+    assert first.reuse.startswith("blend") and "quality gate" not in first.reuse
+    assert dict(engine.gate.stats())["blend"]["checks"] == 1
+
+    # A fault no real part produces on demand: stored document KV perturbed in place.
+    entries = [engine.reuser.store.get(engine.reuser.key(planner.tokens(d))) for d in DOCS]
+    saved = [(e.keys.clone(), e.values.clone()) for e in entries]
+    for e in entries:
+        e.values.mul_(-3.0)
+    served = [ask(engine, planner, q) for q in questions[1:9]]
+    assert served[-1].reuse.startswith("full") and "quality gate" in served[-1].reuse
+    assert served[-1].cached_tokens == 0
+    assert dict(engine.gate.stats())["blend"]["ratio"] == FULL
+
+    for e, (k, v) in zip(entries, saved):
+        e.keys.copy_(k)
+        e.values.copy_(v)
+    served = [ask(engine, planner, q) for q in questions[9:40]]
+    reopened = next(i for i, r in enumerate(served) if "quality gate" not in r.reuse)
+    assert reopened <= 2 * CONFIG.window
+    assert served[-1].reuse.startswith("blend") and served[-1].cached_tokens > 0
+
+
+def test_a_blend_slower_than_full_prefill_is_not_run_and_says_why(gated) -> None:
+    engine, planner = gated
+    ids, plan = planner.chat(Chat([{"role": "user", "content": "Hi?"}], documents=[{"text": "Tiny."}]))
+
+    async def run() -> Result:
+        result = Result()
+        async for out in engine.generate(ids, SamplingParams(max_tokens=1, temperature=0), plan):
+            result.add(out)
+        return result
+
+    result = asyncio.run(run())
+    assert result.reuse.startswith("full") and "slower than full prefill" in result.reuse
+    assert result.cached_tokens == 0
