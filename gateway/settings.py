@@ -82,6 +82,9 @@ class Settings(BaseSettings):
     # Span tokens recomputed (CacheBlend) on top of the offsets; measured: offsets alone beat blend at 15%.
     kvcomm_recompute_ratio: float = Field(0.0, ge=0.0, le=1.0)
     queue_order: Literal["fcfs", "program"] = "program"  # the runtime's admission queue
+    # A prompt of mostly new documents is prefilled in full and their KV kept as it computed them
+    # (within a tenant's scope); false: each new document is computed alone and blended.
+    documents_in_context: bool = True
     # ---- the quality gate: a share of reused requests checked against full prefill on spare capacity
     shadow_rate: float = Field(0.05, ge=0.0, le=1.0)
     fidelity_kl: float = Field(0.05, ge=0.0)  # target: mean first-token KL of the checks, at most
@@ -187,6 +190,7 @@ class Settings(BaseSettings):
             recompute_ratio=self.recompute_ratio,
             queue_order=self.queue_order,
             kvcomm_ratio=self.kvcomm_recompute_ratio,
+            documents_in_context=self.documents_in_context,
             quality=QualityConfig(
                 self.shadow_rate,
                 self.fidelity_kl,

@@ -22,10 +22,17 @@ log = logging.getLogger("kvgate.engine")
 
 class Caches:
     def __init__(
-        self, reuser: Reuser, spans: Spans, cost: Callable[[int], float], gate: Gate, calibration: Calibration | None
+        self,
+        reuser: Reuser,
+        spans: Spans,
+        cost: Callable[[int], float],
+        gate: Gate,
+        calibration: Calibration | None,
+        in_context: bool = True,
     ) -> None:
         self.reuser, self.spans, self.cost = reuser, spans, cost  # cost: seconds to prefill n tokens
         self.gate, self.calibration = gate, calibration
+        self.in_context = in_context  # new documents' KV kept as their first prompt computed it
 
     def lacking(self, seq: Sequence) -> list[Missing]:
         """The plan's documents no tier holds, to compute in the sequence's steps (a blend would
@@ -36,6 +43,13 @@ class Caches:
         if not seq.ingest and (plan.reuse.mode not in ("naive", "blend") or not self.reuser.shiftable):
             return []
         found = self.reuser.missing(plan.pieces, plan.documents, plan.scope)
+        if self.in_context and found and not seq.ingest and plan.scope:
+            # Mostly new documents: the prompt is prefilled in full (its answer exact) and their KV
+            # kept as this context computed it. Only within a scope: that KV carries its context.
+            documents = sum(len(p) for p, d in zip(plan.pieces, plan.documents) if d)
+            if 2 * sum(len(ids) for _, ids in found) >= documents:
+                seq.in_context = {key for key, _ in found}
+                return []
         return [Missing(key, ids, *self.reuser.document_kv(len(ids))) for key, ids in found]
 
     def computed(self, seq: Sequence) -> None:
@@ -94,6 +108,8 @@ class Caches:
         may be checked (`seq.gated`); a blend the cost model says is slower than full prefill runs as
         full prefill."""
         reuse, why = plan.reuse, ""
+        if seq.in_context:
+            return Reuse("full"), "documents new to the cache: prefilled in full, their KV kept as computed here"
         gated = reuse.ratio is None and reuse.mode == ("kvcomm" if plan.spans else "blend")
         if gated:
             rung, why = self.gate.serve(reuse.mode)
@@ -131,6 +147,8 @@ class Caches:
         try:
             if plan is not None and plan.reuse.mode == "prefix":
                 self.reuser.store_prefix(seq.kv, plan.pieces, plan.scope)
+            if plan is not None and seq.in_context:
+                self.reuser.keep_in_context(seq.kv, plan.pieces, plan.documents, seq.in_context, plan.scope, self.cost)
             if shared is not None and plan is not None:
                 self.spans.settle(seq.kv, shared, plan.agent, plan.scope)
         except Exception:  # the answer stands; later prompts compute these again

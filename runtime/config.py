@@ -30,6 +30,9 @@ class EngineConfig:
     queue_order: str = "fcfs"
     # Blend's recompute ratio; None: the calibrated one (`kvgate calibrate`), else the default.
     recompute_ratio: float | None = None
+    # A prompt of mostly new documents (within a tenant's scope) is prefilled in full and their KV
+    # kept as it computed them; False: each new document is computed alone, then blended.
+    documents_in_context: bool = True
     # KVCOMM's recompute ratio for shared spans, on top of the anchors' offsets.
     kvcomm_ratio: float = 0.0
     # Shadow checks of reuse against full prefill, and the gate they move (runtime/quality.py).

@@ -67,7 +67,9 @@ class Engine:
         self.gate = Gate(config.quality, {"blend": self.reuser.blend.ratio, "kvcomm": config.kvcomm_ratio})
         self.shadow = Shadow(self.gate, self.reuser, self.spans)
         calibration = self.calibration if config.recompute_ratio is None else None
-        self.caches = Caches(self.reuser, self.spans, self.prefill_s, self.gate, calibration)
+        self.caches = Caches(
+            self.reuser, self.spans, self.prefill_s, self.gate, calibration, config.documents_in_context
+        )
         budget = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.scheduler = Scheduler(config.max_num_seqs, budget, config.queue_order)
         self.prefill_s_per_token: float | None = None  # measured: a moving average over prefill steps

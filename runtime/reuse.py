@@ -12,7 +12,7 @@ import threading
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -23,7 +23,7 @@ from kvgate.chunk_cache import ChunkKV, ChunkStore, LoadFailed, Loading, chunk_k
 from kvgate.runtime.blend import BlendConfig, Piece, Steps, blend, drain
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.model import Run, forward
-from kvgate.runtime.rope import can_shift, rope_type
+from kvgate.runtime.rope import can_shift, rope_type, shift
 
 MODES = ("full", "prefix", "naive", "blend")
 EMPTY: Mapping[str, ChunkKV] = MappingProxyType({})
@@ -172,6 +172,30 @@ class Reuser:
         entry = ChunkKV(key, tuple(token_ids), keys, values, cost, self.model_fp)
         self.store.put(entry)
         return entry
+
+    def keep_in_context(
+        self,
+        kv: KVCache,
+        pieces: list[list[int]],
+        documents: list[bool],
+        wanted: set[str],
+        scope: str,
+        cost: Callable[[int], float],
+    ) -> None:
+        """Store the KV of the documents `wanted` (by key) as this prompt's `kv` holds it: computed
+        after everything before them in this context, keys moved back to positions 0..T-1. Measured
+        (`kvgate bench error-sources`): read later in another order, such KV moves the first token
+        a third as far as KV computed alone."""
+        offset, layers = 0, range(self.kv_shape[0])
+        for ids, is_document in zip(pieces, documents):
+            key = self.key(ids, scope) if is_document else ""
+            n = len(ids)
+            if key in wanted and len(kv) >= offset + n:
+                wanted = wanted - {key}
+                keys = torch.stack([shift(self.model, kv.keys[i][:, offset : offset + n], -offset) for i in layers])
+                values = torch.stack([kv.values[i][:, offset : offset + n] for i in layers])
+                self.stored(key, ids, keys, values, cost(n))
+            offset += n
 
     def document_kv(self, tokens: int) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
         """An empty KV for a document of `tokens` tokens whose layers are views of one keys and one

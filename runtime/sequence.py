@@ -115,6 +115,7 @@ class Sequence:
     ingest: bool = False  # only compute and store the plan's documents: no answer
     missing: list[Missing] | None = None  # the plan's documents no tier holds (None: not looked yet)
     fresh: dict[str, ChunkKV] = field(default_factory=dict)  # documents computed for this prompt
+    in_context: set[str] = field(default_factory=set)  # new documents whose KV this prompt's full prefill leaves
     reusing: Steps[torch.Tensor | None] | None = None  # the reuse underway, spread over steps
     gated: tuple[str, float] | None = None  # the gated reuse mode served and its ratio (FULL: none reused)
     shared: Shared | None = None  # a span prefill whose lessons wait for the prompt's KV to complete

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgate.runtime.blend import ROWS
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.quality import FULL, Gate
 from kvgate.runtime.reuse import Reuse, Reuser
@@ -23,6 +22,8 @@ from kvgate.runtime.sequence import Plan
 from kvgate.runtime.shared import Spans
 
 log = logging.getLogger("kvgate.engine")
+
+ROWS = 64  # tokens of a full prefill between two looks at the inbox: a request arriving waits little
 
 
 @dataclass(frozen=True)

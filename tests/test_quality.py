@@ -14,8 +14,9 @@ from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.planner import Chat, Planner
 from kvgate.runtime.quality import FULL, Gate, QualityConfig
+from kvgate.runtime.reuse import Reuse
 from kvgate.runtime.sampling import SamplingParams
-from kvgate.runtime.sequence import Result
+from kvgate.runtime.sequence import Plan, Result, Sequence
 from kvgate.runtime.shadow import compare
 
 CONFIG = QualityConfig(shadow_rate=1.0, window=4, min_checks=2, ratios=(0.5,))
@@ -107,9 +108,10 @@ def gated(loaded: LoadedModel, tmp_path_factory: pytest.TempPathFactory):
     engine.shutdown()
 
 
-def ask(engine: Engine, planner: Planner, question: str, docs: list[str] = DOCS) -> Result:
+def ask(engine: Engine, planner: Planner, question: str, docs: list[str] = DOCS, scope: str = "") -> Result:
     """A chat over `docs` through the engine, once its shadow check (if any) is done."""
-    ids, plan = planner.chat(Chat([{"role": "user", "content": question}], documents=[{"text": d} for d in docs]))
+    documents = [{"text": d} for d in docs]
+    ids, plan = planner.chat(Chat([{"role": "user", "content": question}], documents=documents, scope=scope))
 
     async def run() -> Result:
         result = Result()
@@ -163,3 +165,18 @@ def test_a_blend_slower_than_full_prefill_is_not_run_and_says_why(gated) -> None
     result = asyncio.run(run())
     assert result.reuse.startswith("full") and "slower than full prefill" in result.reuse
     assert result.cached_tokens == 0
+
+
+def test_kvcomm_spans_climb_their_own_ladder(gated) -> None:
+    engine, _ = gated
+    plan = Plan([[1, 2], [3, 4]], [False, False], Reuse("kvcomm"), spans=[False, True])
+    seq = Sequence([1, 2, 3, 4], SamplingParams(), engine.reuser.new_kv(), frozenset(), 100, plan=plan)
+    assert engine.caches.choose(seq, plan) == (Reuse("kvcomm"), "") and seq.gated == ("kvcomm", 0.0)
+    blend = dict(engine.gate.stats())["blend"]["ratio"]
+    for _ in range(2):
+        engine.gate.record("kvcomm", 0.0, 0.5, False)
+    reuse, why = engine.caches.choose(seq, plan)
+    assert reuse == Reuse("kvcomm", 0.5) and "quality gate" in why and seq.gated == ("kvcomm", 0.5)
+    assert dict(engine.gate.stats())["blend"]["ratio"] == blend  # one mode's checks never move another
+    asked = Plan(plan.pieces, plan.documents, Reuse("kvcomm", 0.0), spans=plan.spans)
+    assert engine.caches.choose(seq, asked) == (Reuse("kvcomm", 0.0), "")  # a ratio asked is not gated
