@@ -43,9 +43,10 @@ class Caches:
         if not seq.ingest and (plan.reuse.mode not in ("naive", "blend") or not self.reuser.shiftable):
             return []
         found = self.reuser.missing(plan.pieces, plan.documents, plan.scope)
-        if self.in_context and found and not seq.ingest and plan.scope:
-            # Mostly new documents: the prompt is prefilled in full (its answer exact) and their KV
-            # kept as this context computed it. Only within a scope: that KV carries its context.
+        if self.in_context and found and not seq.ingest and plan.scope and plan.reuse == Reuse("blend"):
+            # Mostly new documents, reuse left to the server: the prompt is prefilled in full (its answer
+            # exact) and their KV kept as this context computed it. Only within a scope: that KV
+            # carries its context.
             documents = sum(len(p) for p, d in zip(plan.pieces, plan.documents) if d)
             if 2 * sum(len(ids) for _, ids in found) >= documents:
                 seq.in_context = {key for key, _ in found}
@@ -102,11 +103,11 @@ class Caches:
         return done.logits
 
     def choose(self, seq: Sequence, plan: Plan) -> tuple[Reuse, str]:
-        """The reuse to run, and why when it is not the one the plan asked for. A mode left to the
-        server (no ratio asked) gets the smallest ratio the calibration table says meets the fidelity
-        target for this many documents (none: full prefill), never below the quality gate's rung, and
-        may be checked (`seq.gated`); a blend the cost model says is slower than full prefill runs as
-        full prefill."""
+        """The reuse to run, and why when it is not the one the plan asked for. A ratio asked is run
+        as asked. A mode left to the server gets the smallest ratio the calibration table says meets
+        the fidelity target for this many documents (none: full prefill), never below the quality
+        gate's rung, and may be checked (`seq.gated`); a blend the cost model says is slower than full
+        prefill runs as full prefill."""
         reuse, why = plan.reuse, ""
         if seq.in_context:
             return Reuse("full"), "documents new to the cache: prefilled in full, their KV kept as computed here"
@@ -123,7 +124,7 @@ class Caches:
                 seq.gated = (reuse.mode, FULL)
                 return Reuse("full"), why
             reuse = Reuse(reuse.mode, None if ratio == self.gate.base(reuse.mode) else ratio)
-        if reuse.mode == "blend" and not plan.spans:
+        if reuse.mode == "blend" and not plan.spans and plan.reuse.ratio is None:
             tokens = sum(len(p) for p in plan.pieces)
             reused = sum(len(p) for p, d in zip(plan.pieces, plan.documents) if d)
             config = self.reuser.config(reuse.ratio if reuse.ratio is not None else self.reuser.blend.ratio, "blend")
