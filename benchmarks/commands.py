@@ -25,11 +25,38 @@ def musique_args(parser: argparse.ArgumentParser, limit: int, offset: int) -> No
     parser.add_argument("--words", type=int, default=0, help="cut each passage to its first N words (0: whole)")
 
 
+def count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number, 0 or more")
+    return int(text)
+
+
+def layers(text: str) -> tuple[int, ...]:
+    """Layer indices, comma-separated: "1,8" -> (1, 8)."""
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    if not parts or not all(x.isdigit() for x in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: layer indices, comma-separated")
+    return tuple(sorted({int(x) for x in parts}))
+
+
+BLEND = ("select", "first_k", "check_layers", "widen")  # the BlendConfig fields `bench fidelity` takes
+
+
+def blend_options(args: argparse.Namespace) -> dict[str, object]:
+    """The BlendConfig fields given on the command line (none: the defaults throughout)."""
+    return {name: getattr(args, name) for name in BLEND if getattr(args, name, None) is not None}
+
+
 def add_calibrate(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     """`kvgate calibrate`; `common`: the options every (sub)command accepts (--config)."""
     calibrate = sub.add_parser("calibrate", parents=[common], help="pick and store the model's blend recompute ratio")
     musique_args(calibrate, limit=8, offset=100)
     calibrate.add_argument("--target", type=float, default=0.95, help="the fidelity the ratio must reach")
+    calibrate.add_argument(
+        "--table-docs",
+        default="2,4,6",
+        help="document counts the served table covers, comma-separated (each measured on its own items)",
+    )
     calibrate.add_argument(
         "--metric",
         choices=["top1", "kl"],
@@ -65,6 +92,23 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
     musique_args(fidelity, limit=6, offset=0)
     fidelity.add_argument("--shuffle", action="store_true", help="documents in a fixed random order per item")
     fidelity.add_argument("--ratios", default="0,5,10,15,20,30,50", help="blend recompute ratios, percent")
+    # The blend's other settings (BlendConfig); any given names the section, so variants do not overwrite it.
+    fidelity.add_argument(
+        "--select", choices=["deviation", "attention", "random"], help="how the blend picks tokens to recompute"
+    )
+    fidelity.add_argument("--first-k", type=count, help="always recompute each document's first N tokens")
+    fidelity.add_argument("--check-layers", type=layers, help="layers where tokens are selected, e.g. 1,4")
+    fidelity.add_argument("--widen", type=float, help="tokens kept at each earlier check layer, times")
+    fidelity.add_argument(
+        "--document-kv",
+        choices=["alone", "context"],
+        default="alone",
+        help="each document's KV computed alone, or from a dense prefill of the same documents in the other order",
+    )
+
+    sources = kind("error-sources", "where the error of reused document KV comes from: repairs and an oracle")
+    musique_args(sources, limit=6, offset=0)
+    sources.add_argument("--shuffle", action="store_true", help="documents in a fixed random order per item")
 
     ttft = kind("ttft", "time to first token of each reuse mode against full prefill")
     musique_args(ttft, limit=6, offset=0)
@@ -125,5 +169,5 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
     front.add_argument("--before", type=Path, help="a checkout of an earlier commit, measured beside this one")
     front.add_argument("--runs", type=int, default=5, help="starts of each front; the median is kept")
 
-    for each in (prefill, fidelity, ttft, grammar, tiers, semantic, agents, multiagent, gateway, front):
+    for each in (prefill, fidelity, sources, ttft, grammar, tiers, semantic, agents, multiagent, gateway, front):
         each.add_argument("--output", type=Path, default=OUTPUT, help="the BENCHMARKS.md to write the section to")

@@ -14,7 +14,7 @@ import json
 import statistics
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -150,6 +150,14 @@ def rouge_l(reference: str, candidate: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
+def keep_context(reuser: Reuser, other: Item) -> None:
+    """Store each document's KV as a dense prefill of `other` computed it (runtime/reuse.py)."""
+    kv = reuser.new_kv()
+    forward(reuser.model, [Run(kv, other.ids, 0)])
+    wanted = {reuser.key(p) for p, d in zip(other.pieces, other.documents) if d}
+    reuser.keep_in_context(kv, other.pieces, other.documents, wanted, "", float)
+
+
 def document_tokens(item: Item) -> int:
     return sum(len(p) for p, d in zip(item.pieces, item.documents) if d)
 
@@ -165,11 +173,16 @@ def measure(
     eos: frozenset[int],
     decode,
     answers: bool = True,
+    others: list[Item] | None = None,
 ) -> dict[str, Scores]:
     """Every mode's scores against full prefill. Without `answers`, no greedy answer is decoded
-    under the modes (exact match and ROUGE-L stay empty): what calibration needs is cheaper."""
+    under the modes (exact match and ROUGE-L stay empty): what calibration needs is cheaper.
+    `others`: per item, its documents in another order, whose dense prefill leaves their KV
+    (as serving keeps a tenant's new documents); None: each document's KV computed alone."""
     scores = {mode_name(m): Scores() for m in modes}
     for n, item in enumerate(data):
+        if others is not None:
+            keep_context(reuser, others[n])
         ref_kv, ref_first, _ = start(reuser, item, Reuse("full"))
         prompt_len = len(ref_kv)
         ref_answer, ref_logits = greedy(reuser, ref_kv, ref_first, eos)
@@ -263,6 +276,15 @@ def load_items(
     return found
 
 
+class Blending(Reuser):
+    """A Reuser whose blends take its whole BlendConfig: `Reuser.config` (runtime/reuse.py) passes the
+    ratio, check layers, widen and first_k on, but not `select` nor `seed` (always deviation)."""
+
+    def config(self, ratio: float, mode: str) -> BlendConfig:
+        chosen = super().config(ratio, mode)
+        return chosen if mode == "naive" else replace(chosen, select=self.blend.select, seed=self.blend.seed)
+
+
 def make_reuser(
     loaded: LoadedModel,
     blend: BlendConfig | None = None,
@@ -270,7 +292,7 @@ def make_reuser(
     memory_bytes: int | None = None,
 ) -> Reuser:
     store = ChunkStore.from_config(ChunkCacheConfig(memory_bytes=memory_bytes) if memory_bytes else None)
-    return Reuser(
+    return Blending(
         loaded.model,
         loaded.tokenizer,
         store,
@@ -278,6 +300,27 @@ def make_reuser(
         blend or BlendConfig(),
         deviation_limit=deviation_limit,
     )
+
+
+def changed(blend: BlendConfig) -> dict[str, object]:
+    """The fields of `blend` (the ratio aside: each row has its own) that differ from BlendConfig()'s."""
+    default = BlendConfig()
+    return {
+        f.name: getattr(blend, f.name)
+        for f in fields(blend)
+        if f.name != "ratio" and getattr(blend, f.name) != getattr(default, f.name)
+    }
+
+
+def variant(blend: BlendConfig) -> str:
+    """The blend settings as a section name's suffix: "" for the defaults, "-first_k4", "-check_layers1_8-widen2"."""
+
+    def text(value: object) -> str:
+        if isinstance(value, tuple):
+            return "_".join(map(str, value))
+        return f"{value:g}" if isinstance(value, float) else f"_{value}" if isinstance(value, str) else str(value)
+
+    return "".join(f"-{name}{text(value)}" for name, value in changed(blend).items())
 
 
 def bench_fidelity(
@@ -291,15 +334,24 @@ def bench_fidelity(
     offset: int,
     output: Path,
     command: str,
+    blend: BlendConfig | None = None,
+    context: bool = False,
 ) -> dict[str, Scores]:
+    """`blend`: the blend's settings besides the ratio (default BlendConfig()); any other names the
+    section (`fidelity-shuffled-first_k4`), so a variant does not overwrite the default run.
+    `context`: documents' KV from a dense prefill of the same documents in the other order (the
+    stored one for shuffled items, the shuffled one otherwise), section suffix `-context`."""
     began = time.perf_counter()
+    blend = blend or BlendConfig()
     loaded = load(config)
     data_items = load_items(loaded, data, docs, limit, shuffle, offset, words)
-    reuser = make_reuser(loaded)
+    reuser = make_reuser(loaded, blend)
     modes = [Reuse("prefix"), Reuse("naive"), *(Reuse("blend", r) for r in ratios)]
     decode = loaded.tokenizer.decode
-    scores = measure(reuser, data_items, modes, loaded.eos_token_ids, decode)
-    name = "fidelity-shuffled" if shuffle else "fidelity"
+    others = load_items(loaded, data, docs, limit, not shuffle, offset, words) if context else None
+    scores = measure(reuser, data_items, modes, loaded.eos_token_ids, decode, others=others)
+    name = ("fidelity-shuffled" if shuffle else "fidelity") + variant(blend) + ("-context" if context else "")
+    settings = ", ".join(f"{k}={v!r}" for k, v in changed(blend).items())
     order = "shuffled (a fixed permutation per item)" if shuffle else "in their stored order"
     picture = output.parent / f"{name}.png"
     picture.parent.mkdir(parents=True, exist_ok=True)
@@ -313,10 +365,11 @@ def bench_fidelity(
         f"{tokens:.0f} prompt tokens on average. Model {loaded.name}, {config.dtype}. "
         "The reference is full prefill of the same token ids (by definition KL 0, top-1 100%). "
         "`prefix` reuses the exact prefix a previous identical request left, so it is exact; `naive` "
-        "reuses every document's KV as computed alone (no layer recomputed); `blend r%` runs layer 0 "
-        "over every token, computes layer 1's keys for every token, and from layer 1 on recomputes only "
-        "the fresh tokens and the r% of document tokens whose keys deviate most "
-        "(`BlendConfig()` defaults otherwise). Top-1: agreement with the reference's argmax "
+        "reuses every document's KV as computed alone (no layer recomputed); `blend r%` runs the layers "
+        "before its first check layer (layer 1 by default) over every token, computes the check layer's keys "
+        "for every token, and from there on recomputes only the fresh tokens and the r% of document tokens "
+        "its `select` picks (by default: whose keys deviate most), plus each document's first `first_k` "
+        f"(`BlendConfig({settings})` otherwise). Top-1: agreement with the reference's argmax "
         f"over the reference answer's first {ANSWER} positions, teacher-forced on the reference answer. "
         f"Greedy-{ANSWER} exact / ROUGE-L: the mode's own greedy answer against the reference's. "
         "Key deviation: the blend's relative key deviation of document tokens at its first check layer "
@@ -326,6 +379,8 @@ def bench_fidelity(
         f"Took {time.perf_counter() - began:.0f} s."
     )
     title = "Fidelity of reuse, documents " + ("shuffled" if shuffle else "in stored order")
+    title += f", blend with {settings}" if settings else ""
+    title += ", documents' KV from a dense prefill in the other order" if context else ""
     write_section(output, name, title, command, body)
     print(report(scores), flush=True)
     return scores

@@ -137,6 +137,7 @@ def run_calibrate(args: argparse.Namespace, settings: Settings, command: str) ->
         args.words,
         args.report,
         command,
+        [int(n) for n in args.table_docs.split(",") if n.strip()] if args.table_docs else None,
     )
     return 0
 
@@ -159,14 +160,27 @@ def run_prefill(args: argparse.Namespace, settings: Settings, command: str) -> i
 
 
 def run_fidelity(args: argparse.Namespace, settings: Settings, command: str) -> int:
+    from kvgate.bench.commands import blend_options
     from kvgate.bench.data import parse_ratios
     from kvgate.bench.fidelity import bench_fidelity
+    from kvgate.runtime.blend import BlendConfig
 
     check_numbers(args)
     ratios = parse_ratios(args.ratios)
     config = settings.engine_config()
     bench_fidelity(
-        config, args.data, args.docs, args.limit, ratios, args.shuffle, args.words, args.offset, args.output, command
+        config,
+        args.data,
+        args.docs,
+        args.limit,
+        ratios,
+        args.shuffle,
+        args.words,
+        args.offset,
+        args.output,
+        command,
+        BlendConfig(**blend_options(args)),
+        args.document_kv == "context",
     )
     return 0
 

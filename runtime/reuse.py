@@ -13,7 +13,7 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 import torch
@@ -368,9 +368,4 @@ class Reuser:
     def config(self, ratio: float, mode: str) -> BlendConfig:
         if mode == "naive":  # no layer runs over the reused tokens at all
             return BlendConfig(ratio=0.0, check_layers=(0,))
-        return BlendConfig(
-            ratio=ratio,
-            check_layers=self.blend.check_layers,
-            widen=self.blend.widen,
-            first_k=self.blend.first_k,
-        )
+        return replace(self.blend, ratio=ratio)

@@ -163,6 +163,7 @@ def test_calibrate_stores_a_calibration_the_engine_finds(tmp_path: Path, setting
     (cache / "models").symlink_to(settings.cache_dir / "models")  # the converted model, not converted again
     env = {**os.environ, "KVGATE_CACHE_DIR": str(cache)}
     args = ["calibrate", "--docs", "2", "--limit", "1", "--words", "50", "--ratios", "0,20", "--target", "0.5"]
+    args += ["--table-docs", "1,2"]
     proc = subprocess.run([KVGATE, *args], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     # Where the engine looks: the model's fingerprint (its content: the same from this cache dir).
@@ -170,6 +171,9 @@ def test_calibrate_stores_a_calibration_the_engine_finds(tmp_path: Path, setting
     cal = load_calibration(calibration_path(cache, model_fp))
     assert cal is not None and cal.items == 1 and cal.metric == "top1" and cal.target == 0.5
     assert set(cal.curve) == {"0", "0.2"} and cal.ratio in (0.0, 0.2)
+    # The served table: per document count, per ratio, both fidelity measures.
+    assert set(cal.table) == {"1", "2"} and all(set(row) == {"0", "0.2"} for row in cal.table.values())
+    assert {m["top1"] for m in cal.table["2"].values()} == {v for v in cal.curve.values()}
     assert f"ratio {cal.ratio * 100:g}%" in proc.stdout
 
 
