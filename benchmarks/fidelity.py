@@ -14,7 +14,7 @@ import json
 import statistics
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -276,15 +276,6 @@ def load_items(
     return found
 
 
-class Blending(Reuser):
-    """A Reuser whose blends take its whole BlendConfig: `Reuser.config` (runtime/reuse.py) passes the
-    ratio, check layers, widen and first_k on, but not `select` nor `seed` (always deviation)."""
-
-    def config(self, ratio: float, mode: str) -> BlendConfig:
-        chosen = super().config(ratio, mode)
-        return chosen if mode == "naive" else replace(chosen, select=self.blend.select, seed=self.blend.seed)
-
-
 def make_reuser(
     loaded: LoadedModel,
     blend: BlendConfig | None = None,
@@ -292,7 +283,7 @@ def make_reuser(
     memory_bytes: int | None = None,
 ) -> Reuser:
     store = ChunkStore.from_config(ChunkCacheConfig(memory_bytes=memory_bytes) if memory_bytes else None)
-    return Blending(
+    return Reuser(
         loaded.model,
         loaded.tokenizer,
         store,

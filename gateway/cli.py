@@ -185,6 +185,17 @@ def run_fidelity(args: argparse.Namespace, settings: Settings, command: str) -> 
     return 0
 
 
+def run_error_sources(args: argparse.Namespace, settings: Settings, command: str) -> int:
+    from kvgate.bench.error_sources import bench_error_sources
+
+    check_numbers(args)
+    config = settings.engine_config()
+    bench_error_sources(
+        config, args.data, args.docs, args.limit, args.shuffle, args.words, args.offset, args.output, command
+    )
+    return 0
+
+
 def run_ttft(args: argparse.Namespace, settings: Settings, command: str) -> int:
     from kvgate.bench.data import parse_ratios
     from kvgate.bench.ttft import bench_ttft
@@ -299,6 +310,7 @@ COMMANDS: dict[str, Command] = {
     "bench prefill": run_prefill,
     "bench grammar": run_grammar,
     "bench fidelity": run_fidelity,
+    "bench error-sources": run_error_sources,
     "bench ttft": run_ttft,
     "bench tiers": run_tiers,
     "bench semantic": run_semantic,
