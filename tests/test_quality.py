@@ -154,15 +154,7 @@ def test_perturbed_document_kv_closes_the_gate_and_sound_kv_reopens_it(gated) ->
 
 def test_a_blend_slower_than_full_prefill_is_not_run_and_says_why(gated) -> None:
     engine, planner = gated
-    ids, plan = planner.chat(Chat([{"role": "user", "content": "Hi?"}], documents=[{"text": "Tiny."}]))
-
-    async def run() -> Result:
-        result = Result()
-        async for out in engine.generate(ids, SamplingParams(max_tokens=1, temperature=0), plan):
-            result.add(out)
-        return result
-
-    result = asyncio.run(run())
+    result = ask(engine, planner, "Hi?", ["Tiny."])
     assert result.reuse.startswith("full") and "slower than full prefill" in result.reuse
     assert result.cached_tokens == 0
 
