@@ -35,8 +35,13 @@ def rows(path: Path, limit: int, docs: int, words: int) -> list[tuple[str, list[
     return found
 
 
-def ask(engine: Engine, planner: Planner, question: str, docs: list[str]) -> Result:
-    ids, plan = planner.chat(Chat([{"role": "user", "content": question}], documents=[{"text": d} for d in docs]))
+def ask(
+    engine: Engine, planner: Planner, question: str, docs: list[str], scope: str = "", wait_s: float = 600
+) -> Result:
+    """A chat over `docs` through the engine (one token), returned once its shadow check, if one is
+    due, is done (it runs when the engine is idle), or `wait_s` later."""
+    documents = [{"text": d} for d in docs]
+    ids, plan = planner.chat(Chat([{"role": "user", "content": question}], documents=documents, scope=scope))
 
     async def run() -> Result:
         result = Result()
@@ -45,7 +50,8 @@ def ask(engine: Engine, planner: Planner, question: str, docs: list[str]) -> Res
         return result
 
     result = asyncio.run(run())
-    while engine.shadow.busy:
+    deadline = time.monotonic() + wait_s
+    while engine.shadow.busy and time.monotonic() < deadline:
         time.sleep(0.01)
     return result
 

@@ -3,16 +3,14 @@ that close it when the stored KV is perturbed and open it again once the KV is s
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import pytest
 import torch
 
+from kvgate.bench.gate import ask as ask_engine
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel
-from kvgate.runtime.planner import Chat, Planner
+from kvgate.runtime.planner import Planner
 from kvgate.runtime.quality import FULL, Gate, QualityConfig
 from kvgate.runtime.reuse import Reuse
 from kvgate.runtime.sampling import SamplingParams
@@ -110,20 +108,7 @@ def gated(loaded: LoadedModel, tmp_path_factory: pytest.TempPathFactory):
 
 def ask(engine: Engine, planner: Planner, question: str, docs: list[str] = DOCS, scope: str = "") -> Result:
     """A chat over `docs` through the engine, once its shadow check (if any) is done."""
-    documents = [{"text": d} for d in docs]
-    ids, plan = planner.chat(Chat([{"role": "user", "content": question}], documents=documents, scope=scope))
-
-    async def run() -> Result:
-        result = Result()
-        async for out in engine.generate(ids, SamplingParams(max_tokens=1, temperature=0), plan):
-            result.add(out)
-        return result
-
-    result = asyncio.run(run())
-    deadline = time.monotonic() + 60
-    while engine.shadow.busy and time.monotonic() < deadline:  # its check runs once the engine is idle
-        time.sleep(0.02)
-    return result
+    return ask_engine(engine, planner, question, docs, scope, wait_s=60)
 
 
 def test_perturbed_document_kv_closes_the_gate_and_sound_kv_reopens_it(gated) -> None:
