@@ -135,6 +135,13 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
     semantic.add_argument("--sizes", default="1000,10000,100000", help="cache sizes for the latency, entries")
     semantic.add_argument("--queries", type=int, default=1000, help="lookups timed at each size")
     semantic.add_argument("--gateway", type=int, default=8, help="questions asked through the gateway (0: none)")
+    semantic.add_argument(
+        "--fit-verifier",
+        type=Path,
+        metavar="PATH",
+        help="first fit the verifier on the fit half, write it to PATH and measure it "
+        "(semantic_cache/verifier.npz is the one shipped)",
+    )
 
     agents = kind("agents", "agent programs: JCT of TTL pins and program FCFS, live and simulated")
     agents.add_argument("--programs", type=int, default=10, help="programs run live through the gateway")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -15,13 +16,16 @@ import xxhash
 
 from kvgate.bench.data import DataError, Half, Pair
 from kvgate.bench.report import pct, table, write_section
+from kvgate.bench.semantic_bound import bound_section
 from kvgate.bench.semantic_hit import bench_hit
 from kvgate.bench.semantic_latency import SEED, latency_pool, latency_section
 from kvgate.bench.traps import Served, section, serve, traps_for
+from kvgate.bench.verifier_fit import fit_verifier as fit_on
 from kvgate.gateway.settings import Settings
 from kvgate.semantic_cache import MiniLM, SemanticCacheConfig
 from kvgate.semantic_cache.embedder import Embedder
 from kvgate.semantic_cache.policy import Classifier
+from kvgate.semantic_cache.verifier import SHIPPED, Verifier
 
 REFERENCES = {"GPTCache-like, 0.7": 0.7, "RedisVL-like, 0.9 (distance 0.1)": 0.9}
 RECALLS = (0.5, 0.6, 0.7, 0.8, 0.9)
@@ -329,7 +333,9 @@ def bench_semantic(
     settings: Settings,
     output: Path,
     command: str,
+    fit_verifier: Path | None = None,
 ) -> None:
+    """`fit_verifier`: fit the verifier on the fit half, write it there and measure it (else the shipped one)."""
     began, cache_dir = time.perf_counter(), settings.cache_dir
     if per_type < 1 or queries < 1 or not sizes or min(sizes) < 1 or asked < 0:
         raise DataError("--traps, --queries and --sizes must be at least 1, --gateway at least 0")
@@ -340,12 +346,16 @@ def bench_semantic(
     a, b = vecs[: len(pairs)], vecs[len(pairs) :]
     split = np.array_split(np.random.default_rng(SEED).permutation(len(pairs)), 2)
     fit, test = (make_half(pairs, a, b, np.sort(rows), classify) for rows in split)
+    if fit_verifier is not None:
+        fit_on(pairs, a, b, np.sort(split[0]), classify).save(fit_verifier)
+    verifier = Verifier.load(fit_verifier or SHIPPED)
     served = [serve(h.queries, h.qvecs, h.stored, h.svecs, g) for h in (fit, test) for g in (False, True)]
     points = sweep(fit, served[0], len(config.categories)), sweep(fit, served[1], len(config.categories))
     compared, target = settings_for(config, fit, served[0], served[1], points)
     picture = output.parent / "semantic-pr.png"
     picture.parent.mkdir(parents=True, exist_ok=True)
-    traps = traps_for(test, per_type, lambda texts: embed_cached(embedder, texts, cache_dir), classify)
+    embed = partial(embed_cached, embedder, cache_dir=cache_dir)
+    traps = traps_for(test, per_type, embed, classify)
     body = (
         f"{len(pairs)} QQP pairs (the first {len(pairs)} rows of `{data.name}`, {sum(p[2] for p in pairs)} "
         f"duplicates), embedded with {embedder.name} (both sides, once; kept in the cache dir). Split at random "
@@ -360,6 +370,8 @@ def bench_semantic(
         + pr_section(config, (fit, test), served, points, compared, target, picture)
         + "\n\n"
         + section(test, served[2], served[3], traps, compared, compared["per-category, fitted"][0])
+        + "\n\n"
+        + bound_section(test, traps, [c.name for c in config.categories], verifier)
         + "\n\n"
         + latency_section(embedder, *latency_pool(pairs, a, b, queries), sizes)
         + gateway_section(settings, pairs, test, asked)

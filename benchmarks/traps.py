@@ -225,6 +225,8 @@ class Traps:
     plain: Served  # what a lookup serves it without guards
     guarded: Served
     examples: dict[str, tuple[str, str]]  # one (source, trap) per type
+    texts: list[str]
+    vecs: np.ndarray
 
 
 def traps_for(test: Half, per_type: int, embed: Callable[[list[str]], np.ndarray], classify: Classifier) -> Traps:
@@ -241,6 +243,8 @@ def traps_for(test: Half, per_type: int, embed: Callable[[list[str]], np.ndarray
         plain=serve(texts, vecs, test.stored, test.svecs, False),
         guarded=serve(texts, vecs, test.stored, test.svecs, True),
         examples={k: (test.stored[f[0][0]], f[0][1]) for k, f in made.items() if f},
+        texts=texts,
+        vecs=vecs,
     )
 
 

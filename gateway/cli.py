@@ -241,7 +241,9 @@ def run_semantic(args: argparse.Namespace, settings: Settings, command: str) -> 
     except ValueError:
         raise DataError(f"--sizes {args.sizes!r}: entry counts, comma-separated") from None
     asked = args.gateway
-    bench_semantic(args.data, args.limit, args.traps, sizes, args.queries, asked, settings, args.output, command)
+    bench_semantic(
+        args.data, args.limit, args.traps, sizes, args.queries, asked, settings, args.output, command, args.fit_verifier
+    )
     return 0
 
 

@@ -158,6 +158,12 @@ class DocumentRequest(Body):
     text: str = Field(min_length=1)
 
 
+class FeedbackRequest(Body):
+    """A semantic-cache hit reported wrong: the id of the completion that served it."""
+
+    id: str = Field(min_length=1, max_length=256)
+
+
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 
 

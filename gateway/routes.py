@@ -21,7 +21,7 @@ from kvgate.gateway.backend import Backend, Call, Reply
 from kvgate.gateway.errors import APIError, bad_request, from_validation
 from kvgate.gateway.keys import allow_model, spend
 from kvgate.gateway.programs import program_of
-from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest, DocumentRequest
+from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest, DocumentRequest, FeedbackRequest
 from kvgate.gateway.render import SSE_HEADERS
 from kvgate.gateway.responses_protocol import ResponsesRequest
 
@@ -41,6 +41,21 @@ async def completions(request: Request) -> Response:
 @router.post("/v1/embeddings")
 async def embeddings(request: Request) -> Response:
     return await answer(request, "/v1/embeddings", None)
+
+
+@router.post("/v1/cache/feedback")
+async def cache_feedback(request: Request) -> dict[str, Any]:
+    """The caller says a semantic-cache hit was wrong, by the completion's id: the error bound learns
+    it and the entry is deleted. Only the tenant that was served the hit may report it."""
+    body = validated(FeedbackRequest, read(await request.body()), strict=True)
+    assert isinstance(body, FeedbackRequest)
+    cache = request.app.state.semantic
+    if cache is None:
+        raise APIError(404, "the semantic cache is off (semantic_cache: false)", code="semantic_cache_off")
+    entry = await asyncio.to_thread(cache.report, body.id, request.state.tenant)
+    if entry is None:
+        raise APIError(404, f"no recent semantic-cache hit with id {body.id!r} for this key", "id", "hit_not_found")
+    return {"object": "cache.feedback", "id": body.id, "entry": entry, "deleted": True}
 
 
 @router.post("/v1/documents")
@@ -195,7 +210,7 @@ async def generate(request: Request, call: Call) -> Generated:
         identity = backend.identity(call.model)
         cached = await semantic.consult(request, request.app.state.semantic, identity, queued, call.parsed)
         if cached.status == "hit":
-            replayed = semantic.replay(cached, call.parsed, call.model, call.request_id)
+            replayed = semantic.replay(request.app.state.semantic, cached, call.parsed, call.model, call.request_id)
             return Generated(call, cached, as_reply(replayed), hit=True)
     call.keep = cached.store
     reply = await unless_gone(request, backend.generate(call))

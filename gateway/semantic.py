@@ -34,7 +34,7 @@ QUERY_CHARS = 800
 class Consult:
     """The semantic cache's part in one request."""
 
-    status: str = "bypass"  # hit | miss | bypass
+    status: str = "bypass"  # hit | miss | verify (a would-be hit the model answers, to check it) | bypass
     store: bool = False  # keep the answer afterwards
     tenant: str = ""
     scope: str = ""
@@ -93,19 +93,25 @@ async def consult(
         out.headers["x-kvgate-cache"] = "bypass"
         return out
     out.found = lookup = await asyncio.to_thread(cache.lookup, out.scope, out.query, None, queued)
-    out.status = "hit" if lookup.hit else "miss"
+    out.status = "hit" if lookup.hit else "verify" if lookup.verify else "miss"
     request.app.state.metrics.lookups.labels("semantic", out.status).inc()
     out.headers = {"x-kvgate-cache": out.status, "x-kvgate-cache-category": lookup.category.name}
     if lookup.entry is not None:
         out.headers |= {"x-kvgate-similarity": f"{lookup.similarity:.4f}", "x-kvgate-cache-entry": lookup.entry.id}
+        out.headers["x-kvgate-cache-score"] = f"{lookup.score:.4f}"
     elif lookup.refused:
         out.headers["x-kvgate-cache-refused"] = lookup.refused
     return out
 
 
 async def keep(cache: SemanticCache | None, consult: Consult, outcome: Outcome) -> None:
-    """Keep a finished answer (not an error, nor one cut short by the client)."""
-    if not consult.store or cache is None or outcome.finish_reason not in ("stop", "length"):
+    """A finished answer (not an error, nor one cut short by the client): a verdict on the cached
+    question it was near, if any, for the error bound; then kept, unless the caller said no-store."""
+    if cache is None or outcome.finish_reason not in ("stop", "length"):
+        return
+    if consult.found is not None and consult.found.candidate is not None and not consult.found.hit:
+        await asyncio.to_thread(cache.learn, consult.found, outcome.text)
+    if not consult.store:
         return
     response = {"content": outcome.text, "finish_reason": outcome.finish_reason, "usage": outcome.usage}
     found = consult.found
@@ -113,10 +119,14 @@ async def keep(cache: SemanticCache | None, consult: Consult, outcome: Outcome) 
     await asyncio.to_thread(cache.put, consult.tenant, consult.scope, consult.query, response, vector, category)
 
 
-def replay(consult: Consult, body: ChatCompletionRequest, model: str, request_id: str) -> Response:
-    """A hit, answered as the model's answer was: a chat completion, or its SSE stream."""
+def replay(
+    cache: SemanticCache, consult: Consult, body: ChatCompletionRequest, model: str, request_id: str
+) -> Response:
+    """A hit, answered as the model's answer was: a chat completion, or its SSE stream. Its id is
+    remembered, so that the caller may report it wrong (/v1/cache/feedback)."""
     head = response_head("chatcmpl", request_id, model)
     assert consult.found is not None and consult.found.entry is not None
+    cache.remember(head["id"], consult.tenant, consult.found)
     stored = consult.found.entry.response
     counted = stored.get("usage", {})
     usage_ = usage(counted.get("prompt_tokens", 0), counted.get("completion_tokens", 0))

@@ -19,6 +19,7 @@ from kvgate.runtime.quality import QualityConfig
 from kvgate.semantic_cache import SemanticCacheConfig
 from kvgate.semantic_cache import categories as semantic_categories
 from kvgate.semantic_cache.guards import GUARDS
+from kvgate.semantic_cache.verifier import SHIPPED
 
 
 def user_cache_dir() -> Path:
@@ -64,6 +65,12 @@ class Settings(BaseSettings):
     semantic_embedder: str = "minilm"  # or "package.module:Class"
     semantic_relax_step: float = Field(0.03, ge=0.0, le=0.5)  # how far thresholds relax under load
     semantic_queue_long: int = Field(8, ge=1)  # queued requests at which the relaxation is whole
+    # The error bound (max_error_rate per category): the verifier file (None: the shipped one; "none":
+    # the cosine is the score), the share of would-be hits the model answers to check them, and how
+    # close two answers' embeddings must be to agree.
+    semantic_verifier: str | None = None
+    semantic_verify_rate: float = Field(0.05, ge=0.0, le=1.0)
+    semantic_answer_similarity: float = Field(0.9, gt=0.0, le=1.0)
     chunk_cache_policy: Literal["value", "lru"] = "value"  # what the memory tier evicts first (pins aside)
     agent_pins: Literal["off", "fixed", "decide"] = "decide"  # how long a program's KV stays pinned
     agent_fixed_ttl_s: float = Field(10.0, ge=0.0)  # the TTL of agent_pins: fixed
@@ -165,6 +172,7 @@ class Settings(BaseSettings):
         unknown = set(self.semantic_guards) - set(GUARDS)
         if unknown:
             raise ValueError(f"semantic_guards: unknown guards {sorted(unknown)}; known: {sorted(GUARDS)}")
+        verifier = {None: SHIPPED, "none": None}.get(self.semantic_verifier, Path(self.semantic_verifier or ""))
         return SemanticCacheConfig(
             categories=semantic_categories(self.semantic_categories),
             sqlite_path=self.semantic_cache_path or self.cache_dir / "semantic.sqlite3",
@@ -174,6 +182,9 @@ class Settings(BaseSettings):
             relax_step=self.semantic_relax_step,
             queue_long=self.semantic_queue_long,
             scopes=self.semantic_scopes,
+            verifier=verifier,
+            verify_rate=self.semantic_verify_rate,
+            answer_similarity=self.semantic_answer_similarity,
         )
 
     def engine_config(self) -> EngineConfig:

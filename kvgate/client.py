@@ -173,6 +173,11 @@ class Client(_Base[ChatCompletion, ChatStream]):
             return ChatStream(response)
         return ChatCompletion(_json(response), Reuse.from_headers(response.headers))
 
+    def report_wrong_hit(self, completion_id: str) -> str:
+        """POST /v1/cache/feedback: the semantic cache served a wrong answer as `completion_id`; the
+        entry is deleted and the cache's error bound learns it. Returns the deleted entry's id."""
+        return str(_json(self._send("POST", "/cache/feedback", {"id": completion_id}))["entry"])
+
     def close(self) -> None:
         if self._owned:
             self._http.close()
@@ -222,6 +227,10 @@ class AsyncClient(_Base[Awaitable[ChatCompletion], Awaitable[AsyncChatStream]]):
         if body.get("stream"):
             return AsyncChatStream(response)
         return ChatCompletion(_json(response), Reuse.from_headers(response.headers))
+
+    async def report_wrong_hit(self, completion_id: str) -> str:
+        """`Client.report_wrong_hit`'s async twin."""
+        return str(_json(await self._send("POST", "/cache/feedback", {"id": completion_id}))["entry"])
 
     async def close(self) -> None:
         if self._owned:

@@ -1,5 +1,11 @@
 """The semantic response cache: look a question up among the answers given in the same scope,
-and keep new answers, under each category's threshold, TTL and per-tenant quota.
+and keep new answers, under each category's error bound, TTL and per-tenant quota.
+
+A lookup judges the nearest cached questions above the category's cosine threshold that no guard
+refuses: the same question is served; another is scored by the verifier, and the best served only
+when the error bound allows (bound.py), except a share of those, left to the model to check them.
+The gateway hands every answer the model gave near an entry back (`learn`), and a caller may report
+a wrong hit (`report`): the verdicts the bound learns from.
 
 The store holds every entry; the in-memory index holds the scopes in use, at most `config.scopes`:
 a scope is read from the store the first time it is looked up (not at start-up), and the least
@@ -8,14 +14,17 @@ recently used is forgotten beyond the limit."""
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from kvgate.semantic_cache.bound import Bound
 from kvgate.semantic_cache.config import Category, SemanticCacheConfig
 from kvgate.semantic_cache.embedder import Embedder, make_embedder
 from kvgate.semantic_cache.entry import Entry
@@ -23,21 +32,26 @@ from kvgate.semantic_cache.guards import refusal
 from kvgate.semantic_cache.index import Index
 from kvgate.semantic_cache.policy import Classifier, threshold
 from kvgate.semantic_cache.store import Store, make_store
+from kvgate.semantic_cache.verifier import Verifier, normalised, same_answer
 
 log = logging.getLogger("kvgate.semantic")
 
 
 @dataclass
 class Lookup:
-    """What a lookup found. `entry` is set on a hit; `refused` names the guard that turned the best
-    candidate above the threshold away, if one did."""
+    """What a lookup found. `entry` is set on a hit; `candidate` is the best cached question judged
+    (the hit, or what a miss was near), with its `score`; `verify`: it would have been served, but the
+    model is to answer and check it; `refused` names the guard that turned a candidate away."""
 
     category: Category
     vector: np.ndarray
     threshold: float
     entry: Entry | None = None
-    similarity: float = 0.0  # of the hit, or of the nearest candidate on a miss
+    similarity: float = 0.0  # of the candidate, or of the nearest cached question on a miss
     refused: str | None = None
+    candidate: Entry | None = None
+    score: float = 0.0
+    verify: bool = False
 
     @property
     def hit(self) -> bool:
@@ -58,9 +72,14 @@ class SemanticCache:
         self.store = store
         self.classify = Classifier(config, self.embedder)
         self.index = Index(dim, config.hnsw_m, config.hnsw_ef, config.scopes, config.flat_max)
+        self.verifier = Verifier.load(config.verifier) if config.verifier else None
+        bounded = {c.name: c.max_error_rate for c in config.categories if c.max_error_rate is not None}
+        self.bound = Bound(bounded, config.bound)
+        self.served: OrderedDict[str, tuple[str, str, str, float]] = OrderedDict()  # id: entry, tenant, category, score
+        self.chance = random.Random()
         self.lock = threading.Lock()  # around following the change log, and reading a scope in
         self.counts = dict.fromkeys(
-            ("hits", "misses", "refused", "puts", "evicted", "errors", "scope_reads", "scopes_forgotten"), 0
+            ("hits", "misses", "refused", "verified", "puts", "evicted", "errors", "scope_reads", "scopes_forgotten"), 0
         )
         self.cursor: str | None = None  # the store's change log, applied up to here; None: rebuild first
         try:
@@ -143,6 +162,7 @@ class SemanticCache:
         return found
 
     def find(self, found: Lookup, scope: str, query: str, now: float) -> None:
+        category, same = found.category, normalised(query)
         for entry_id, similarity in self.index.search(scope, found.vector, self.config.candidates):
             found.similarity = max(found.similarity, similarity)
             if similarity < found.threshold:
@@ -155,13 +175,74 @@ class SemanticCache:
                 self.index.remove(entry_id)
                 self.store.delete([entry_id])
                 continue
+            if normalised(entry.query) == same:
+                found.candidate, found.score, found.similarity = entry, 1.0, similarity
+                return self.serve(found, now)
             guard = refusal(query, entry.query, self.config.guards)
             if guard is not None:
                 found.refused = found.refused or guard
                 continue
-            self.store.touch(entry_id, now)
-            found.entry, found.similarity = entry, similarity
+            score = self.verifier.score(query, entry.query, similarity, category.name) if self.verifier else similarity
+            if found.candidate is None or score > found.score:
+                found.candidate, found.score, found.similarity = entry, score, similarity
+        if found.candidate is None:
             return
+        if category.max_error_rate is None:  # no bound: the threshold and the guards decide
+            return self.serve(found, now)
+        self.bound.asked(category.name, found.score)
+        if not self.bound.allows(category.name, found.candidate.id, found.score):
+            return
+        if self.chance.random() < self.config.verify_rate:
+            found.verify = True
+            self.counts["verified"] += 1
+            return
+        self.serve(found, now)
+
+    def serve(self, found: Lookup, now: float) -> None:
+        assert found.candidate is not None
+        self.store.touch(found.candidate.id, now)
+        found.entry = found.candidate
+
+    # ---- verdicts ------------------------------------------------------------------------------
+
+    def learn(self, found: Lookup, answer: str) -> bool | None:
+        """The model's `answer` to a question the lookup did not serve, against the answer of the
+        cached question it was near: whether that would have been right (taught to the bound), or
+        None when there is nothing to judge."""
+        candidate = found.candidate
+        if found.hit or candidate is None or found.category.max_error_rate is None:
+            return None
+        cached = str(candidate.response.get("content", ""))
+        right = same_answer(answer, cached)
+        if not right:
+            a, b = self.embedder.embed([answer, cached])
+            right = float(a @ b) >= self.config.answer_similarity
+        self.bound.learn(found.category.name, candidate.id, found.score, right)
+        return right
+
+    def remember(self, request_id: str, tenant: str, found: Lookup) -> None:
+        """A hit served as `request_id`, so that the caller may report it wrong."""
+        if found.entry is None:
+            return
+        with self.lock:
+            self.served[request_id] = (found.entry.id, tenant, found.category.name, found.score)
+            while len(self.served) > self.config.served:
+                self.served.popitem(last=False)
+
+    def report(self, request_id: str, tenant: str) -> str | None:
+        """A caller says the hit served as `request_id` was wrong: the bound learns it, and the entry
+        goes. Returns the entry's id, or None when no recent hit of this tenant has that id."""
+        with self.lock:
+            hit = self.served.get(request_id)
+            if hit is None or hit[1] != tenant:
+                return None
+            del self.served[request_id]
+        entry_id, _, category, score = hit
+        if category in self.bound.deltas:
+            self.bound.learn(category, entry_id, score, False)
+        self.bound.forget(entry_id)
+        self.invalidate(entry_id)
+        return entry_id
 
     def put(
         self,
@@ -215,7 +296,7 @@ class SemanticCache:
 
     def stats(self) -> dict[str, Any]:
         held = {"entries": len(self.index), "scopes": len(self.index.scopes), "scope_limit": self.index.limit}
-        return {**held, **self.counts}
+        return {**held, **self.counts, "bound": self.bound.stats()}
 
     def close(self) -> None:
         self.store.close()

@@ -8,6 +8,9 @@ from typing import Any
 
 import yaml
 
+from kvgate.semantic_cache.bound import BoundConfig
+from kvgate.semantic_cache.verifier import SHIPPED
+
 DEFAULT_CATEGORIES = Path(__file__).with_name("categories.yaml")
 
 
@@ -15,7 +18,11 @@ DEFAULT_CATEGORIES = Path(__file__).with_name("categories.yaml")
 class Category:
     """A kind of question with its own policy.
 
-    threshold: the cosine similarity a hit needs; floor: the lowest it may be relaxed to under load;
+    threshold: the cosine similarity a cached question needs to be considered; floor: the lowest it
+    may be relaxed to under load;
+    max_error_rate: the share of wrong hits the operator accepts (delta): a question that is not the
+    cached one is served only when the error bound (bound.py) says so; 0 serves only the same
+    question; None: no bound, the threshold alone decides (and the guards);
     ttl_s: an entry's lifetime from its write (absolute, hits do not extend it);
     quota: entries kept per tenant, its least recently used evicted beyond it (see also
     SemanticCacheConfig.tenant_shares);
@@ -28,12 +35,15 @@ class Category:
     floor: float
     ttl_s: float
     quota: int
+    max_error_rate: float | None = None
     patterns: tuple[str, ...] = ()
     prototypes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0.0 < self.floor <= self.threshold <= 1.0:
             raise ValueError(f"category {self.name!r}: need 0 < floor <= threshold <= 1")
+        if self.max_error_rate is not None and not 0.0 <= self.max_error_rate < 1.0:
+            raise ValueError(f"category {self.name!r}: max_error_rate within [0, 1), or null for no bound")
         if self.ttl_s <= 0 or self.quota < 1:
             raise ValueError(f"category {self.name!r}: ttl_s and quota must be positive")
 
@@ -79,10 +89,20 @@ class SemanticCacheConfig:
     # not grow the store without end); beyond, the tenant holding the most of it loses its least
     # recently used entry, so one tenant's flood evicts its own entries first.
     tenant_shares: int = 4
+    # The error bound: the verifier that scores a (question, cached question) pair (None: the cosine
+    # is the score), the share of would-be hits answered by the model instead to check them, and
+    # when two answers agree (the same text, or answers' embeddings this close).
+    verifier: Path | None = SHIPPED
+    verify_rate: float = 0.05
+    answer_similarity: float = 0.9
+    bound: BoundConfig = field(default_factory=BoundConfig)
+    served: int = 10_000  # recent hits remembered, so that a caller can report one wrong by its id
 
     def __post_init__(self) -> None:
-        if self.scopes < 1 or self.flat_max < 0 or self.tenant_shares < 1:
-            raise ValueError("semantic cache: need scopes >= 1, flat_max >= 0 and tenant_shares >= 1")
+        if self.scopes < 1 or self.flat_max < 0 or self.tenant_shares < 1 or self.served < 1:
+            raise ValueError("semantic cache: need scopes, served, tenant_shares >= 1 and flat_max >= 0")
+        if not 0.0 <= self.verify_rate <= 1.0 or not 0.0 < self.answer_similarity <= 1.0:
+            raise ValueError("semantic cache: verify_rate within [0, 1], answer_similarity within (0, 1]")
 
     def category(self, name: str) -> Category:
         for c in self.categories:

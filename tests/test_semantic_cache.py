@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import sqlite3
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kvgate.semantic_cache import Category, MiniLM, SemanticCache, SemanticCacheConfig
+from kvgate.semantic_cache import Category, MiniLM, SemanticCache, SemanticCacheConfig, categories
 from kvgate.semantic_cache.policy import threshold
 
 QUESTION = "What is the capital of France?"
@@ -25,7 +26,13 @@ def make(path: Path, embedder: MiniLM, **options) -> SemanticCache:
 
 @pytest.fixture
 def cache(tmp_path: Path, embedder: MiniLM) -> SemanticCache:
-    return make(tmp_path, embedder)
+    """The shipped categories without their error bound: the threshold and the guards decide (the
+    bound has tests of its own, in test_semantic_bound.py)."""
+    return make(tmp_path, embedder, categories=unbounded())
+
+
+def unbounded() -> tuple[Category, ...]:
+    return tuple(replace(c, max_error_rate=None) for c in categories())
 
 
 def test_embeddings_are_normalised_and_batched_rows_match_single_ones(embedder: MiniLM) -> None:

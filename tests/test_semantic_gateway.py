@@ -10,9 +10,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import yaml
 
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
+from kvgate.semantic_cache.config import DEFAULT_CATEGORIES
 from tests.servers import serving
 
 KEYS = {"key-alice": "alice", "key-bob": "bob"}
@@ -21,10 +23,17 @@ QUESTION = "What is the capital of France?"
 PARAPHRASE = "What's the capital city of France?"
 
 
+# The shipped categories without their error bound: the threshold and the guards decide, so that a
+# paraphrase hits at once (the bound through the gateway: test_semantic_feedback.py).
+UNBOUNDED = [{**c, "max_error_rate": None} for c in yaml.safe_load(DEFAULT_CATEGORIES.read_text())["categories"]]
+
+
 @pytest.fixture(scope="module")
 def url(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     path = tmp_path_factory.mktemp("semantic") / "semantic.sqlite3"
-    settings = Settings(max_num_seqs=4, semantic_cache_path=path, api_keys=KEYS, admin_key=ADMIN)
+    settings = Settings(
+        max_num_seqs=4, semantic_cache_path=path, api_keys=KEYS, admin_key=ADMIN, semantic_categories=UNBOUNDED
+    )
     with serving(settings, engine) as base:
         yield base
 

@@ -1,0 +1,154 @@
+"""The error bound: when a cached answer may be served for a question that is not the one it was
+given for, so that the share of wrong hits in a category stays under the operator's `max_error_rate`.
+
+Evidence comes as verdicts, each a verifier score (verifier.py) and whether the cached answer was
+right for the question asked there: the model answered anyway (every miss near an entry, and a
+share of would-be hits), or a caller reported a wrong hit. Per category, scores are cut into bins;
+each bin counts questions asked and verdicts. Serving every question scoring at least t has an
+error rate estimated bin by bin (each bin's verdicts, weighted by how often it is asked: verdicts
+come unevenly, misses are all checked, hits only a share) with an upper confidence bound; the
+category's threshold is the lowest t whose bound is under delta. Without verdicts the bound is
+wide, so a new cache serves only the same question (the cache's own check, before any of this),
+and it loosens as verdicts come in.
+
+Per entry (vCache's idea, kept small): a wrong verdict at score s means the entry serves no question
+scoring s or less again; `min_right` right verdicts below the category's threshold with none wrong
+lower the entry's own threshold to the lowest of them."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+NEVER = 1.01  # a threshold no score reaches
+
+
+@dataclass(frozen=True)
+class BoundConfig:
+    bins: int = 50
+    prior_weight: float = 2.0  # verdicts the verifier's own score is worth in each bin
+    z: float = 1.645  # one-sided 95% upper bound
+    entries: int = 100_000  # entries whose own verdicts are held (least recently taught forgotten)
+    min_right: int = 3
+
+    def __post_init__(self) -> None:
+        if self.bins < 2 or self.prior_weight <= 0 or self.z < 0 or self.entries < 1 or self.min_right < 1:
+            raise ValueError("bound: need bins >= 2, prior_weight > 0, z >= 0, entries >= 1, min_right >= 1")
+
+
+class Tally:
+    """One category's evidence: per score bin, questions asked, right and wrong verdicts."""
+
+    def __init__(self, bins: int) -> None:
+        self.asked = np.zeros(bins)
+        self.right = np.zeros(bins)
+        self.wrong = np.zeros(bins)
+        self.threshold: float | None = None  # None: recompute
+
+
+@dataclass
+class Own:
+    """An entry's own verdicts."""
+
+    right: int = 0
+    lowest_right: float = NEVER
+    highest_wrong: float = -1.0
+
+
+class Bound:
+    def __init__(self, deltas: dict[str, float], config: BoundConfig = BoundConfig()) -> None:
+        if any(not 0.0 <= d < 1.0 for d in deltas.values()):
+            raise ValueError("max_error_rate: each within [0, 1)")
+        self.deltas, self.config = dict(deltas), config
+        self.tallies = {name: Tally(config.bins) for name in deltas}
+        self.own: OrderedDict[str, Own] = OrderedDict()
+        self.verdicts = {"right": 0, "wrong": 0}
+        self.lock = threading.Lock()
+        mids = (np.arange(config.bins) + 0.5) / config.bins
+        self.prior_error = 1.0 - mids  # a calibrated verifier's error at each bin
+
+    def bin(self, score: float) -> int:
+        return min(self.config.bins - 1, max(0, int(score * self.config.bins)))
+
+    def asked(self, category: str, score: float) -> None:
+        """A question whose best candidate scored `score` (what serving at a threshold would serve)."""
+        with self.lock:
+            tally = self.tallies[category]
+            tally.asked[self.bin(score)] += 1
+            tally.threshold = None
+
+    def learn(self, category: str, entry_id: str, score: float, right: bool) -> None:
+        with self.lock:
+            tally = self.tallies[category]
+            (tally.right if right else tally.wrong)[self.bin(score)] += 1
+            tally.threshold = None
+            self.verdicts["right" if right else "wrong"] += 1
+            own = self.own.pop(entry_id, None) or Own()
+            if right:
+                own.right += 1
+                own.lowest_right = min(own.lowest_right, score)
+            else:
+                own.highest_wrong = max(own.highest_wrong, score)
+            self.own[entry_id] = own
+            while len(self.own) > self.config.entries:
+                self.own.popitem(last=False)
+
+    def forget(self, entry_id: str) -> None:
+        with self.lock:
+            self.own.pop(entry_id, None)
+
+    def threshold(self, category: str) -> float:
+        """The lowest score the category may serve at: its error's upper bound stays under delta."""
+        with self.lock:
+            tally = self.tallies[category]
+            if tally.threshold is None:
+                tally.threshold = self._threshold(tally, self.deltas[category])
+            return tally.threshold
+
+    def _threshold(self, tally: Tally, delta: float) -> float:
+        if delta <= 0:
+            return NEVER
+        m = self.config.prior_weight
+        seen = tally.right + tally.wrong + m
+        error = (tally.wrong + m * self.prior_error) / seen
+        spread = np.maximum(error, 1.0 / (seen + 1.0)) * (1.0 - error) / seen
+        weight = tally.asked + 1.0  # every bin asked at least once: no region is free of doubt
+        # Serving the bins from t up: sums over b >= t, for every t at once.
+        above = np.cumsum(weight[::-1])[::-1]
+        mean = np.cumsum((weight * error)[::-1])[::-1] / above
+        var = np.cumsum((weight**2 * spread)[::-1])[::-1] / above**2
+        upper = mean + self.config.z * np.sqrt(var)
+        ok = np.nonzero(upper <= delta)[0]
+        return float(ok[0]) / self.config.bins if len(ok) else NEVER
+
+    def allows(self, category: str, entry_id: str, score: float) -> bool:
+        if self.deltas[category] <= 0:  # only the same question: no evidence loosens that
+            return False
+        limit = self.threshold(category)
+        with self.lock:
+            own = self.own.get(entry_id)
+        if own is not None:
+            if own.highest_wrong >= 0:
+                limit = max(limit, own.highest_wrong + 1e-6)
+            elif own.right >= self.config.min_right:
+                limit = min(limit, own.lowest_right)
+        return score >= limit
+
+    def stats(self) -> dict[str, object]:
+        return {
+            "verdicts": dict(self.verdicts),
+            "entries_taught": len(self.own),
+            "categories": {
+                name: {
+                    "max_error_rate": self.deltas[name],
+                    "threshold": self.threshold(name),
+                    "asked": int(tally.asked.sum()),
+                    "right": int(tally.right.sum()),
+                    "wrong": int(tally.wrong.sum()),
+                }
+                for name, tally in self.tallies.items()
+            },
+        }

@@ -1,0 +1,78 @@
+"""The semantic cache's error bound through the gateway, with the shipped categories: the same question
+is served at once, a paraphrase only once verdicts allow it, every answer the model gives near an entry
+is a verdict, and a caller reports a wrong hit by its completion id (the openai SDK and kvgate.Client
+against a real server and the real model)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+import kvgate
+from kvgate.gateway.settings import Settings
+from kvgate.runtime.engine import Engine
+from tests.servers import serving
+
+KEYS = {"key-alice": "alice", "key-bob": "bob"}
+ADMIN = "admin-secret"
+
+
+@pytest.fixture(scope="module")
+def url(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    path = tmp_path_factory.mktemp("feedback") / "semantic.sqlite3"
+    settings = Settings(max_num_seqs=4, semantic_cache_path=path, api_keys=KEYS, admin_key=ADMIN)
+    with serving(settings, engine) as base:
+        yield base
+
+
+def ask(url: str, question: str, key: str = "key-alice"):
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+    return client.chat.completions.with_raw_response.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": question}], max_tokens=8, temperature=0
+    )
+
+
+def bound(url: str) -> dict:
+    stats = httpx.get(f"{url}/admin/semantic-cache", headers={"authorization": f"Bearer {ADMIN}"}).json()
+    return stats["bound"]
+
+
+def test_the_same_question_hits_and_a_paraphrase_is_answered_by_the_model_and_judged(url: str) -> None:
+    stamp = time.monotonic_ns()
+    question = f"Why do people enjoy long walks in the park {stamp}?"
+    assert ask(url, question).headers["x-kvgate-cache"] == "miss"
+    same = ask(url, question.upper())
+    assert same.headers["x-kvgate-cache"] == "hit" and float(same.headers["x-kvgate-cache-score"]) == 1.0
+    before = sum(bound(url)["verdicts"].values())
+    near = ask(url, f"Why do people like taking long walks in parks {stamp}?")
+    assert near.headers["x-kvgate-cache"] == "miss"  # a new cache has no verdicts: not yet
+    assert sum(bound(url)["verdicts"].values()) == before + 1  # the model's answer judged the entry
+
+
+def test_a_wrong_hit_reported_by_its_id_is_deleted_and_taught(url: str) -> None:
+    question = f"What colour is the sky on Mars {time.monotonic_ns()}?"
+    ask(url, question)
+    hit = ask(url, question)
+    assert hit.headers["x-kvgate-cache"] == "hit"
+    completion = hit.parse().id
+    with kvgate.Client(url, api_key="key-bob") as bob, pytest.raises(kvgate.NotFoundError):
+        bob.report_wrong_hit(completion)  # only the tenant served may report it
+    wrong = bound(url)["verdicts"]["wrong"]
+    with kvgate.Client(url, api_key="key-alice") as alice:
+        assert alice.report_wrong_hit(completion) == hit.headers["x-kvgate-cache-entry"]
+        with pytest.raises(kvgate.NotFoundError):
+            alice.report_wrong_hit(completion)  # once
+    assert bound(url)["verdicts"]["wrong"] == wrong + 1
+    assert ask(url, question).headers["x-kvgate-cache"] == "miss"
+
+
+def test_a_bad_feedback_body_is_a_400_in_the_openai_format(url: str) -> None:
+    headers = {"authorization": "Bearer key-alice"}
+    for body in ({}, {"id": ""}, {"id": 7}):
+        reply = httpx.post(f"{url}/v1/cache/feedback", json=body, headers=headers)
+        assert reply.status_code == 400 and reply.json()["error"]["param"].startswith("id"), body
+    assert httpx.post(f"{url}/v1/cache/feedback", json={"id": "x"}).status_code == 401
