@@ -19,6 +19,7 @@ from kvgate.bench.data import Half
 from kvgate.bench.report import pct, table
 from kvgate.semantic_cache.config import SemanticCacheConfig
 from kvgate.semantic_cache.guards import GUARDS, refusal, words
+from kvgate.semantic_cache.verifier import STOP
 
 if TYPE_CHECKING:
     from kvgate.semantic_cache.policy import Classifier
@@ -142,12 +143,24 @@ def scope(q: str, rng: np.random.Generator, pool: list[str]) -> str | None:
     return stem + str(rng.choice(NARROW)) + "?"
 
 
+def swap(q: str, rng: np.random.Generator, pool: list[str]) -> str | None:
+    """Exchange two names, each said once and not one name's two parts: who does what to whom
+    ("import from India, sell in Canada")."""
+    found = re.findall(r"\b[A-Z][A-Za-z+#]*\b", q)
+    once = [w for w in found[1:] if found.count(w) == 1 and w.lower() not in STOP]
+    pairs = [(a, b) for i, a in enumerate(once) for b in once[i + 1 :] if not re.search(rf"\b{a}\W+{b}\b", q)]
+    if not pairs:
+        return None
+    a, b = pairs[0]
+    return re.sub(rf"\b({re.escape(a)}|{re.escape(b)})\b", lambda m: b if m.group() == a else a, q)
+
+
 def _case(word: str, like: str) -> str:
     return word.capitalize() if like[:1].isupper() else word
 
 
 Edit = Callable[[str, np.random.Generator, list[str]], str | None]
-EDITS: dict[str, Edit] = {"negation": negation, "entity": entity, "number": number, "scope": scope}
+EDITS: dict[str, Edit] = {"negation": negation, "entity": entity, "number": number, "scope": scope, "swap": swap}
 
 
 def names(questions: list[str], least: int = 5) -> list[str]:
@@ -341,7 +354,8 @@ def section(test: Half, plain: Served, guarded: Served, traps: Traps, settings: 
         f"up to {max(np.unique(traps.kind, return_counts=True)[1], default=0)} per type, each a typed edit of a "
         "stored test-half question (negation put in or taken out; a name swapped for another of its kind or "
         "another name seen in the data; a number or year changed; scope narrowed or widened: only/all, for "
-        "beginners, in 2010, without a degree...), served when the question it was made from is served (any "
+        "beginners, in 2010, without a degree...; two names exchanged), served when the question it was made "
+        "from is served (any "
         "hit %: served any entry). The guards look for the same kinds of words the generator edits (circular), "
         "so the natural traps matter more: test-half non-duplicate pairs whose cosine is at least "
         f"{NATURAL}, served when their own `a` is served. Reported elsewhere: GPTCache's defaults 81% "

@@ -8,6 +8,7 @@ import re
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 from fastapi import Depends, FastAPI
@@ -19,7 +20,7 @@ from kvgate.gateway.backend import Backend
 from kvgate.gateway.errors import APIError, internal
 from kvgate.gateway.keys import REDIS_DOWN, Keys, authenticate, redis_down
 from kvgate.gateway.limits import limiter as make_limiter
-from kvgate.gateway.metrics import CONTENT_TYPE, Metrics, Observe, merged
+from kvgate.gateway.metrics import CONTENT_TYPE, Metrics, Observe, merged, semantic_metrics
 from kvgate.gateway.responses_store import ResponseStore
 from kvgate.gateway.settings import Settings
 from kvgate.gateway.workers import front_only
@@ -132,6 +133,7 @@ def create_app(settings: Settings, backend: Backend) -> FastAPI:
         from kvgate.semantic_cache import SemanticCache
 
         semantic = SemanticCache(settings.semantic_cache_config())
+        metrics.watch(partial(semantic_metrics, semantic.bound.stats))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -154,6 +154,24 @@ def fidelity_metrics(model: str, gate: Iterable[tuple[str, dict[str, float]]], d
     yield counter("kvgate_shadow_dropped", "shadow checks dropped: too many were waiting", dropped)
 
 
+def semantic_metrics(stats: Callable[[], dict[str, Any]]) -> Iterator[Metric]:
+    """The semantic cache's error bound per category: verdicts, the score served from (above 1: only
+    the same question), and the operator's rate."""
+    verdicts = CounterMetricFamily(
+        "kvgate_semantic_verdicts", "answers judged against a cached one", labels=["category", "verdict"]
+    )
+    threshold = GaugeMetricFamily(
+        "kvgate_semantic_threshold", "verifier score served from (above 1: the same question only)", labels=["category"]
+    )
+    rate = GaugeMetricFamily("kvgate_semantic_max_error_rate", "the wrong hits accepted", labels=["category"])
+    for name, category in stats()["categories"].items():
+        verdicts.add_metric([name, "right"], category["right"])
+        verdicts.add_metric([name, "wrong"], category["wrong"])
+        threshold.add_metric([name], category["threshold"])
+        rate.add_metric([name], category["max_error_rate"])
+    yield from (verdicts, threshold, rate)
+
+
 def tier_metrics(tiers: list[dict[str, Any]]) -> Iterator[Metric]:
     """The chunk store's tiers: document KV hits, misses, entries and bytes per tier."""
     names = {

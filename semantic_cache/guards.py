@@ -194,11 +194,19 @@ def scope(query: str, cached: str) -> bool:
     return SCOPE.intersection(words(query)) == SCOPE.intersection(words(cached))
 
 
+def order(query: str, cached: str) -> bool:
+    """Not the same words in another order: who does what to whom ("import from India, sell in Canada"
+    against "import from Canada, sell in India"; "do girls like shy guys" against "do guys like shy girls")."""
+    q, c = words(query), words(cached)
+    return set(q) != set(c) or list(dict.fromkeys(q)) == list(dict.fromkeys(c))
+
+
 GUARDS: dict[str, Callable[[str, str], bool]] = {
     "negation": negation,
     "numbers": numbers,
     "entities": entities,
     "scope": scope,
+    "order": order,
 }
 
 

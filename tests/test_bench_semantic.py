@@ -12,6 +12,7 @@ import pytest
 
 from kvgate.bench.semantic_hit import bench_hit
 from kvgate.gateway.settings import Settings
+from kvgate.semantic_cache.verifier import Verifier
 
 KVGATE = str(Path(sys.executable).parent / "kvgate")
 QQP = Path(__file__).resolve().parents[2] / "shared" / "data" / "qqp_pairs_dev.jsonl"
@@ -29,6 +30,7 @@ def test_bench_semantic_writes_its_section_and_plot(tmp_path: Path) -> None:
     out.write_text("# Benchmarks\n\n<!-- bench:other -->\nkept\n<!-- /bench:other -->\n")
     args = ["bench", "semantic", "--limit", "240", "--traps", "20", "--sizes", "100,300", "--queries", "30"]
     args += ["--gateway", "0"]  # the model is not converted in this cache dir; see the test below
+    args += ["--fit-verifier", str(tmp_path / "verifier.npz")]
     env = {**os.environ, "KVGATE_CACHE_DIR": str(tmp_path / "cache")}  # embeddings cached there, not in ~/.cache
     proc = subprocess.run([KVGATE, *args, "--output", str(out)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -44,7 +46,13 @@ def test_bench_semantic_writes_its_section_and_plot(tmp_path: Path) -> None:
     # Paraphrases and traps: every percentage parses; the guards serve no more traps than no guards.
     plain, guarded = rows(text, "categories.yaml thresholds |")[1], rows(text, "categories.yaml thresholds + guards")[1]
     assert all(0.0 <= float(x) <= 100.0 for x in plain[1:] + guarded[1:] if x != "-")
-    assert float(guarded[6]) <= float(plain[6])
+    assert float(guarded[7]) <= float(plain[7])  # all synthetic traps
+    # The verifier was fitted and written; the bound's rows, one per max_error_rate, parse.
+    assert Verifier.load(tmp_path / "verifier.npz").score("Is tea good?", "Is tea healthy?", 0.8, "factual") > 0
+    bounded = [r for r in rows(text, "QQP + synthetic traps") if len(r) == 13]
+    assert [r[1] for r in bounded] == ["1%", "5%", "10%"]
+    for r in bounded:  # shares, then hits, then the errors
+        assert all(0.0 <= float(x) <= 100.0 for x in r[2:10] + r[11:]) and int(r[10]) >= 0
     # Latency at both sizes: p50 <= p99, all positive.
     sizes = [r for r in rows(text, "") if r[0].replace(",", "").isdigit() and " / " in r[1]]
     assert [int(r[0].replace(",", "")) for r in sizes] == [100, 300]

@@ -23,6 +23,9 @@ TRAPS = [
     ("What happened on March 3?", "What happened on April 3?", "numbers"),
     ("Which countries drive on the left?", "Which countries only drive on the left?", "scope"),
     ("Why do women shave their legs?", "Why do all women shave their legs?", "scope"),
+    ("Is Java faster than Go?", "Is Go faster than Java?", "order"),
+    ("Do girls like shy guys?", "Do guys like shy girls?", "order"),
+    ("Should India help Nepal as much as India can?", "Should Nepal help India as much as Nepal can?", "order"),
 ]
 
 
@@ -34,6 +37,10 @@ def test_paraphrases_pass(a: str, b: str) -> None:
 @pytest.mark.parametrize(("a", "b", "guard"), TRAPS)
 def test_traps_are_refused_by_their_guard(a: str, b: str, guard: str) -> None:
     assert refusal(a, b) == guard and refusal(b, a) == guard
+
+
+def test_the_same_words_in_the_same_order_pass_the_order_guard() -> None:
+    assert refusal("How does this circuit work?", "how does THIS circuit work") is None
 
 
 def test_only_enabled_guards_refuse() -> None:

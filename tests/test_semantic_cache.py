@@ -126,6 +126,8 @@ def test_the_classifier_uses_rules_then_prototypes(cache: SemanticCache) -> None
         return cache.classify(q, cache.embed(q)).name
 
     assert category("Why does my Python function return None?") == "code"
+    assert category("When is my next appointment with the dentist?") == "personal"
+    assert category("Remind me what I asked you earlier") == "personal"
     assert category("What is the weather in Paris today?") == "time_sensitive"
     assert category("What is 12 * 7?") == "math"
     assert category("How can I become more confident?") == "advice"

@@ -11,10 +11,12 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+import yaml
 
 import kvgate
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
+from kvgate.semantic_cache.config import DEFAULT_CATEGORIES
 from tests.servers import serving
 
 KEYS = {"key-alice": "alice", "key-bob": "bob"}
@@ -76,3 +78,14 @@ def test_a_bad_feedback_body_is_a_400_in_the_openai_format(url: str) -> None:
         reply = httpx.post(f"{url}/v1/cache/feedback", json=body, headers=headers)
         assert reply.status_code == 400 and reply.json()["error"]["param"].startswith("id"), body
     assert httpx.post(f"{url}/v1/cache/feedback", json={"id": "x"}).status_code == 401
+
+
+def test_the_bound_is_in_the_metrics_one_series_per_category(url: str) -> None:
+    ask(url, f"Why is the ocean salty {time.monotonic_ns()}?")
+    text = httpx.get(f"{url}/metrics").text
+    names = [c["name"] for c in yaml.safe_load(DEFAULT_CATEGORIES.read_text())["categories"]]
+    for name in names:
+        assert f'kvgate_semantic_threshold{{category="{name}"}}' in text
+        assert f'kvgate_semantic_verdicts_total{{category="{name}",verdict="wrong"}}' in text
+    assert 'kvgate_semantic_max_error_rate{category="code"} 0.0' in text
+    assert text.count("kvgate_semantic_threshold{") == len(names)
