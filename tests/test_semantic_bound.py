@@ -34,6 +34,18 @@ def test_wrong_verdicts_keep_a_score_range_shut() -> None:
     assert bound.threshold("c") == NEVER
 
 
+def test_the_error_is_weighed_by_how_often_each_score_is_asked_not_by_how_often_it_was_checked() -> None:
+    """Most questions land where a fifth of the answers are wrong; the well-checked scores above are
+    right but rare: serving from 0.9 would be wrong ~18% of the time, over a 12% bound."""
+    bound = Bound({"c": 0.12})
+    for score, asked, wrong_every in ((0.905, 1800, 5), (0.925, 50, 0), (0.945, 50, 0), (0.965, 50, 0), (0.985, 50, 0)):
+        for _ in range(asked):
+            bound.asked("c", score)
+        for i in range(200):
+            bound.learn("c", f"{score}-{i}", score, not (wrong_every and i % wrong_every == 0))
+    assert not bound.allows("c", "x", 0.905) and bound.allows("c", "x", 0.925)
+
+
 def test_a_zero_error_rate_never_serves_another_question_whatever_the_evidence() -> None:
     bound = Bound({"c": 0.0})
     for _ in range(100):
