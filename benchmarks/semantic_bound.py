@@ -17,15 +17,17 @@ from kvgate.bench.report import pct, table
 from kvgate.bench.semantic_latency import SEED
 from kvgate.bench.traps import EDITS, NATURAL, Traps, nearest
 from kvgate.semantic_cache.bound import Bound, BoundConfig
+from kvgate.semantic_cache.config import SemanticCacheConfig
 from kvgate.semantic_cache.guards import refusal
 from kvgate.semantic_cache.verifier import Verifier, normalised
 
 DELTAS = (0.01, 0.05, 0.10)
 FLOOR = 0.6  # cosine below which a candidate is not judged (the categories' floor in categories.yaml)
-VERIFY = 0.05
+VERIFY = SemanticCacheConfig().verify_rate
 CANDIDATES = 4
 CURVE = (250, 500, 1000, 2000, 4000, 8000)
 SHARES = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
+REPLAYS = 8
 GUARDED = True  # the guards veto before the verifier scores
 
 
@@ -100,10 +102,12 @@ def replay(asked: Asked, judged: Judged, delta: float, seed: int) -> tuple[np.nd
         if judged.same[i]:
             served[i] = entry
             continue
-        bound.asked(cat, score)
+        labelled = entry == asked.source[i]
+        if labelled:  # the bound sees what it can be judged on: questions whose candidate QQP labels
+            bound.asked(cat, score)
         if bound.allows(cat, str(entry), score) and rng.random() >= VERIFY:
             served[i] = entry
-        elif entry == asked.source[i]:  # the model answers: a verdict on the candidate, where QQP has one
+        elif labelled:  # the model answers: a verdict on the candidate
             bound.learn(cat, str(entry), score, bool(entry == asked.own[i]))
     return served, bound
 
@@ -189,9 +193,10 @@ def bound_section(test: Half, traps: Traps, names: list[str], verifier: Verifier
         "QQP + synthetic traps": (asked, judged[("verifier", GUARDED)]),
     }.items():
         for delta in DELTAS:
-            served, _ = replay(one, chosen, delta, seed=SEED + 1)
-            rows.append([name, f"{100 * delta:g}%", *outcome(one, chosen, served)])
-            curve += [[name, *r] for r in curve_rows(one, chosen, served, delta)]
+            runs = [replay(one, chosen, delta, seed=SEED + 1 + k)[0] for k in range(REPLAYS)]
+            worst = max(float(outcome(one, chosen, served)[-2]) for served in runs)
+            rows.append([name, f"{100 * delta:g}%", *outcome(one, chosen, runs[0]), f"{worst:.1f}"])
+            curve += [[name, *r] for r in curve_rows(one, chosen, runs[0], delta)]
     return (
         "### The error bound\n\n"
         f"One shuffled stream of {len(asked.texts)} questions: the test half's {len(test.queries)} and "
@@ -212,8 +217,9 @@ def bound_section(test: Half, traps: Traps, names: list[str], verifier: Verifier
         "(no synthetic traps; natural ones stay), every category given the same "
         f"max_error_rate, scored by the verifier{' with the guards' if GUARDED else ''}; a question the bound "
         f"does not serve, and {VERIFY:.0%} of those it would, are answered by the model, whose verdict "
-        "(here: the label, where there is one) it learns from.\n\n"
-        + table(["stream", "max_error_rate", *outcome_head], rows)
+        f"(here: the label, where there is one) it learns from. The last column replays each {REPLAYS} times, "
+        "the would-be hits checked drawn anew.\n\n"
+        + table(["stream", "max_error_rate", *outcome_head, f"realised error, worst of {REPLAYS} replays %"], rows)
         + "\n\nLearning curve: the same replays over consecutive stretches of the stream.\n\n"
         + table(["stream", "max_error_rate", "questions", "hits %", "paraphrases served %", "realised error %"], curve)
     )

@@ -69,7 +69,7 @@ class Settings(BaseSettings):
     # the cosine is the score), the share of would-be hits the model answers to check them, and how
     # close two answers' embeddings must be to agree.
     semantic_verifier: str | None = None
-    semantic_verify_rate: float = Field(0.05, ge=0.0, le=1.0)
+    semantic_verify_rate: float = Field(0.1, ge=0.0, le=1.0)
     semantic_answer_similarity: float = Field(0.9, gt=0.0, le=1.0)
     chunk_cache_policy: Literal["value", "lru"] = "value"  # what the memory tier evicts first (pins aside)
     agent_pins: Literal["off", "fixed", "decide"] = "decide"  # how long a program's KV stays pinned

@@ -6,10 +6,11 @@ right for the question asked there: the model answered anyway (every miss near a
 share of would-be hits), or a caller reported a wrong hit. Per category, scores are cut into bins;
 each bin counts questions asked and verdicts. Serving every question scoring at least t has an
 error rate estimated bin by bin (each bin's verdicts, weighted by how often it is asked: verdicts
-come unevenly, misses are all checked, hits only a share) with an upper confidence bound; the
-category's threshold is the lowest t whose bound is under delta. Without verdicts the bound is
-wide, so a new cache serves only the same question (the cache's own check, before any of this),
-and it loosens as verdicts come in.
+come unevenly, misses are all checked, hits only a share), each bin's estimate anchored to the
+verifier's own calibration (worth `prior_weight` verdicts); the category's threshold is the lowest
+t whose upper confidence bound is under delta, never below the lowest score checked. A category
+serves nothing but the same question (the cache's own check, before any of this) until it has
+`warmup` verdicts, and loosens as they come in.
 
 Per entry (vCache's idea, kept small): a wrong verdict at score s means the entry serves no question
 scoring s or less again; `min_right` right verdicts below the category's threshold with none wrong
@@ -29,14 +30,17 @@ NEVER = 1.01  # a threshold no score reaches
 @dataclass(frozen=True)
 class BoundConfig:
     bins: int = 50
-    prior_weight: float = 2.0  # verdicts the verifier's own score is worth in each bin
+    prior_weight: float = 16.0  # verdicts the verifier's own score is worth in each bin's estimate
     z: float = 1.645  # one-sided 95% upper bound
     entries: int = 100_000  # entries whose own verdicts are held (least recently taught forgotten)
     min_right: int = 3
+    warmup: int = 50  # verdicts a category needs before it serves anything but the same question
 
     def __post_init__(self) -> None:
-        if self.bins < 2 or self.prior_weight <= 0 or self.z < 0 or self.entries < 1 or self.min_right < 1:
+        if self.bins < 2 or self.prior_weight <= 0 or self.z < 0 or min(self.entries, self.min_right) < 1:
             raise ValueError("bound: need bins >= 2, prior_weight > 0, z >= 0, entries >= 1, min_right >= 1")
+        if self.warmup < 0:
+            raise ValueError("bound: need warmup >= 0")
 
 
 class Tally:
@@ -111,8 +115,12 @@ class Bound:
     def _threshold(self, tally: Tally, delta: float) -> float:
         if delta <= 0:
             return NEVER
-        m = self.config.prior_weight
-        seen = tally.right + tally.wrong + m
+        if tally.right.sum() + tally.wrong.sum() < self.config.warmup:
+            return NEVER
+        # The verifier's score anchors each bin's estimate, worth prior_weight verdicts: a lucky run of
+        # right verdicts moves it little (a bound that opened on luck would serve above its rate).
+        m, checked = self.config.prior_weight, tally.right + tally.wrong
+        seen = checked + m
         error = (tally.wrong + m * self.prior_error) / seen
         spread = np.maximum(error, 1.0 / (seen + 1.0)) * (1.0 - error) / seen
         weight = tally.asked + 1.0  # every bin asked at least once: no region is free of doubt
@@ -121,8 +129,8 @@ class Bound:
         mean = np.cumsum((weight * error)[::-1])[::-1] / above
         var = np.cumsum((weight**2 * spread)[::-1])[::-1] / above**2
         upper = mean + self.config.z * np.sqrt(var)
-        ok = np.nonzero(upper <= delta)[0]
-        return float(ok[0]) / self.config.bins if len(ok) else NEVER
+        ok = np.nonzero((upper <= delta) & (np.arange(len(upper)) >= np.argmax(checked > 0)))[0]
+        return float(ok[0]) / self.config.bins if len(ok) else NEVER  # never below the lowest score checked
 
     def allows(self, category: str, entry_id: str, score: float) -> bool:
         if self.deltas[category] <= 0:  # only the same question: no evidence loosens that

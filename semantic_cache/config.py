@@ -93,7 +93,7 @@ class SemanticCacheConfig:
     # is the score), the share of would-be hits answered by the model instead to check them, and
     # when two answers agree (the same text, or answers' embeddings this close).
     verifier: Path | None = SHIPPED
-    verify_rate: float = 0.05
+    verify_rate: float = 0.1
     answer_similarity: float = 0.9
     bound: BoundConfig = field(default_factory=BoundConfig)
     served: int = 10_000  # recent hits remembered, so that a caller can report one wrong by its id

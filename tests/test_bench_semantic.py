@@ -49,10 +49,11 @@ def test_bench_semantic_writes_its_section_and_plot(tmp_path: Path) -> None:
     assert float(guarded[7]) <= float(plain[7])  # all synthetic traps
     # The verifier was fitted and written; the bound's rows, one per max_error_rate, parse.
     assert Verifier.load(tmp_path / "verifier.npz").score("Is tea good?", "Is tea healthy?", 0.8, "factual") > 0
-    bounded = [r for r in rows(text, "QQP + synthetic traps") if len(r) == 13]
+    bounded = [r for r in rows(text, "QQP + synthetic traps") if len(r) == 14]
     assert [r[1] for r in bounded] == ["1%", "5%", "10%"]
     for r in bounded:  # shares, then hits, then the errors
         assert all(0.0 <= float(x) <= 100.0 for x in r[2:10] + r[11:]) and int(r[10]) >= 0
+        assert float(r[11]) <= float(r[13])  # the first replay is one of those whose worst is shown
     # Latency at both sizes: p50 <= p99, all positive.
     sizes = [r for r in rows(text, "") if r[0].replace(",", "").isdigit() and " / " in r[1]]
     assert [int(r[0].replace(",", "")) for r in sizes] == [100, 300]

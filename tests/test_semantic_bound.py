@@ -19,6 +19,10 @@ PARAPHRASE = "What is the fastest way to learn guitar?"
 def test_a_new_bound_serves_nothing_and_right_verdicts_open_it() -> None:
     bound = Bound({"c": 0.1})
     assert bound.threshold("c") == NEVER and not bound.allows("c", "e", 0.99)
+    for i in range(BoundConfig().warmup - 1):
+        bound.asked("c", 0.95)
+        bound.learn("c", f"e{i}", 0.95, True)
+    assert bound.threshold("c") == NEVER  # not before the category's warm-up
     for i in range(40):
         bound.asked("c", 0.95)
         bound.learn("c", f"e{i}", 0.95, True)
@@ -55,7 +59,7 @@ def test_a_zero_error_rate_never_serves_another_question_whatever_the_evidence()
 
 def test_an_entry_wrong_at_a_score_serves_nothing_at_or_below_it_and_right_ones_loosen_it() -> None:
     bound = Bound({"c": 0.1}, BoundConfig(min_right=2))
-    for i in range(40):
+    for i in range(60):
         bound.asked("c", 0.9)
         bound.learn("c", f"e{i}", 0.9, True)
     limit = bound.threshold("c")
