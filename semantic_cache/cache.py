@@ -20,7 +20,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -58,6 +58,15 @@ class Lookup:
         return self.entry is not None
 
 
+class Served(NamedTuple):
+    """A recent hit, as a caller may report it."""
+
+    entry: str
+    tenant: str
+    category: str
+    score: float
+
+
 class SemanticCache:
     def __init__(self, config: SemanticCacheConfig, embedder: Embedder | None = None, store: Store | None = None):
         self.config = config
@@ -75,7 +84,7 @@ class SemanticCache:
         self.verifier = Verifier.load(config.verifier) if config.verifier else None
         bounded = {c.name: c.max_error_rate for c in config.categories if c.max_error_rate is not None}
         self.bound = Bound(bounded, config.bound)
-        self.served: OrderedDict[str, tuple[str, str, str, float]] = OrderedDict()  # id: entry, tenant, category, score
+        self.served: OrderedDict[str, Served] = OrderedDict()  # by the id of the completion that served it
         self.chance = random.Random()
         self.lock = threading.Lock()  # around following the change log, and reading a scope in
         self.counts = dict.fromkeys(
@@ -225,7 +234,7 @@ class SemanticCache:
         if found.entry is None:
             return
         with self.lock:
-            self.served[request_id] = (found.entry.id, tenant, found.category.name, found.score)
+            self.served[request_id] = Served(found.entry.id, tenant, found.category.name, found.score)
             while len(self.served) > self.config.served:
                 self.served.popitem(last=False)
 
@@ -234,15 +243,14 @@ class SemanticCache:
         goes. Returns the entry's id, or None when no recent hit of this tenant has that id."""
         with self.lock:
             hit = self.served.get(request_id)
-            if hit is None or hit[1] != tenant:
+            if hit is None or hit.tenant != tenant:
                 return None
             del self.served[request_id]
-        entry_id, _, category, score = hit
-        if category in self.bound.deltas:
-            self.bound.learn(category, entry_id, score, False)
-        self.bound.forget(entry_id)
-        self.invalidate(entry_id)
-        return entry_id
+        if hit.category in self.bound.deltas:
+            self.bound.learn(hit.category, hit.entry, hit.score, False)
+        self.bound.forget(hit.entry)  # the entry goes: its own verdicts with it
+        self.invalidate(hit.entry)
+        return hit.entry
 
     def put(
         self,
