@@ -77,7 +77,8 @@ async def stats(request: Request) -> dict[str, Any]:
         {"name": c.name, "threshold": c.threshold, "floor": c.floor, "ttl_s": c.ttl_s, "quota": c.quota}
         for c in cache.config.categories
     ]
-    return {"object": "semantic_cache", **cache.stats(), "categories": categories}
+    checks = request.app.state.checks.stats()  # would-be hits checked beside the hit
+    return {"object": "semantic_cache", **cache.stats(), "categories": categories, "checks": checks}
 
 
 @router.delete("/entries/{entry_id}")

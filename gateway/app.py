@@ -22,6 +22,7 @@ from kvgate.gateway.keys import REDIS_DOWN, Keys, authenticate, redis_down
 from kvgate.gateway.limits import limiter as make_limiter
 from kvgate.gateway.metrics import CONTENT_TYPE, Metrics, Observe, merged, semantic_metrics
 from kvgate.gateway.responses_store import ResponseStore
+from kvgate.gateway.semantic import Checks
 from kvgate.gateway.settings import Settings
 from kvgate.gateway.workers import front_only
 
@@ -155,6 +156,7 @@ def create_app(settings: Settings, backend: Backend) -> FastAPI:
     )
     app.state.settings, app.state.metrics, app.state.keys, app.state.limiter = settings, metrics, keys, limiter
     app.state.backend, app.state.semantic = backend, semantic
+    app.state.checks = Checks()  # would-be hits checked beside the hit (semantic_verify_beside)
     app.state.responses = ResponseStore()  # /v1/responses kept for previous_response_id
     errors.install(app)
     for outage in REDIS_DOWN:

@@ -211,6 +211,8 @@ async def generate(request: Request, call: Call) -> Generated:
         cached = await semantic.consult(request, request.app.state.semantic, identity, queued, call.parsed)
         if cached.status == "hit":
             replayed = semantic.replay(request.app.state.semantic, cached, call.parsed, call.model, call.request_id)
+            if cached.found is not None and cached.found.verify:
+                request.app.state.checks.offer(backend, request.app.state.semantic, call, cached.found)
             return Generated(call, cached, as_reply(replayed), hit=True)
     call.keep = cached.store
     reply = await unless_gone(request, backend.generate(call))

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import re
+import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -19,8 +21,10 @@ from kvgate.gateway.protocol import ChatCompletionRequest
 from kvgate.gateway.render import SSE_HEADERS, response_head, sse, usage
 
 if TYPE_CHECKING:
-    from kvgate.gateway.backend import Outcome
+    from kvgate.gateway.backend import Backend, Call, Outcome
     from kvgate.semantic_cache import Lookup, SemanticCache
+
+log = logging.getLogger("kvgate.semantic")
 
 # Body fields that do not change the answer, left out of the scope. kvgate.cache is taken out below.
 UNSCOPED = {"messages", "stream", "stream_options", "user"}
@@ -99,6 +103,8 @@ async def consult(
     if lookup.entry is not None:
         out.headers |= {"x-kvgate-similarity": f"{lookup.similarity:.4f}", "x-kvgate-cache-entry": lookup.entry.id}
         out.headers["x-kvgate-cache-score"] = f"{lookup.score:.4f}"
+        if lookup.verify:  # served, and the model answers it later to check it
+            out.headers["x-kvgate-cache-check"] = "beside"
     elif lookup.refused:
         out.headers["x-kvgate-cache-refused"] = lookup.refused
     return out
@@ -155,3 +161,60 @@ def replay(
 
     headers |= SSE_HEADERS
     return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+
+class Checks:
+    """Would-be hits checked beside the hit they were served as (`semantic_verify_beside`): the model
+    answers the same request in the background, one at a time, once nothing waits for the backend,
+    and the error bound learns the verdict. At most `limit` wait; more, or one that finds no idle
+    moment within `patience_s`, are dropped (counted)."""
+
+    def __init__(self, limit: int = 8, patience_s: float = 60.0) -> None:
+        self.limit, self.patience_s = limit, patience_s
+        self.waiting: set[asyncio.Task[None]] = set()
+        self.one = asyncio.Lock()
+        self.counts = {"checked": 0, "dropped": 0}
+
+    def offer(self, backend: Backend, cache: SemanticCache, call: Call, found: Lookup) -> None:
+        if len(self.waiting) >= self.limit:
+            self.counts["dropped"] += 1
+            return
+        task = asyncio.create_task(self.check(backend, cache, quiet(call), found))
+        self.waiting.add(task)
+        task.add_done_callback(self.waiting.discard)
+
+    async def check(self, backend: Backend, cache: SemanticCache, call: Call, found: Lookup) -> None:
+        deadline = time.monotonic() + self.patience_s
+        async with self.one:
+            while backend.queued() > 0:
+                if time.monotonic() > deadline:
+                    self.counts["dropped"] += 1
+                    return
+                await asyncio.sleep(0.05)
+            try:
+                reply = await backend.generate(call)
+                try:
+                    if reply.events is not None:
+                        async for _ in reply.events:
+                            pass
+                finally:
+                    if reply.close is not None:
+                        await reply.close()
+            except Exception:  # an error answer (the tenant's limits, an upstream down): no verdict
+                log.info("semantic cache: a check beside a hit failed", exc_info=True)
+                self.counts["dropped"] += 1
+                return
+        if reply.outcome.done:
+            await asyncio.to_thread(cache.learn, found, reply.outcome.text)
+            self.counts["checked"] += 1
+
+    def stats(self) -> dict[str, int]:
+        return {**self.counts, "waiting": len(self.waiting)}
+
+
+def quiet(call: Call) -> Call:
+    """The request again, whole (not streamed), its text wanted."""
+    body = {k: v for k, v in call.body.items() if k not in ("stream", "stream_options")}
+    parsed = call.parsed.model_copy(update={"stream": False, "stream_options": None}) if call.parsed else None
+    raw = json.dumps(body).encode()
+    return replace(call, body=body, raw=raw, parsed=parsed, request_id=f"{call.request_id}-check", keep=True)

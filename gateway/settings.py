@@ -70,6 +70,7 @@ class Settings(BaseSettings):
     # close two answers' embeddings must be to agree.
     semantic_verifier: str | None = None
     semantic_verify_rate: float = Field(0.1, ge=0.0, le=1.0)
+    semantic_verify_beside: bool = False  # checked would-be hits are served, and answered later when idle
     semantic_answer_similarity: float = Field(0.9, gt=0.0, le=1.0)
     chunk_cache_policy: Literal["value", "lru"] = "value"  # what the memory tier evicts first (pins aside)
     agent_pins: Literal["off", "fixed", "decide"] = "decide"  # how long a program's KV stays pinned
@@ -184,6 +185,7 @@ class Settings(BaseSettings):
             scopes=self.semantic_scopes,
             verifier=verifier,
             verify_rate=self.semantic_verify_rate,
+            verify_beside=self.semantic_verify_beside,
             answer_similarity=self.semantic_answer_similarity,
         )
 

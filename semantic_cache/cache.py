@@ -40,8 +40,9 @@ log = logging.getLogger("kvgate.semantic")
 @dataclass
 class Lookup:
     """What a lookup found. `entry` is set on a hit; `candidate` is the best cached question judged
-    (the hit, or what a miss was near), with its `score`; `verify`: it would have been served, but the
-    model is to answer and check it; `refused` names the guard that turned a candidate away."""
+    (the hit, or what a miss was near), with its `score`; `verify`: the model is to answer it to check
+    the candidate (instead of the hit, or beside it: config.verify_beside); `refused` names the guard
+    that turned a candidate away."""
 
     category: Category
     vector: np.ndarray
@@ -204,7 +205,8 @@ class SemanticCache:
         if self.chance.random() < self.config.verify_rate:
             found.verify = True
             self.counts["verified"] += 1
-            return
+            if not self.config.verify_beside:
+                return
         self.serve(found, now)
 
     def serve(self, found: Lookup, now: float) -> None:
@@ -215,11 +217,11 @@ class SemanticCache:
     # ---- verdicts ------------------------------------------------------------------------------
 
     def learn(self, found: Lookup, answer: str) -> bool | None:
-        """The model's `answer` to a question the lookup did not serve, against the answer of the
-        cached question it was near: whether that would have been right (taught to the bound), or
+        """The model's `answer` to a question the lookup did not serve (or served, to check it), against
+        the answer of the cached question it was near: whether that was right (taught to the bound), or
         None when there is nothing to judge."""
         candidate = found.candidate
-        if found.hit or candidate is None or found.category.max_error_rate is None:
+        if found.hit and not found.verify or candidate is None or found.category.max_error_rate is None:
             return None
         cached = str(candidate.response.get("content", ""))
         right = same_answer(answer, cached)

@@ -90,10 +90,11 @@ class SemanticCacheConfig:
     # recently used entry, so one tenant's flood evicts its own entries first.
     tenant_shares: int = 4
     # The error bound: the verifier that scores a (question, cached question) pair (None: the cosine
-    # is the score), the share of would-be hits answered by the model instead to check them, and
-    # when two answers agree (the same text, or answers' embeddings this close).
+    # is the score), the share of would-be hits the model answers to check them (instead of the hit,
+    # or beside it), and when two answers agree (the same text, or answers' embeddings this close).
     verifier: Path | None = SHIPPED
     verify_rate: float = 0.1
+    verify_beside: bool = False  # a checked would-be hit is served all the same (the model answers later)
     answer_similarity: float = 0.9
     bound: BoundConfig = field(default_factory=BoundConfig)
     served: int = 10_000  # recent hits remembered, so that a caller can report one wrong by its id

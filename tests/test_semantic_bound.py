@@ -192,3 +192,16 @@ def test_the_hits_remembered_for_reports_are_bounded(tmp_path: Path, embedder: M
         cache.remember(f"chatcmpl-{i}", "t", found)
     assert list(cache.served) == ["chatcmpl-1", "chatcmpl-2"]
     assert cache.report("chatcmpl-0", "t") is None
+
+
+def test_beside_a_checked_would_be_hit_is_served_and_still_judged(tmp_path: Path, embedder: MiniLM) -> None:
+    cache = bounded(tmp_path, embedder, verify_rate=1.0, verify_beside=True)
+    cache.put("t", "s", QUESTION, {"content": "Practise every day."})
+    for _ in range(BoundConfig().min_right):
+        cache.learn(cache.lookup("s", PARAPHRASE), "Practise every day.")
+    found = cache.lookup("s", PARAPHRASE)
+    assert found.hit and found.verify  # served all the same
+    assert cache.learn(found, "Buy a piano instead.") is False
+    assert not cache.lookup("s", PARAPHRASE).hit  # the wrong verdict shut the entry at that score
+    same = cache.lookup("s", QUESTION)
+    assert same.hit and not same.verify and cache.learn(same, "anything") is None  # nothing to judge

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -89,3 +90,40 @@ def test_the_bound_is_in_the_metrics_one_series_per_category(url: str) -> None:
         assert f'kvgate_semantic_verdicts_total{{category="{name}",verdict="wrong"}}' in text
     assert 'kvgate_semantic_max_error_rate{category="code"} 0.0' in text
     assert text.count("kvgate_semantic_threshold{") == len(names)
+
+
+def test_beside_a_checked_hit_is_served_and_the_model_answers_it_in_the_background(
+    engine: Engine, tmp_path: Path
+) -> None:
+    settings = Settings(
+        max_num_seqs=4,
+        semantic_cache_path=tmp_path / "semantic.sqlite3",
+        admin_key=ADMIN,
+        semantic_verify_rate=1.0,
+        semantic_verify_beside=True,
+    )
+    question, paraphrase = "What is the capital of France?", "Which city is the capital of France?"
+    client = openai.OpenAI(base_url="http://unused/v1", api_key="k", max_retries=0, timeout=120)
+    with serving(settings, engine) as base:
+        client = client.with_options(base_url=f"{base}/v1")
+
+        def ask_(text: str):
+            return client.chat.completions.with_raw_response.create(
+                model="SmolLM2-135M-Instruct",
+                messages=[{"role": "user", "content": text}],
+                max_tokens=6,
+                temperature=0,
+                extra_headers={"cache-control": "no-store"} if text == paraphrase else None,
+            )
+
+        ask_(question)
+        for _ in range(3):  # the model answers both alike ("The capital of France is Paris"): the entry opens
+            assert ask_(paraphrase).headers["x-kvgate-cache"] == "miss"
+        served = ask_(paraphrase)
+        assert served.headers["x-kvgate-cache"] == "hit" and served.headers["x-kvgate-cache-check"] == "beside"
+        deadline = time.monotonic() + 60
+        while bound(base)["verdicts"]["right"] + bound(base)["verdicts"]["wrong"] < 4:
+            assert time.monotonic() < deadline, "the check beside the hit never ran"
+            time.sleep(0.2)
+        checks = httpx.get(f"{base}/admin/semantic-cache", headers={"authorization": f"Bearer {ADMIN}"}).json()
+        assert checks["checks"]["checked"] == 1 and checks["checks"]["dropped"] == 0
