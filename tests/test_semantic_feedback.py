@@ -5,6 +5,7 @@ against a real server and the real model)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,8 @@ import pytest
 import yaml
 
 import kvgate
+from kvgate.gateway.backend import Call
+from kvgate.gateway.semantic import Checks
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
 from kvgate.semantic_cache.config import DEFAULT_CATEGORIES
@@ -127,3 +130,22 @@ def test_beside_a_checked_hit_is_served_and_the_model_answers_it_in_the_backgrou
             time.sleep(0.2)
         checks = httpx.get(f"{base}/admin/semantic-cache", headers={"authorization": f"Bearer {ADMIN}"}).json()
         assert checks["checks"]["checked"] == 1 and checks["checks"]["dropped"] == 0
+
+
+def test_checks_beside_hits_are_bounded_and_wait_only_so_long_for_an_idle_backend() -> None:
+    """A backend that is never idle (a stand-in: real load that lasts a minute is too slow for a test)."""
+
+    class Busy:
+        def queued(self) -> int:
+            return 1
+
+    async def run() -> dict[str, int]:
+        checks = Checks(limit=2, patience_s=0.2)
+        call = Call("/v1/chat/completions", {"stream": True}, b"{}", "m", "t", "r")
+        for _ in range(3):
+            checks.offer(Busy(), None, call, None)  # type: ignore[arg-type]
+        assert checks.stats()["waiting"] == 2 and checks.counts["dropped"] == 1  # the third: no room
+        await asyncio.gather(*checks.waiting)
+        return checks.stats()
+
+    assert asyncio.run(run()) == {"checked": 0, "dropped": 3, "waiting": 0}
