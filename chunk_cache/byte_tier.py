@@ -83,7 +83,7 @@ class ByteTier(Tier):
         kv = torch.empty(header.kv_shape, dtype=header.dtype)
         try:
             for i in range(header.layers):
-                header.layer(i, read(*header.layer_range(i)), out=kv[i])
+                header.fill(i, read, kv[i])
         except CorruptEntry as e:
             self.discard(key, e)
             return None

@@ -6,8 +6,9 @@ within the budget, and reserves its bytes by creating its temporary file at full
 as long as it is written; then, the directory unlocked, fills it, fsyncs it, renames it to the
 entry's name and fsyncs the directory. A crash leaves an old entry or a whole new one, never part of
 one, and an unlocked temporary file (its lock died with its writer) that the next writer or opener
-removes. Reads go through mmap; a file's mtime is its last use, so the order survives a restart and
-is the same for every process. A damaged file is a miss (checksums: see entry.py).
+removes. A read goes from the open file straight into the layer's tensor (preadv); a file's mtime
+is its last use, so the order survives a restart and is the same for every process. A damaged file
+is a miss (checksums: see entry.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import mmap
 import os
 import tempfile
 import threading
@@ -29,6 +29,29 @@ from kvgate.chunk_cache.tier import register_tier
 SUFFIX = ".kvc"
 TMP = ".tmp"
 LOCK = ".lock"
+
+
+class Opened:
+    """An entry's file, open for as long as a reader holds it: byte ranges as bytes, or read
+    straight into the caller's buffer (a layer's tensor: no mapping's page faults, no second copy)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __call__(self, start: int, stop: int) -> bytes:
+        return os.pread(self.fd, stop - start, start)
+
+    def into(self, start: int, buffer: memoryview) -> int:
+        done = 0
+        while done < len(buffer):
+            n = os.preadv(self.fd, [buffer[done:]], start + done)
+            if n == 0:  # the file ends early: truncated
+                break
+            done += n
+        return done
+
+    def __del__(self) -> None:
+        os.close(self.fd)
 
 
 @register_tier("disk")
@@ -54,16 +77,16 @@ class DiskTier(ByteTier):
     def reader(self, key: str) -> Read | None:
         path = self.path(key)
         try:
-            with open(path, "rb") as f:
-                if os.fstat(f.fileno()).st_size == 0:
-                    raise CorruptEntry("an empty file")
-                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             return None
-        with contextlib.suppress(FileNotFoundError):  # evicted since: the mapping still reads it
+        opened = Opened(fd)
+        if os.fstat(fd).st_size == 0:
+            raise CorruptEntry("an empty file")
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        with contextlib.suppress(FileNotFoundError):  # evicted since: the open file still reads
             os.utime(path)  # a use: last in line for eviction
-        view = memoryview(mapped)  # keeps the mapping alive as long as a reader holds it
-        return lambda start, stop: view[start:stop]
+        return opened
 
     def write(self, key: str, data: bytes) -> bool:
         if len(data) > self.budget_bytes:

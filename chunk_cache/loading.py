@@ -55,7 +55,7 @@ class Loading:
     def _run(self, read: Read) -> None:
         try:
             for i in range(self.header.layers):
-                self.header.layer(i, read(*self.header.layer_range(i)), out=self.kv[i])
+                self.header.fill(i, read, self.kv[i])
                 with self._cond:
                     self._ready = i + 1
                     self._cond.notify_all()
