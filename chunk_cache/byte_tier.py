@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -82,8 +82,8 @@ class ByteTier(Tier):
         header, read = opened
         kv = torch.empty(header.kv_shape, dtype=header.dtype)
         try:
-            for i in range(header.layers):
-                header.fill(i, read, kv[i])
+            for _ in self.layers(header, read, kv):
+                pass
         except CorruptEntry as e:
             self.discard(key, e)
             return None
@@ -92,6 +92,20 @@ class ByteTier(Tier):
             return None
         self.loaded(header)
         return header.entry(kv)
+
+    def layers(self, header: Header, read: Read, kv: torch.Tensor) -> Iterator[int]:
+        """Read each layer of the entry into kv[i] and check it, in order: yields i once layer i is
+        usable. A reader that can (`read.into(start, buffer) -> bytes read`: a file's) reads straight
+        into the layer's tensor, checked in place: no second copy."""
+        into = getattr(read, "into", None)
+        for i in range(header.layers):
+            start, stop = header.layer_range(i)
+            if into is None:
+                header.layer(i, read(start, stop), out=kv[i])
+            else:
+                raw = memoryview(kv[i].view(torch.uint8).reshape(-1).numpy())
+                header.check(i, raw[: into(start, raw)])
+            yield i
 
     def put(self, entry: ChunkKV) -> bool:
         data = entry.to_bytes()

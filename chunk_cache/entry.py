@@ -10,7 +10,6 @@ arrives, and use layer i before layer i+1 has been read (`Header`, `Header.layer
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -191,26 +190,16 @@ class Header:
 
     def layer(self, i: int, raw: bytes | memoryview, out: torch.Tensor) -> torch.Tensor:
         """Check layer i's bytes and copy them into `out` [2, kv_heads, T, head_dim]."""
+        self.check(i, raw)
+        out.view(torch.uint8).reshape(-1).numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
+        return out
+
+    def check(self, i: int, raw: bytes | memoryview) -> None:
+        """Layer i's bytes, read in place: the right length and checksum, else CorruptEntry."""
         if len(raw) != self.layer_bytes:
             raise CorruptEntry(f"layer {i}: {len(raw)} bytes, expected {self.layer_bytes}")
         if _digest(raw) != self.digests[i]:
             raise CorruptEntry(f"layer {i}: checksum mismatch")
-        out.view(torch.uint8).reshape(-1).numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
-        return out
-
-    def fill(self, i: int, read: Callable[[int, int], bytes | memoryview], out: torch.Tensor) -> torch.Tensor:
-        """Layer i into `out` (contiguous), checked: read straight into it where the reader can
-        (`read.into(start, buffer) -> bytes read`, a file's), else read and copied."""
-        start, stop = self.layer_range(i)
-        into = getattr(read, "into", None)
-        if into is None:
-            return self.layer(i, read(start, stop), out)
-        raw = memoryview(out.view(torch.uint8).reshape(-1).numpy())
-        if into(start, raw) != self.layer_bytes:
-            raise CorruptEntry(f"layer {i}: truncated")
-        if _digest(raw) != self.digests[i]:
-            raise CorruptEntry(f"layer {i}: checksum mismatch")
-        return out
 
     def entry(self, kv: torch.Tensor) -> ChunkKV:
         """The entry whose layers have all been read into `kv` [layers, 2, kv_heads, T, head_dim]."""

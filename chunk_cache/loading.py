@@ -32,6 +32,7 @@ class Loading:
         self._ready = 0
         self._error: Exception | None = None
         self._cond = threading.Condition()
+        self._wanted: list[int] = []  # the layers waiters wait for: a layer read wakes only theirs
         self._done = done
         pool.submit(self._run, read)
 
@@ -42,7 +43,11 @@ class Loading:
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's keys and values [kv_heads, T, head_dim], once read and checked."""
         with self._cond:
-            self._cond.wait_for(lambda: self._ready > i or self._error is not None)
+            self._wanted.append(i)
+            try:
+                self._cond.wait_for(lambda: self._ready > i or self._error is not None)
+            finally:
+                self._wanted.remove(i)
             if self._ready <= i:
                 raise LoadFailed(f"chunk {self.key} from tier {self.tier.name}: {self._error}") from self._error
         return self.kv[i, 0], self.kv[i, 1]
@@ -54,11 +59,11 @@ class Loading:
 
     def _run(self, read: Read) -> None:
         try:
-            for i in range(self.header.layers):
-                self.header.fill(i, read, self.kv[i])
+            for i in self.tier.layers(self.header, read, self.kv):
                 with self._cond:
                     self._ready = i + 1
-                    self._cond.notify_all()
+                    if i in self._wanted:  # a wake-up per layer read costs the reader the GIL
+                        self._cond.notify_all()
         except Exception as e:
             if isinstance(e, CorruptEntry):
                 self.tier.discard(self.key, e)
