@@ -18,6 +18,15 @@ from tests.servers import serving
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
+@pytest.fixture
+def qqp() -> Path:
+    """The shared QQP pairs, for the semantic benchmarks' smoke tests; skipped where ../shared is absent."""
+    path = DATA / "qqp_pairs_dev.jsonl"
+    if not path.is_file():
+        pytest.skip(f"{path} is missing (the shared evaluation data)")
+    return path
+
+
 @pytest.fixture(scope="session")
 def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
     # Document KV on disk starts empty each run; the converted model stays in the user cache.

@@ -9,16 +9,12 @@ from pathlib import Path
 
 import pytest
 
-QQP = Path(__file__).resolve().parents[2] / "shared" / "data" / "qqp_pairs_dev.jsonl"
-
 
 @pytest.mark.timeout(60)
-def test_bench_embedders_writes_its_section(tmp_path: Path) -> None:
-    if not QQP.is_file():
-        pytest.skip(f"{QQP} is missing (the shared evaluation data)")
+def test_bench_embedders_writes_its_section(tmp_path: Path, qqp: Path) -> None:
     out = tmp_path / "BENCHMARKS.md"
     out.write_text("# Benchmarks\n\n<!-- bench:other -->\nkept\n<!-- /bench:other -->\n")
-    args = [sys.executable, "-m", "kvgate.bench.embedders", "--data", str(QQP), "--limit", "200", "--output", str(out)]
+    args = [sys.executable, "-m", "kvgate.bench.embedders", "--data", str(qqp), "--limit", "200", "--output", str(out)]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     text = out.read_text()

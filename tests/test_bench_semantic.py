@@ -15,7 +15,6 @@ from kvgate.gateway.settings import Settings
 from kvgate.semantic_cache.verifier import Verifier
 
 KVGATE = str(Path(sys.executable).parent / "kvgate")
-QQP = Path(__file__).resolve().parents[2] / "shared" / "data" / "qqp_pairs_dev.jsonl"
 
 
 def rows(text: str, first: str) -> list[list[str]]:
@@ -23,9 +22,7 @@ def rows(text: str, first: str) -> list[list[str]]:
 
 
 @pytest.mark.timeout(120)
-def test_bench_semantic_writes_its_section_and_plot(tmp_path: Path) -> None:
-    if not QQP.is_file():
-        pytest.skip(f"{QQP} is missing (the shared evaluation data)")
+def test_bench_semantic_writes_its_section_and_plot(tmp_path: Path, qqp: Path) -> None:
     out = tmp_path / "BENCHMARKS.md"
     out.write_text("# Benchmarks\n\n<!-- bench:other -->\nkept\n<!-- /bench:other -->\n")
     args = ["bench", "semantic", "--limit", "240", "--traps", "20", "--sizes", "100,300", "--queries", "30"]
