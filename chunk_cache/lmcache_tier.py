@@ -55,10 +55,13 @@ T = TypeVar("T")
 class ChunkConnector(GPUConnectorInterface):
     """Our side of LMCache's copies, between kvgate's KV layout and its memory objects.
 
-    A memory object holds tokens [start, end) of one entry as [2, layers, tokens, kv_heads * head_dim]
-    (LMCache's KV_2LTD format). A store reads `keys` and `values` [layers, kv_heads, T, head_dim]; a
-    retrieve writes `kv` [layers, 2, kv_heads, T, head_dim], whose layers are what the checksums cover.
-    The KV may be on any device: the copies are Tensor.copy_.
+    A memory object holds tokens [start, end) of one entry. LMCache sizes it as [2, layers, tokens,
+    kv_heads * head_dim] (its KV_2LTD format) but never reads it; we lay it out as kvgate does,
+    [layers, 2, kv_heads, tokens, head_dim], so a retrieve copies each layer in long contiguous runs (a
+    whole layer in one run when the entry is one chunk), not element by element through a transpose.
+    A store reads `keys` and `values` [layers, kv_heads, T, head_dim]; a retrieve writes `kv` [layers, 2,
+    kv_heads, T, head_dim], layer by layer, and hands each layer to `layer_done(i)` once it is whole, to be
+    checked while its bytes are still in the CPU's cache. The copies are Tensor.copy_ (any device).
     """
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int) -> None:
@@ -77,17 +80,21 @@ class ChunkConnector(GPUConnectorInterface):
         keys, values = kwargs["keys"], kwargs["values"]
         for obj, start, end in zip(memory_objs, starts, ends):
             held = self._view(obj, end - start)
-            held[0].copy_(keys[:, :, start:end].transpose(1, 2))
-            held[1].copy_(values[:, :, start:end].transpose(1, 2))
+            held[:, 0].copy_(keys[:, :, start:end])
+            held[:, 1].copy_(values[:, :, start:end])
 
     def batched_to_gpu(self, memory_objs=None, starts=None, ends=None, **kwargs: Any) -> None:
-        kv = kwargs["kv"]
-        for obj, start, end in zip(memory_objs, starts, ends):
-            kv[:, :, :, start:end].copy_(self._view(obj, end - start).permute(1, 0, 3, 2, 4))
+        kv, layer_done = kwargs["kv"], kwargs.get("layer_done")
+        held = [(self._view(obj, end - start), start, end) for obj, start, end in zip(memory_objs, starts, ends)]
+        for i in range(self.layers):
+            for view, start, end in held:
+                kv[i, :, :, start:end].copy_(view[i])
+            if layer_done is not None:
+                layer_done(i)
 
     def _view(self, obj: MemoryObj, tokens: int) -> torch.Tensor:
-        """The object's tensor as [2, layers, tokens, kv_heads, head_dim]."""
-        return obj.tensor.view(2, self.layers, tokens, self.kv_heads, self.head_dim)
+        """The object's tensor as [layers, 2, kv_heads, tokens, head_dim]."""
+        return obj.tensor.view(self.layers, 2, self.kv_heads, tokens, self.head_dim)
 
 
 @dataclass(frozen=True)
@@ -140,8 +147,14 @@ class LMCacheTier(Tier):
                 return None
             layers, kv_heads, tokens, head_dim = held.shape
             kv = torch.empty(layers, 2, kv_heads, tokens, head_dim, dtype=self._layout[3])
+            damaged: list[int] = []
+
+            def check(i: int) -> None:
+                if _digest(kv[i]) != held.digests[i]:
+                    damaged.append(i)
+
             try:
-                found = self._engine.retrieve(list(held.token_ids), kv=kv, request_configs=_tag(key))
+                found = self._engine.retrieve(list(held.token_ids), kv=kv, layer_done=check, request_configs=_tag(key))
             except Exception as e:
                 log.warning("chunk cache tier lmcache: reading %s failed: %r", key, e)
                 self._drop(key, "errors")
@@ -149,7 +162,6 @@ class LMCacheTier(Tier):
             if not bool(found.all()):
                 self._drop(key, "lost")  # LMCache evicted a chunk of it
                 return None
-            damaged = [i for i in range(layers) if _digest(kv[i]) != held.digests[i]]
             if damaged:
                 log.warning("chunk cache tier lmcache: dropping damaged entry %s (layers %s)", key, damaged)
                 self._drop(key, "corrupt")
