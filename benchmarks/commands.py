@@ -128,6 +128,12 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
     tiers.add_argument("--repeats", type=int, default=2, help="timings per load and prefill; the fastest is kept")
     tiers.add_argument("--redis-url", help="an existing Redis (default: a redis-server started for the run)")
 
+    compressed = kind("compressed", "compressed document KV on disk and Redis: size, load, blend TTFT, fidelity")
+    musique_args(compressed, limit=6, offset=0)
+    compressed.add_argument("--ratio", type=float, default=15.0, help="blend recompute ratio, percent")
+    compressed.add_argument("--repeats", type=int, default=2, help="timings per load and blend; the fastest is kept")
+    compressed.add_argument("--redis-url", help="an existing Redis (default: a redis-server started for the run)")
+
     semantic = kind("semantic", "semantic cache: hit precision/recall, traps, lookup latency")
     semantic.add_argument("--data", type=Path, default=QQP, help="QQP pairs jsonl (a, b, duplicate)")
     semantic.add_argument("--limit", type=int, default=20000, help="pairs (the first rows of the data file)")
@@ -171,10 +177,13 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
 
     gateway = kind("gateway", "latency proxy mode adds, against calling the upstream directly")
     gateway.add_argument("--requests", type=int, default=2000, help="timed requests per path")
+    gateway.add_argument("--litellm", type=Path, help="LiteLLM's proxy command (default: a venv of its own)")
+    gateway.add_argument("--no-litellm", action="store_true", help="no LiteLLM row")
 
     front = kind("front", "start-up time and memory of a proxy-mode front (no model, no semantic cache)")
     front.add_argument("--before", type=Path, help="a checkout of an earlier commit, measured beside this one")
     front.add_argument("--runs", type=int, default=5, help="starts of each front; the median is kept")
 
-    for each in (prefill, fidelity, sources, ttft, grammar, tiers, semantic, agents, multiagent, gateway, front):
+    every = (prefill, fidelity, sources, ttft, grammar, tiers, compressed, semantic, agents, multiagent, gateway, front)
+    for each in every:
         each.add_argument("--output", type=Path, default=OUTPUT, help="the BENCHMARKS.md to write the section to")

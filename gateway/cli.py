@@ -231,6 +231,27 @@ def run_tiers(args: argparse.Namespace, settings: Settings, command: str) -> int
     return 0
 
 
+def run_compressed(args: argparse.Namespace, settings: Settings, command: str) -> int:
+    from kvgate.bench.compressed import bench_compressed
+
+    check_numbers(args)
+    config = settings.engine_config()
+    bench_compressed(
+        config,
+        args.data,
+        args.docs,
+        args.limit,
+        args.offset,
+        args.words,
+        args.ratio / 100,
+        args.repeats,
+        args.redis_url,
+        args.output,
+        command,
+    )
+    return 0
+
+
 def run_semantic(args: argparse.Namespace, settings: Settings, command: str) -> int:
     from kvgate.bench.data import DataError
     from kvgate.bench.semantic import bench_semantic
@@ -287,7 +308,7 @@ def run_multiagent(args: argparse.Namespace, settings: Settings, command: str) -
 def run_gateway(args: argparse.Namespace, settings: Settings, command: str) -> int:
     from kvgate.bench.gateway import bench_gateway
 
-    for name, found in bench_gateway(args.requests, args.output, command).items():
+    for name, found in bench_gateway(args.requests, args.output, command, args.litellm, not args.no_litellm).items():
         print(f"{name}: p50 {found['p50']:.2f} ms, p99 {found['p99']:.2f} ms")
     return 0
 
@@ -315,6 +336,7 @@ COMMANDS: dict[str, Command] = {
     "bench error-sources": run_error_sources,
     "bench ttft": run_ttft,
     "bench tiers": run_tiers,
+    "bench compressed": run_compressed,
     "bench semantic": run_semantic,
     "bench agents": run_agents,
     "bench multiagent": run_multiagent,

@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 from urllib.parse import quote
 
-import httpx
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from kvgate.gateway.admission import Admission, ProgramClock, fan_out
@@ -22,7 +21,7 @@ from kvgate.gateway.errors import APIError
 from kvgate.gateway.programs import HEADER
 from kvgate.gateway.render import sse
 from kvgate.gateway.settings import Settings
-from kvgate.gateway.upstreams import Opened, Pool, Upstream
+from kvgate.gateway.upstreams import Opened, Pool, Upstream, UpstreamFailed, UpstreamTimeout
 
 EVENT_END = re.compile(rb"\r?\n\r?\n")
 PASSED_ON = ("content-type", "retry-after")  # and every x-kvgate-* header
@@ -125,8 +124,8 @@ class Upstreams(Backend):
             stream=call.stream,
         )
         relay = Relay(opened, keep_usage=asked_usage, keep_text=call.keep, limit=self.limit)
-        reply = Reply(opened.response.status_code, passed_on(opened), outcome=relay.outcome, close=opened.close)
-        if not call.stream or opened.response.status_code != 200:
+        reply = Reply(opened.status, passed_on(opened), outcome=relay.outcome, close=opened.close)
+        if not call.stream or opened.status != 200:
             reply.content = await whole(opened, self.limit)
             relay.read_whole(reply.content)
         else:
@@ -159,7 +158,7 @@ class Upstreams(Backend):
         opened = await self.pool.open(
             order, path, lambda _: raw, lambda u: headers_for(request_id, tenant, u.worker), method
         )
-        return Reply(opened.response.status_code, passed_on(opened), await whole(opened, self.limit))
+        return Reply(opened.status, passed_on(opened), await whole(opened, self.limit))
 
     # ---- the process -----------------------------------------------------------------------
 
@@ -225,7 +224,7 @@ def headers_for(request_id: str, tenant: str, upstream_is_worker: bool, program:
 
 
 def passed_on(opened: Opened) -> dict[str, str]:
-    found = {k: v for k, v in opened.response.headers.items() if k in PASSED_ON or k.startswith("x-kvgate-")}
+    found = {k: v for k, v in opened.headers.items() if k in PASSED_ON or k.startswith("x-kvgate-")}
     return {**found, "x-kvgate-upstream": opened.upstream.name}
 
 
@@ -233,7 +232,7 @@ async def whole(opened: Opened, limit: int) -> bytes:
     """The rest of an answer that is not streamed (the route lets the upstream go if the client leaves):
     more than `limit` bytes is a 502, and nothing more is read."""
     try:
-        declared = opened.response.headers.get("content-length", "")
+        declared = opened.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise too_large(opened, limit, "one answer")
         parts, size = [opened.first], len(opened.first)
@@ -243,7 +242,7 @@ async def whole(opened: Opened, limit: int) -> bytes:
         if size > limit:
             raise too_large(opened, limit, "one answer")
         return b"".join(parts)
-    except httpx.HTTPError as exc:
+    except UpstreamFailed as exc:
         raise failed(opened, exc, "mid-answer") from exc
     finally:
         await opened.close()
@@ -254,11 +253,11 @@ def too_large(opened: Opened, limit: int, what: str) -> APIError:
     return APIError(502, said, code="upstream_response_too_large")
 
 
-def failed(opened: Opened, exc: httpx.HTTPError, where: str) -> APIError:
+def failed(opened: Opened, exc: UpstreamFailed, where: str) -> APIError:
     """An upstream that failed after its first bytes (`where`: mid-answer, mid-stream): nothing is
     retried, the client is told."""
-    status = 504 if isinstance(exc, httpx.TimeoutException) else 502
-    said = f"upstream {opened.upstream.name} failed {where}: {type(exc).__name__}"
+    status = 504 if isinstance(exc, UpstreamTimeout) else 502
+    said = f"upstream {opened.upstream.name} failed {where}: {exc}"
     return APIError(status, said, code="upstream_error")
 
 
@@ -315,9 +314,9 @@ class Relay:
             for event in events.rest():
                 if self.read(event):
                     yield event + b"\n\n"
-        except (httpx.HTTPError, OverflowError) as exc:
+        except (UpstreamFailed, OverflowError) as exc:
             self.outcome.done = False
-            if isinstance(exc, httpx.HTTPError):
+            if isinstance(exc, UpstreamFailed):
                 error = failed(self.opened, exc, "mid-stream")
             else:
                 error = too_large(self.opened, self.limit, "one SSE event")
@@ -356,7 +355,7 @@ class Relay:
             self.keep_text, self.cut, self.text = False, True, []
 
     def read_whole(self, content: bytes) -> None:
-        if self.opened.response.status_code != 200:
+        if self.opened.status != 200:
             return
         try:
             answer = json.loads(content)
