@@ -85,11 +85,12 @@ def litellm_proxy(binary: Path, upstream: str, folder: Path) -> Iterator[str]:
 
 
 @contextmanager
-def front(upstream: str, semantic: bool, cache_dir: Path) -> Iterator[str]:
+def front(upstream: str, semantic: bool, cache_dir: Path, race: bool = False) -> Iterator[str]:
     """A kvgate front over `upstream`, as `kvgate serve` runs it."""
     config = {
         "upstreams": [{"base_url": upstream, "models": [MODEL]}],
         "semantic_cache": semantic,
+        "semantic_race": race,
         "cache_dir": str(cache_dir),
         "log_level": "warning",
     }
@@ -139,7 +140,8 @@ def bench_gateway(
     with (
         tempfile.TemporaryDirectory() as folder,
         serve_upstream(models=(MODEL,)) as upstream,
-        front(upstream, semantic=True, cache_dir=Path(folder)) as proxy,
+        front(upstream, semantic=True, cache_dir=Path(folder) / "front") as proxy,
+        front(upstream, semantic=True, cache_dir=Path(folder) / "racing", race=True) as racing,
         litellm_proxy(binary, upstream, Path(folder)) if binary else nothing() as peer,
         httpx.Client(timeout=30) as http,
     ):
@@ -150,6 +152,7 @@ def bench_gateway(
             "proxy, stream": timer(http, proxy, True, None),
             "direct, temperature 0": timer(http, upstream, False, 0),
             "proxy, temperature 0 (semantic miss)": timer(http, proxy, False, 0),
+            RACE: timer(http, racing, False, 0),
         }
         if peer is not None:
             variants["LiteLLM proxy"] = timer(http, peer, False, None, LITELLM_KEY)
@@ -173,10 +176,12 @@ def nothing() -> Iterator[None]:
     yield None
 
 
+RACE = "proxy, temperature 0 (semantic miss), semantic_race"
 PAIRS = [
     ("proxy", "direct"),
     ("proxy, stream", "direct, stream"),
     ("proxy, temperature 0 (semantic miss)", "direct, temperature 0"),
+    (RACE, "direct, temperature 0"),
     ("LiteLLM proxy", "direct"),
     ("LiteLLM proxy, stream", "direct, stream"),
 ]
@@ -213,7 +218,9 @@ def report(results: dict[str, dict[str, float]], requests: int, output: Path, co
 httpx client; the upstream, kvgate's front and LiteLLM's proxy (its default configuration but the master
 key it requires to start, one worker) are processes of their own on loopback. Non-streamed rows time the
 whole answer (8 words); stream rows the first SSE event. "temperature 0" requests are new questions each
-time: the front's semantic cache looks each one up (an embedding, a miss) and stores the answer.
+time: the front's semantic cache looks each one up (an embedding, a miss) and stores the answer; with
+`semantic_race: true` (a second front) the upstream is asked at once, the lookup runs beside it, and
+the answer is stored after it went out.
 
 {table(header, rows)}
 

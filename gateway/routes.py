@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
+from starlette.background import BackgroundTask
 from starlette.types import Receive, Scope, Send
 
 from kvgate.gateway import semantic
@@ -26,6 +28,7 @@ from kvgate.gateway.render import SSE_HEADERS
 from kvgate.gateway.responses_protocol import ResponsesRequest
 
 router = APIRouter()
+log = logging.getLogger("kvgate")
 
 
 @router.post("/v1/chat/completions")
@@ -189,12 +192,13 @@ def check_model(request: Request, model: str) -> None:
 @dataclass
 class Generated:
     """A call's answer: the backend's reply, or the semantic cache's (`hit`: nothing was generated,
-    nothing is counted or kept)."""
+    nothing is counted or kept). `looking`: the lookup, when it ran beside the backend and lost."""
 
     call: Call
     cached: semantic.Consult
     reply: Reply
     hit: bool = False
+    looking: asyncio.Task[semantic.Consult] | None = None
 
     @property
     def headers(self) -> dict[str, str]:
@@ -202,21 +206,56 @@ class Generated:
 
 
 async def generate(request: Request, call: Call) -> Generated:
-    """The semantic cache in front of the backend: a hit replayed, else the backend's reply."""
+    """The semantic cache in front of the backend: a hit replayed, else the backend's reply.
+
+    With `semantic_race`, the backend starts at once and the lookup runs beside it: a hit found first
+    withdraws the backend's answer; an answer that comes first is served, and the lookup only decides
+    what is learnt and kept afterwards. A miss then waits for no embedding."""
     backend: Backend = request.app.state.backend
+    cache = request.app.state.semantic
     cached = semantic.Consult(headers={"x-kvgate-cache": "bypass"})
     if isinstance(call.parsed, ChatCompletionRequest):
-        queued = backend.queued()
-        identity = backend.identity(call.model)
-        cached = await semantic.consult(request, request.app.state.semantic, identity, queued, call.parsed)
-        if cached.status == "hit":
-            replayed = semantic.replay(request.app.state.semantic, cached, call.parsed, call.model, call.request_id)
-            if cached.found is not None and cached.found.verify:
-                request.app.state.checks.offer(backend, request.app.state.semantic, call, cached.found)
-            return Generated(call, cached, as_reply(replayed), hit=True)
+        cached = semantic.plan(request, cache, backend.identity(call.model), call.parsed)
     call.keep = cached.store
-    reply = await unless_gone(request, backend.generate(call))
-    return Generated(call, cached, reply)
+    if cached.status != "look":
+        return Generated(call, cached, await unless_gone(request, backend.generate(call)))
+    if not request.app.state.settings.semantic_race:
+        await semantic.look(request, cache, cached, backend.queued())
+        if cached.status == "hit":
+            return served(request, call, cached)
+        return Generated(call, cached, await unless_gone(request, backend.generate(call)))
+    looking = asyncio.create_task(semantic.look(request, cache, cached, backend.queued()))
+    answering = asyncio.create_task(unless_gone(request, backend.generate(call)))
+    try:
+        await asyncio.wait({looking, answering}, return_when=asyncio.FIRST_COMPLETED)
+        if looking.done() and not looking.exception() and cached.status == "hit":
+            await withdraw(answering)
+            return served(request, call, cached)
+        return Generated(call, cached, await answering, looking=looking)
+    except BaseException:
+        looking.cancel()
+        await withdraw(answering)
+        raise
+
+
+def served(request: Request, call: Call, cached: semantic.Consult) -> Generated:
+    """A hit, replayed; a would-be hit checked beside it is offered to the background checks."""
+    cache = request.app.state.semantic
+    replayed = semantic.replay(cache, cached, call.parsed, call.model, call.request_id)
+    if cached.found is not None and cached.found.verify:
+        request.app.state.checks.offer(request.app.state.backend, cache, call, cached.found)
+    return Generated(call, cached, as_reply(replayed), hit=True)
+
+
+async def withdraw(answering: asyncio.Task[Reply]) -> None:
+    """A backend's answer no longer wanted: stopped, or let go if it had begun."""
+    answering.cancel()
+    try:
+        reply = await answering
+    except (asyncio.CancelledError, APIError):
+        return
+    if reply.close is not None:
+        await reply.close()
 
 
 def as_reply(response: Response) -> Reply:
@@ -232,15 +271,17 @@ def as_reply(response: Response) -> Reply:
 
 
 async def passed_on(request: Request, got: Generated) -> Response:
-    """The answer as it came: whole (counted and kept first), or relayed event by event."""
+    """The answer as it came: whole (counted first), or relayed event by event; kept in the semantic
+    cache once it has gone out."""
     if got.reply.events is None:
         await settle(request, got)
-        return Response(got.reply.content, got.reply.status, headers=got.headers)
+        keeping = BackgroundTask(keep, request, got)
+        return Response(got.reply.content, got.reply.status, headers=got.headers, background=keeping)
     return Relayed(relay(request, got), got.reply, headers=SSE_HEADERS | got.headers)
 
 
 async def relay(request: Request, got: Generated) -> AsyncIterator[bytes]:
-    """A stream passed on event by event; counted and kept before its [DONE] goes out."""
+    """A stream passed on event by event; counted before its [DONE] goes out, kept after."""
     assert got.reply.events is not None
     settled = False
     async for event in got.reply.events:
@@ -250,11 +291,11 @@ async def relay(request: Request, got: Generated) -> AsyncIterator[bytes]:
         yield event
     if not settled:
         await settle(request, got)
+    await keep(request, got)
 
 
 async def settle(request: Request, got: Generated) -> None:
-    """A finished answer in the metrics, its tokens against the key's limit, and kept in the
-    semantic cache when it ended as it should."""
+    """A finished answer in the metrics, and its tokens against the key's limit."""
     if got.hit:
         return
     outcome = got.reply.outcome
@@ -262,8 +303,20 @@ async def settle(request: Request, got: Generated) -> None:
     metrics.usage(got.call.model, outcome.usage)
     metrics.reuse(outcome.reuse, outcome.reused_tokens, outcome.recomputed_tokens)
     await spend(request, outcome.usage.get("total_tokens") or 0)
-    if outcome.done:
-        await semantic.keep(request.app.state.semantic, got.cached, outcome)
+
+
+async def keep(request: Request, got: Generated) -> None:
+    """An answer that ended as it should, kept in the semantic cache (after the lookup that ran beside
+    it, if any: what it found decides what is learnt)."""
+    if got.hit or not got.reply.outcome.done:
+        return
+    if got.looking is not None:
+        try:
+            await got.looking
+        except Exception:
+            log.warning("semantic cache: the lookup beside request %s failed", got.call.request_id, exc_info=True)
+            return
+    await semantic.keep(request.app.state.semantic, got.cached, got.reply.outcome)
 
 
 class Relayed(StreamingResponse):
@@ -284,21 +337,17 @@ class Relayed(StreamingResponse):
 
 async def unless_gone(request: Request, answering: Coroutine[Any, Any, Reply]) -> Reply:
     """The backend's reply, unless the client hangs up first (while its request waits in a queue or
-    its whole answer is generated): then the work is withdrawn, 499."""
+    its whole answer is generated): then the work is withdrawn, 499. Cancelled, it withdraws it too."""
     task, watching = asyncio.create_task(answering), asyncio.create_task(hang_up(request))
     try:
         await asyncio.wait({task, watching}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        await withdraw(task)
+        raise
     finally:
         watching.cancel()
     if watching.done() and not watching.cancelled():
-        task.cancel()
-        try:
-            reply = await task
-        except (asyncio.CancelledError, APIError):
-            pass
-        else:
-            if reply.close is not None:
-                await reply.close()
+        await withdraw(task)
         raise APIError(499, "the client closed the request")
     return task.result()
 

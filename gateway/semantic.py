@@ -70,15 +70,11 @@ def scope_of(
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest(), query
 
 
-async def consult(
-    request: Request,
-    cache: SemanticCache | None,
-    identity: dict[str, str],
-    queued: int,
-    body: ChatCompletionRequest,
+def plan(
+    request: Request, cache: SemanticCache | None, identity: dict[str, str], body: ChatCompletionRequest
 ) -> Consult:
-    """Whether this request may be answered from the cache or stored in it, and the lookup.
-    `identity` names what answers (model and weights, or upstreams); `queued` is the load it is under."""
+    """Whether this request may be answered from the cache (status "look": `look` says) or stored in
+    it, and under what scope. `identity` names what answers (model and weights, or upstreams)."""
     opted = body.kvgate.cache if body.kvgate else None
     cacheable = opted is True or (opted is None and body.temperature == 0)
     shaped = body.tools or body.response_format is not None  # a replay holds neither calls nor a grammar
@@ -93,9 +89,14 @@ async def consult(
         return Consult(headers={"x-kvgate-cache": "bypass"})
     said = directives(request)
     out = Consult(store="no-store" not in said, tenant=request.state.tenant, scope=found[0], query=found[1])
-    if "no-cache" in said:
-        out.headers["x-kvgate-cache"] = "bypass"
-        return out
+    out.headers["x-kvgate-cache"] = "bypass" if "no-cache" in said else "miss"
+    out.status = "bypass" if "no-cache" in said else "look"
+    return out
+
+
+async def look(request: Request, cache: SemanticCache, out: Consult, queued: int) -> Consult:
+    """The lookup of a planned consult (status "look"): a hit, a miss, or a would-be hit to verify.
+    `queued` is the load it is under."""
     out.found = lookup = await asyncio.to_thread(cache.lookup, out.scope, out.query, None, queued)
     out.status = "hit" if lookup.hit else "verify" if lookup.verify else "miss"
     request.app.state.metrics.lookups.labels("semantic", out.status).inc()

@@ -36,6 +36,16 @@ def serve_forever(settings: Settings) -> int:
     return 0
 
 
+def http_protocol() -> str | type:
+    """uvicorn's httptools protocol over a corked transport (gateway/transport.py); without httptools,
+    uvicorn's choice."""
+    try:
+        from kvgate.gateway.transport import CorkedHttpTools
+    except ImportError:
+        return "auto"
+    return CorkedHttpTools
+
+
 def run(settings: Settings) -> None:
     import uvicorn
 
@@ -45,6 +55,7 @@ def run(settings: Settings) -> None:
     def serve(app: object) -> None:
         uvicorn.run(
             app,  # type: ignore[arg-type]
+            http=http_protocol(),
             host=settings.host,
             port=settings.port,
             log_level=settings.log_level,

@@ -71,6 +71,9 @@ class Settings(BaseSettings):
     semantic_verifier: str | None = None
     semantic_verify_rate: float = Field(0.1, ge=0.0, le=1.0)
     semantic_verify_beside: bool = False  # checked would-be hits are served, and answered later when idle
+    # The backend starts at once and the lookup runs beside it: a miss waits for no embedding; a hit found
+    # first withdraws the backend's answer (an upstream may still bill what it began).
+    semantic_race: bool = False
     semantic_answer_similarity: float = Field(0.9, gt=0.0, le=1.0)
     chunk_cache_policy: Literal["value", "lru"] = "value"  # what the memory tier evicts first (pins aside)
     agent_pins: Literal["off", "fixed", "decide"] = "decide"  # how long a program's KV stays pinned

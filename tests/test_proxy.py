@@ -261,6 +261,29 @@ def test_the_semantic_cache_answers_in_front_of_the_upstream(tmp_path, upstreams
     assert requests_seen(a) == 2
 
 
+def test_with_the_race_a_miss_is_kept_after_it_went_out_and_a_hit_does_not_wait_for_the_upstream(
+    tmp_path, upstreams
+):
+    """semantic_race: the upstream starts at once, the lookup beside it. The upstream's answer to a miss
+    is served and kept afterwards; a hit found while the upstream is still slow is served at once."""
+    a, _ = upstreams
+    admin = {"authorization": "Bearer sk-admin"}
+    with serving(front(tmp_path, a, semantic_cache=True, semantic_race=True, admin_key="sk-admin"), None) as url:
+        ask = {"model": "stub-a", "messages": [{"role": "user", "content": "What is the capital of Peru?"}]}
+        first = httpx.post(url + "/v1/chat/completions", json={**ask, "temperature": 0})
+        assert first.status_code == 200 and first.json()["choices"][0]["message"]["content"] == ANSWER
+        assert first.headers["x-kvgate-cache"] == "miss"  # the upstream answered before the lookup did
+        deadline = time.monotonic() + 20
+        while httpx.get(url + "/admin/semantic-cache", headers=admin).json()["entries"] == 0:
+            assert time.monotonic() < deadline, "the answer was never kept"
+            time.sleep(0.05)
+        script(a, {"delay_s": 5})
+        began = time.monotonic()
+        slow = httpx.post(url + "/v1/chat/completions", json={**ask, "temperature": 0, "stream": True}, timeout=30)
+        assert slow.headers["x-kvgate-cache"] == "hit" and time.monotonic() - began < 3
+        assert ANSWER.split()[0] in slow.text
+
+
 def test_program_order_in_front_of_a_busy_upstream(tmp_path, upstreams):
     """One request at a time reaches the upstream; a program that started earlier goes first."""
     a, _ = upstreams
