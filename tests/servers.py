@@ -12,6 +12,7 @@ import uvicorn
 
 from kvgate.gateway.app import create_app
 from kvgate.gateway.backend import Backend, make_backend
+from kvgate.gateway.serve import http_protocol
 from kvgate.gateway.settings import Settings
 from kvgate.gateway.upstreams import Upstream
 from kvgate.runtime.engine import Engine
@@ -43,8 +44,11 @@ def serving(
     loopback; yields its base URL."""
     port = free_port()
     app = create_app(settings, backend or make_backend(settings, engine, workers))
-    # proxy_headers off, as `kvgate serve` runs it: X-Forwarded-For is the app's to believe or not
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", proxy_headers=False)
+    # proxy_headers off and the corked transport, as `kvgate serve` runs it: X-Forwarded-For is the app's
+    # to believe or not; each answer's headers and body leave in one write
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", proxy_headers=False, http=http_protocol()
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
