@@ -3,13 +3,14 @@ of its medium measured in the same run, and the time to first token of a blend r
 
 Limits, each the medium's own at full use: memory (and LMCache, whose pool is in memory), a copy of
 the same bytes by every core at once; disk, a cold sequential read of the entry's file (its pages
-dropped from the page cache first), with a second row from the page cache; Redis, parallel GETs of
-the whole value over loopback. A load is what a blend waits for: the entry read layer by layer,
-every checksum checked, into tensors.
+dropped from the page cache first), with a second row from the page cache; Redis, the best GET rate of
+values of the entry's size that redis-benchmark (a C client) reaches over loopback. A load is what a
+blend waits for: the entry read layer by layer, every checksum checked, into tensors.
 """
 
 from __future__ import annotations
 
+import csv
 import ctypes
 import os
 import shutil
@@ -23,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
+from urllib.parse import urlparse
 
 import redis
 import torch
@@ -121,15 +123,21 @@ def memory_limit(size: int, repeats: int) -> float:
         return best(lambda: list(pool.map(lambda s: ctypes.memmove(*s), shares)), repeats)
 
 
-def redis_limit(url: str, name: str, repeats: int, parallel: int = 4) -> float:
-    """Seconds per value when `parallel` clients GET it at once, each on its own connection (what the
-    server and loopback hand over at full load, not one GET's round trip)."""
-    clients = [redis.Redis.from_url(url) for _ in range(parallel)]
-    with ThreadPoolExecutor(parallel) as pool:
-        seconds = best(lambda: list(pool.map(lambda c: c.get(name), clients)), repeats)
-    for client in clients:
-        client.close()
-    return seconds / parallel
+def redis_limit(url: str, size: int, repeats: int) -> float:
+    """Seconds per value of `size` bytes that Redis and loopback hand over at best: redis-benchmark (a C
+    client, so no Python parsing bounds it) GETting such values, over 1 or 2 connections, pipelined or
+    not; the best of those."""
+    binary = shutil.which("redis-benchmark")
+    if binary is None:
+        raise FileNotFoundError("redis-benchmark is not installed (it comes with redis-server)")
+    address = urlparse(url)
+    rates = []
+    for clients, pipeline in ((1, 1), (2, 1), (1, 4)):
+        args = [binary, "-h", address.hostname or "127.0.0.1", "-p", str(address.port or 6379), "-t", "set,get"]
+        args += ["-d", str(size), "-n", str(20 * repeats), "-c", str(clients), "-P", str(pipeline), "--csv"]
+        out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+        rates += [float(row[1]) for row in csv.reader(out.splitlines()) if row and row[0] == "GET"]
+    return 1.0 / max(rates)
 
 
 def limit_of(tier: Tier | None, key: str, size: int, repeats: int) -> float:
@@ -144,7 +152,7 @@ def limit_of(tier: Tier | None, key: str, size: int, repeats: int) -> float:
                 f.readinto(buf)
 
         return best(read, repeats)
-    return redis_limit(tier.url, tier.prefix + key, repeats)
+    return redis_limit(tier.url, size, repeats)
 
 
 def load_of(store: ChunkStore, key: str, kv: list[torch.Tensor], repeats: int) -> float:
@@ -305,8 +313,9 @@ def write(
         f"in memory), a copy of the entry's size by all {os.cpu_count()} cores at once; disk, a cold sequential read "
         "of the entry's file in 1 MiB blocks, its pages dropped from the page cache first (before each load "
         f"too); disk, {PAGE_CACHE}: the same file read whole from the page cache into a reused buffer, load "
-        "and limit alike (shown, not the target: the medium there is memory); Redis, 4 clients GETting the "
-        "whole value at once on their own connections, per value. The blend's TTFT includes its loads, "
+        "and limit alike (shown, not the target: the medium there is memory); Redis, the best GET rate of "
+        "values of the entry's size redis-benchmark (a C client) reaches, over 1 or 2 connections, pipelined "
+        "or not. The blend's TTFT includes its loads, "
         "pipelined with the recompute (layer i+1 loads while layer i runs). "
         "Every store below memory has a memory tier of 0 bytes, so every read comes from the tier itself.\n\n"
         + table(header, rows)
