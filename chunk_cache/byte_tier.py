@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from kvgate.chunk_cache.codec import codec_named
 from kvgate.chunk_cache.entry import ChunkKV, CorruptEntry, Header
 from kvgate.chunk_cache.tier import Tier
 
@@ -28,11 +29,13 @@ class TierUnavailable(RuntimeError):
 
 
 class ByteTier(Tier):
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, codec: str | None = None) -> None:
+        """codec: how `put` stores entries (codec.py's names: "int8", "int4"); None: raw. Any entry is read."""
         super().__init__()
         if budget_bytes < 0:
             raise ValueError(f"need budget_bytes >= 0, got {budget_bytes}")
-        self.budget_bytes = budget_bytes
+        codec_named(codec)  # a name not known here: ValueError now, not at the first put
+        self.budget_bytes, self.codec = budget_bytes, codec
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(
             ("hits", "misses", "corrupt", "errors", "puts", "refused", "evictions", "bytes_read", "bytes_written"), 0
@@ -96,11 +99,12 @@ class ByteTier(Tier):
     def layers(self, header: Header, read: Read, kv: torch.Tensor) -> Iterator[int]:
         """Read each layer of the entry into kv[i] and check it, in order: yields i once layer i is
         usable. A reader that can (`read.into(start, buffer) -> bytes read`: a file's) reads straight
-        into the layer's tensor, checked in place: no second copy."""
+        into the layer's tensor, checked in place: no second copy. A compressed entry's layers are
+        read, checked, then decoded into the tensor."""
         into = getattr(read, "into", None)
         for i in range(header.layers):
             start, stop = header.layer_range(i)
-            if into is None:
+            if into is None or header.codec is not None:
                 header.layer(i, read(start, stop), out=kv[i])
             else:
                 raw = memoryview(kv[i].view(torch.uint8).reshape(-1).numpy())
@@ -108,7 +112,7 @@ class ByteTier(Tier):
             yield i
 
     def put(self, entry: ChunkKV) -> bool:
-        data = entry.to_bytes()
+        data = entry.to_bytes(self.codec)
         try:
             stored = self.write(entry.key, data)
         except Exception as e:

@@ -23,6 +23,9 @@ class ChunkCacheConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_bytes: int = 4 << 30
     lmcache_bytes: int = 4 << 30
+    # How the disk and Redis tiers store entries: "int8" or "int4" (codec.py), None: raw.
+    disk_codec: str | None = None
+    redis_codec: str | None = None
 
     def tier_options(self, name: str) -> dict[str, Any]:
         """The keyword arguments `make_tier(name, ...)` gets."""
@@ -34,9 +37,9 @@ class ChunkCacheConfig:
                 "policy": self.memory_policy,
             }
         if name == "disk":
-            return {"root": self.disk_dir, "budget_bytes": self.disk_bytes}
+            return {"root": self.disk_dir, "budget_bytes": self.disk_bytes, "codec": self.disk_codec}
         if name == "redis":
-            return {"url": self.redis_url, "budget_bytes": self.redis_bytes}
+            return {"url": self.redis_url, "budget_bytes": self.redis_bytes, "codec": self.redis_codec}
         if name == "lmcache":
             return {"budget_bytes": self.lmcache_bytes}
         return {}

@@ -58,8 +58,8 @@ class Opened:
 class DiskTier(ByteTier):
     durable = True
 
-    def __init__(self, root: str | Path, budget_bytes: int) -> None:
-        super().__init__(budget_bytes)
+    def __init__(self, root: str | Path, budget_bytes: int, codec: str | None = None) -> None:
+        super().__init__(budget_bytes, codec)
         self.dir = Path(root).expanduser()
         self.dir.mkdir(parents=True, exist_ok=True)
         self._keys: dict[str, str] = {}  # file name -> key, read from its header once

@@ -5,6 +5,11 @@ The byte form is a safetensors file with two tensors, `kv` [layers, 2, kv_heads,
 and metadata: key, model fingerprint, dtype, shape, cost, an xxh3 checksum per layer, and a
 checksum of the header itself. A reader can check the header alone, then each layer as it
 arrives, and use layer i before layer i+1 has been read (`Header`, `Header.layer`).
+
+A compressed entry (`to_bytes(codec)`, codec.py) names its codec in the metadata (covered by the
+header checksum) and stores `kv` as uint8 [layers, stored bytes per layer]: the checksums cover
+the stored bytes, and each layer is decoded into its tensor once checked. Raw entries carry no
+codec and are unchanged; a codec this reader does not know makes the entry damaged (a miss).
 """
 
 from __future__ import annotations
@@ -17,11 +22,13 @@ import torch
 import xxhash
 from safetensors.torch import save
 
+from kvgate.chunk_cache.codec import Quantiser, codec_named
 from kvgate.chunk_cache.key import token_bytes
 
 FORMAT = "kvgate.chunk-entry.v2"
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64}
 _NAMES = {v: k for k, v in _DTYPES.items()}
+_FIELDS = ("format", "key", "model", "dtype", "shape", "cost", "layers")
 
 
 class CorruptEntry(ValueError):
@@ -71,13 +78,16 @@ class ChunkKV:
             return self
         return ChunkKV(self.key, self.token_ids, self.keys.to(device), self.values.to(device), self.cost, self.model)
 
-    def to_bytes(self) -> bytes:
+    def to_bytes(self, codec: str | None = None) -> bytes:
+        """The byte form; `codec` (codec.py's names; None: raw) compresses each layer."""
         kv = torch.stack([self.keys, self.values], 1).detach().to("cpu").contiguous()
-        digests = tuple(_digest(_raw(layer)) for layer in kv)
-        metadata = _described(self.key, self.model, kv.dtype, tuple(self.keys.shape), self.cost, digests)
+        coder = codec_named(codec)
+        stored = kv if coder is None else torch.stack([coder.encode(layer) for layer in kv])
+        digests = tuple(_digest(_raw(layer)) for layer in stored)
+        metadata = _described(self.key, self.model, kv.dtype, tuple(self.keys.shape), self.cost, digests, codec)
         metadata["checksum"] = _header_checksum(metadata, self.token_ids)
         ids = torch.tensor(self.token_ids, dtype=torch.int64)
-        return save({"kv": kv, "token_ids": ids}, metadata=metadata)
+        return save({"kv": stored, "token_ids": ids}, metadata=metadata)
 
     @classmethod
     def from_bytes(
@@ -112,6 +122,7 @@ class Header:
     ids_stop: int
     total: int
     token_ids: tuple[int, ...] = ()  # filled by check_tokens
+    codec: Quantiser | None = None  # None: raw layers
 
     @staticmethod
     def size_of(prefix: bytes | memoryview) -> int:
@@ -141,20 +152,20 @@ class Header:
             shape = tuple(json.loads(meta["shape"]))
             dtype = _DTYPES[meta["dtype"]]
             digests = tuple(json.loads(meta["layers"]))
+            codec = codec_named(meta.get("codec"))  # ValueError (damage) for a codec not known here
             if len(shape) != 4 or not all(isinstance(d, int) and d >= 0 for d in shape):
                 raise CorruptEntry(f"shape {shape}")
-            if kv["dtype"] != meta["dtype"] or kv["shape"] != [shape[0], 2, *shape[1:]] or ids["dtype"] != "I64":
+            if [kv["dtype"], kv["shape"]] != _stored(codec, meta["dtype"], shape) or ids["dtype"] != "I64":
                 raise CorruptEntry("tensors do not match the metadata")
             if ids["shape"] != [shape[2]] or len(digests) != shape[0]:
                 raise CorruptEntry("token ids or layer checksums do not match the shape")
             (k0, k1), (i0, i1) = kv["data_offsets"], ids["data_offsets"]
-            itemsize = torch.empty(0, dtype=dtype).element_size()
-            if k1 - k0 != 2 * itemsize * shape[0] * shape[1] * shape[2] * shape[3] or i1 - i0 != 8 * shape[2]:
-                raise CorruptEntry("tensor byte ranges do not match their shapes")
             parsed = cls(
                 str(meta["key"]), str(meta["model"]), dtype, shape, float(meta["cost"]), digests,
-                str(meta["checksum"]), size + k0, size + i0, size + i1, size + max(k1, i1),
+                str(meta["checksum"]), size + k0, size + i0, size + i1, size + max(k1, i1), codec=codec,
             )  # fmt: skip
+            if k1 - k0 != shape[0] * parsed.layer_bytes or i1 - i0 != 8 * shape[2]:
+                raise CorruptEntry("tensor byte ranges do not match their shapes")
         except CorruptEntry:
             raise
         except (KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
@@ -171,7 +182,11 @@ class Header:
 
     @property
     def layer_bytes(self) -> int:
-        return 2 * self.shape[1] * self.shape[2] * self.shape[3] * torch.empty(0, dtype=self.dtype).element_size()
+        """Stored bytes of one layer (compressed ones, under a codec)."""
+        _, kv_heads, tokens, head_dim = self.shape
+        if self.codec is not None:
+            return self.codec.layer_bytes(kv_heads, tokens, head_dim)
+        return 2 * kv_heads * tokens * head_dim * torch.empty(0, dtype=self.dtype).element_size()
 
     def layer_range(self, i: int) -> tuple[int, int]:
         start = self.kv_start + i * self.layer_bytes
@@ -182,15 +197,18 @@ class Header:
         if len(raw) != self.ids_stop - self.ids_start:
             raise CorruptEntry("token ids truncated")
         ids = tuple(np.frombuffer(raw, dtype="<i8").tolist())
-        meta = _described(self.key, self.model, self.dtype, self.shape, self.cost, self.digests)
+        codec = None if self.codec is None else self.codec.name
+        meta = _described(self.key, self.model, self.dtype, self.shape, self.cost, self.digests, codec)
         if _header_checksum(meta, ids) != self.checksum:
             raise CorruptEntry("header checksum mismatch")
         object.__setattr__(self, "token_ids", ids)
         return self
 
     def layer(self, i: int, raw: bytes | memoryview, out: torch.Tensor) -> torch.Tensor:
-        """Check layer i's bytes and copy them into `out` [2, kv_heads, T, head_dim]."""
+        """Check layer i's bytes and copy (or decode) them into `out` [2, kv_heads, T, head_dim]."""
         self.check(i, raw)
+        if self.codec is not None:
+            return self.codec.decode(raw, out)
         out.view(torch.uint8).reshape(-1).numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
         return out
 
@@ -207,10 +225,16 @@ class Header:
 
 
 def _described(
-    key: str, model: str, dtype: torch.dtype, shape: tuple[int, ...], cost: float, digests: tuple[str, ...]
+    key: str,
+    model: str,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    cost: float,
+    digests: tuple[str, ...],
+    codec: str | None = None,
 ) -> dict[str, str]:
-    """An entry's metadata, as stored and as the header checksum covers it."""
-    return {
+    """An entry's metadata, as stored and as the header checksum covers it (a raw entry: no codec)."""
+    described = {
         "format": FORMAT,
         "key": key,
         "model": model,
@@ -219,6 +243,15 @@ def _described(
         "cost": repr(cost),
         "layers": json.dumps(list(digests)),
     }
+    return described if codec is None else {**described, "codec": codec}
+
+
+def _stored(codec: Quantiser | None, dtype: str, shape: tuple[int, ...]) -> list[object]:
+    """The `kv` tensor's safetensors dtype and shape in an entry of that codec, dtype and shape."""
+    layers, kv_heads, tokens, head_dim = shape
+    if codec is None:
+        return [dtype, [layers, 2, kv_heads, tokens, head_dim]]
+    return ["U8", [layers, codec.layer_bytes(kv_heads, tokens, head_dim)]]
 
 
 def _raw(t: torch.Tensor) -> memoryview:
@@ -231,7 +264,8 @@ def _digest(raw: bytes | memoryview) -> str:
 
 def _header_checksum(metadata: dict[str, str], token_ids: tuple[int, ...]) -> str:
     h = xxhash.xxh3_128()
-    for field in ("format", "key", "model", "dtype", "shape", "cost", "layers"):
+    # A raw entry's checksum is what it was before codecs existed: "codec" only counts when present.
+    for field in _FIELDS + (("codec",) if "codec" in metadata else ()):
         part = metadata.get(field, "").encode()
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)

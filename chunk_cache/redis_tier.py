@@ -86,8 +86,9 @@ class RedisTier(ByteTier):
         prefix: str = "kvgate:chunk:",
         retry_s: float = 1.0,
         timeout_s: float = 2.0,
+        codec: str | None = None,
     ) -> None:
-        super().__init__(budget_bytes)
+        super().__init__(budget_bytes, codec)
         if not prefix or "{" in prefix or "}" in prefix:
             raise ValueError(f"need a non-empty prefix without braces (it becomes a hash tag), got {prefix!r}")
         self.url, self.prefix, self.retry_s, self.timeout_s = url, prefix, retry_s, timeout_s

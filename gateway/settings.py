@@ -55,6 +55,9 @@ class Settings(BaseSettings):
     chunk_cache_disk_bytes: int = Field(16 << 30, ge=0)  # 0: no disk tier
     redis_url: str | None = None  # set: a Redis tier shared by every kvgate process using it
     chunk_cache_redis_bytes: int = Field(4 << 30, ge=0)
+    # Compressed KV on the disk and Redis tiers (chunk_cache/codec.py); None: raw.
+    chunk_cache_disk_codec: Literal["int8", "int4"] | None = None
+    chunk_cache_redis_codec: Literal["int8", "int4"] | None = None
     chunk_cache_lmcache_bytes: int = Field(0, ge=0)  # > 0: an LMCache tier (needs kvgate[lmcache])
     recompute_ratio: float | None = Field(None, ge=0.0, le=1.0)
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
@@ -169,6 +172,8 @@ class Settings(BaseSettings):
             disk_bytes=self.chunk_cache_disk_bytes,
             redis_url=self.redis_url or "",
             redis_bytes=self.chunk_cache_redis_bytes,
+            disk_codec=self.chunk_cache_disk_codec,
+            redis_codec=self.chunk_cache_redis_codec,
             lmcache_bytes=self.chunk_cache_lmcache_bytes,
         )
 
