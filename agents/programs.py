@@ -26,6 +26,8 @@ from kvgate.agents.predictor import Predictor
 from kvgate.agents.ttl import decide
 from kvgate.chunk_cache import ChunkStore
 
+RATE_WINDOW_S = 60.0  # how far back the rate at which contexts fill memory looks
+
 
 @dataclass(frozen=True)
 class Turn:
@@ -51,6 +53,7 @@ class Program:
     ended: float | None = None  # when the latest turn ended
     tools: tuple[str, ...] = ()  # the tools of its latest tool call (): none yet
     pinned_until: float = -math.inf
+    nbytes: int = 0  # of the context its running turn will keep
 
 
 def tool_return(messages: list[dict[str, Any]]) -> tuple[str, ...] | None:
@@ -95,6 +98,9 @@ class Programs:
         self.evicted: list[str] = []  # pinned contexts of programs forgotten for room: demoted by expire
         self.deadlines: list[tuple[float, str, str]] = []  # (pinned until, scope, program id)
         self.ended = self.returned = 0  # turns ended; turns that came back with tool results
+        self.pinned: dict[tuple[str, str], int] = {}  # programs whose context is pinned -> its bytes
+        self.stored_rate, self.rate_at = 0.0, -math.inf  # context bytes stored per second, lately
+        self.found_rate = 1.0  # later turns that found their program's context in memory, lately
         self.lock = threading.Lock()
         self.wake = threading.Event()  # a new deadline: the expiry thread looks again
 
@@ -117,9 +123,44 @@ class Programs:
             p.seen = now
             self.programs.move_to_end((scope, program_id))
             p.turns += 1
-            pinned = p.pinned_until > now and p.context in self.store.tiers[0]
-            ttl = self.ttl(p.tools, prompt_tokens, predictor)
+            p.nbytes = prompt_tokens * self.costs.bytes_per_token
+            self.stored(p.nbytes, now)
+            resident = p.context in self.store.tiers[0]
+            if p.context:  # a later turn: did memory keep its context? (over the last 32 or so)
+                self.found_rate += (resident - self.found_rate) / 32
+            # Program FCFS admits a pinned program's turn first. A turn that comes back to a context
+            # memory kept unpinned holds it until admitted, first in line only while memory thrashes
+            # (most turns find theirs gone): else the context outlasts a place in program order.
+            pinned = resident and (p.pinned_until > now or (self.hold(p, now) and self.found_rate < 0.5))
+            self.pinned.pop((scope, p.id), None)  # the turn takes the context: its memory is the turn's
+            ttl = self.ttl(p.tools, prompt_tokens, predictor, now)
             return Turn(p.id, p.arrival, pinned, p.context, context_key(scope, p.id, p.turns), ttl)
+
+    def stored(self, nbytes: int, now: float) -> None:
+        """Count `nbytes` of context into the rate memory fills at."""
+        self.stored_rate = self.rate(now) + nbytes / RATE_WINDOW_S
+        self.rate_at = now
+
+    def rate(self, now: float) -> float:
+        """Context bytes stored per second, decaying over `RATE_WINDOW_S`."""
+        return self.stored_rate * math.exp(-max(now - self.rate_at, 0.0) / RATE_WINDOW_S)
+
+    def resident_s(self, now: float) -> float:
+        """How long memory keeps an unpinned context: the memory that pins leave, over the bytes
+        stored per second (an LRU's characteristic time, Che's approximation); inf: for good."""
+        free, rate = self.costs.memory_bytes - sum(self.pinned.values()), self.rate(now)
+        return max(free, 0) / rate if rate > 0 else math.inf
+
+    def hold(self, p: Program, now: float) -> bool:
+        """A turn came back to its unpinned context, still in memory: under memory pressure (decide)
+        pin it until the turn takes it, as its chance of coming back is now 1."""
+        pins = self.config.pins
+        if pins.mode != "decide" or self.resident_s(now) >= pins.max_ttl_s:
+            return False
+        p.pinned_until = now + pins.max_ttl_s  # a turn that never starts lets go at this deadline
+        heapq.heappush(self.deadlines, (p.pinned_until, p.scope, p.id))
+        self.wake.set()
+        return self.store.pin(p.context, p.pinned_until)
 
     def predictor(self, scope: str) -> Predictor:
         """The tenant's tool durations (the newest `max_tenants` tenants' are kept)."""
@@ -134,12 +175,13 @@ class Programs:
     def make_room(self, now: float) -> None:
         """Forget the least recently seen programs past `max_programs`; their pins go with them."""
         while len(self.programs) > self.config.max_programs:
-            _, p = self.programs.popitem(last=False)
+            key, p = self.programs.popitem(last=False)
+            self.pinned.pop(key, None)
             if p.pinned_until > now:
                 self.evicted.append(p.context)
                 self.wake.set()
 
-    def ttl(self, last: tuple[str, ...], tokens: int, predictor: Predictor) -> float:
+    def ttl(self, last: tuple[str, ...], tokens: int, predictor: Predictor, now: float) -> float:
         """The pin for the context this turn leaves (`tokens` long): which tool the turn will call
         is not known until the next request shows it, so the wait is predicted from the calls seen
         to follow the program's last one (`last`)."""
@@ -151,7 +193,7 @@ class Programs:
         waits, p_back = predictor.after(last)
         p_next = (self.returned + 1) / (self.ended + 2)  # that a tool call, not the end, comes next
         held = nbytes / max(c.memory_bytes, 1)
-        return decide(self.config.pins, waits, [p_next * p for p in p_back], saved, held)
+        return decide(self.config.pins, waits, [p_next * p for p in p_back], saved, held, self.resident_s(now))
 
     def end(self, scope: str, turn: Turn) -> None:
         """The turn's response is complete: its context (if the engine kept it) replaces the
@@ -165,6 +207,7 @@ class Programs:
             if p is None or not turn.keep:
                 return
             p.ended, p.seen = now, now
+            p.pinned_until = -math.inf  # a pin held for the turn ends with it
             self.programs.move_to_end((scope, turn.program))
             if not kept:
                 return
@@ -172,6 +215,7 @@ class Programs:
                 stale, p.context = p.context, turn.keep
             p.pinned_until = now + turn.pin_s if turn.pin_s > 0 else -math.inf
             if turn.pin_s > 0:
+                self.pinned[(scope, p.id)] = p.nbytes
                 heapq.heappush(self.deadlines, (p.pinned_until, p.scope, p.id))
                 self.wake.set()
         if stale:
@@ -187,10 +231,12 @@ class Programs:
                 p = self.programs.get((scope, pid))
                 if p is not None and p.pinned_until <= now and p.pinned_until > -math.inf:
                     p.pinned_until = -math.inf
+                    self.pinned.pop((scope, pid), None)
                     due.append(p.context)
             for key, p in list(self.programs.items()):
                 if now - p.seen > self.config.idle_s:
                     del self.programs[key]
+                    self.pinned.pop(key, None)
             following = self.deadlines[0][0] if self.deadlines else None
         for key in due:
             self.store.demote(key)

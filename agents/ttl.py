@@ -1,12 +1,27 @@
-"""How long to pin a program's KV after a turn (Continuum): the TTL that maximises
+"""How long to pin a program's KV after a turn (Continuum), weighed against what memory does for it
+unpinned.
 
-    P(the next turn comes within TTL) x seconds saved  -  memory weight x share of memory held x TTL
+Unpinned, a context stays in memory for about `resident_s` = R seconds: the memory that pins leave
+over the bytes of context stored per second (an LRU's characteristic time, Che's approximation).
+What a pin of TTL T adds is the returns in (R, T]; what it takes is memory for T - R more seconds,
+which unpinned contexts (the next ones stored, most likely to be needed) would have used. Memory earns
+P(back within R) x seconds saved per R seconds holding this context unpinned; a pin must earn at
+least that rate (times `memory_weight`):
 
-where the seconds saved are the prefill (or reload from a lower tier) and the queueing the next
-turn avoids when its KV is still in memory. Zero when no TTL is worth its memory."""
+    gain(T) = P(back in (R, T]) x saved  -  weight x P(back within R) x saved x (T - R) / R
+
+So the program must be likelier to come back per second of the pin than per second memory held it
+for free: no exchange rate between seconds and memory to guess, and no pin when memory keeps every
+context anyway (R past the longest TTL) or when displacing fresher contexts costs more than the pin
+wins. The seconds saved are the prefill (or reload from a lower tier) and the queueing the next turn
+avoids when its KV is still in memory. With no residence (R = 0) the memory is priced outright:
+
+    gain(T) = P(back within T) x saved  -  memory_weight x share of memory held x T
+"""
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Literal
 
@@ -19,7 +34,8 @@ class PinPolicy:
     mode: Literal["off", "fixed", "decide"] = "decide"
     fixed_ttl_s: float = 10.0
     max_ttl_s: float = 300.0
-    # Seconds of compute that holding the whole memory tier for one second is worth.
+    # The price of a pin's memory: seconds of compute per second of the whole memory tier when memory
+    # keeps nothing unpinned; else times the rate memory earns unpinned (1: the same rate).
     memory_weight: float = 1.0
 
     def __post_init__(self) -> None:
@@ -35,18 +51,49 @@ def benefit(p_back: float, saved_s: float, held: float, weight: float, ttl: floa
     return p_back * saved_s - weight * held * ttl
 
 
-def decide(policy: PinPolicy, waits: list[float], p_back: list[float], saved_s: float, held: float) -> float:
+def decide(
+    policy: PinPolicy,
+    waits: list[float],
+    p_back: list[float],
+    saved_s: float,
+    held: float,
+    resident_s: float = 0.0,
+) -> float:
     """The TTL in seconds (0: do not pin). `waits` ascending, `p_back[i]` = P(back within waits[i]),
-    already weighted by the chance that a next turn comes at all."""
+    already weighted by the chance that a next turn comes at all; `held`: the share of memory the
+    context takes; `resident_s`: how long memory keeps it unpinned, on average (0: not at all)."""
     if policy.mode == "off" or held > 1:
         return 0.0
     if policy.mode == "fixed":
         return policy.fixed_ttl_s
+    if resident_s >= policy.max_ttl_s:
+        return 0.0  # memory keeps it anyway: a pin changes nothing
+    if resident_s <= 0:
+        gains = [benefit(p, saved_s, held, policy.memory_weight, wait) for wait, p in zip(waits, p_back)]
+        return best_ttl(policy, waits, gains)
+    base = cdf(waits, p_back, resident_s)
+    rate = policy.memory_weight * base * saved_s / resident_s  # what memory earns on it unpinned, per second
+    # Eviction takes unpinned contexts at ages spread around R (the simulator measures a fraction of
+    # R to twice it): a pin that ends before 2R mostly guards returns that memory keeps anyway.
+    gains = [
+        (p - base) * saved_s - rate * (wait - resident_s) if wait >= 2 * resident_s else 0.0
+        for wait, p in zip(waits, p_back)
+    ]
+    return best_ttl(policy, waits, gains)
+
+
+def best_ttl(policy: PinPolicy, waits: list[float], gains: list[float]) -> float:
+    """The wait of the highest positive gain within the longest TTL; 0 when none is positive."""
     best, best_gain = 0.0, 0.0
-    for wait, p in zip(waits, p_back):
+    for wait, gain in zip(waits, gains):
         if wait > policy.max_ttl_s:
             break
-        gain = benefit(p, saved_s, held, policy.memory_weight, wait)
         if gain > best_gain:
             best, best_gain = wait, gain
     return best
+
+
+def cdf(waits: list[float], p_back: list[float], t: float) -> float:
+    """P(back within t) of the step distribution."""
+    i = bisect.bisect_right(waits, t)
+    return p_back[i - 1] if i else 0.0

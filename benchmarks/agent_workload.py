@@ -69,9 +69,11 @@ def generate(
     seed: int = 0,
     tools: tuple[Tool, ...] = TOOLS,
     text_source: list[str] | None = None,
+    spread: float = 1.0,
 ) -> list[ProgramSpec]:
     """`programs` programs, arriving at `rate_per_s` on average, each with a number of turns drawn
-    from `turns` (inclusive); each program's system prompt is its own (no program shares KV)."""
+    from `turns` (inclusive); each program's system prompt is its own (no program shares KV).
+    `spread` scales every tool's sigma: how far one call's duration strays from its tool's median."""
     rng = random.Random(seed)
     source = text_source or []
     clock, out = 0.0, []
@@ -80,7 +82,7 @@ def generate(
         calls = []
         for _ in range(rng.randint(*turns) - 1):
             tool = rng.choice(tools)
-            duration = rng.lognormvariate(0.0, tool.sigma) * tool.median_s
+            duration = rng.lognormvariate(0.0, tool.sigma * spread) * tool.median_s
             n = max(16, int(rng.gauss(tool.result_tokens, tool.result_tokens / 5)))
             calls.append(Call(tool.name, duration, words(source, rng, n), n))
         system = f"You are agent {i}. " + words(source, rng, system_tokens)

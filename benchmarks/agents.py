@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ class Run:
     reused_tokens: int = 0
     pinned_turns: int = 0
     turns: int = 0
+    evictions: int = -1  # from the memory tier (the gateway's metrics), -1: not reported
 
 
 def tool_call(i: int, tool: str) -> dict[str, Any]:
@@ -145,6 +147,9 @@ async def drive(url: str, model: str, specs: list[ProgramSpec], output_tokens: i
             work = [program(client, model, s, tools, output_tokens, start, run) for s in specs]
         await asyncio.gather(*work)
         run.makespan = time.monotonic() - start - specs[0].arrival_s
+        metrics = (await http.get(url.removesuffix("/v1") + "/metrics")).text
+    found = re.search(r'^kvgate_document_kv_evictions(?:_total)?\{tier="memory"\} ([0-9.e+]+)$', metrics, re.M)
+    run.evictions = int(float(found.group(1))) if found else -1
     return run
 
 
@@ -173,12 +178,14 @@ def rows(runs: dict[tuple[str, str], Run]) -> list[list[str]]:
                 f"{base / mean:.2f}x",
                 f"{r.reused_tokens / max(r.prompt_tokens, 1):.0%}",
                 f"{r.pinned_turns}/{r.turns}",
+                f"{r.evictions}" if r.evictions >= 0 else "?",
             ]
         )
     return out
 
 
 HEADER = ["policy", "mean JCT (s)", "p95 JCT (s)", "makespan (s)", "mean JCT vs off + fcfs", "prompt reused", "pinned"]
+HEADER += ["memory evictions"]
 
 
 def bench_agents(
@@ -194,11 +201,16 @@ def bench_agents(
     output: Path,
     command: str,
     client_kind: str = "agents-sdk",
+    sweep_programs: int = 0,
+    policies: list[tuple[str, str]] | None = None,
 ) -> dict[tuple[str, str], Run]:
+    """Every policy live on one workload, then (`sim_programs`) the simulator on SIMULATED and
+    (`sweep_programs`) its sweep; the section written to `output`. off + fcfs is the baseline."""
+    policies = [("off", "fcfs"), *(p for p in policies or POLICIES if p != ("off", "fcfs"))]
     specs = generate(programs, rate_per_s, seed=seed, text_source=passages(data))
     loaded: LoadedModel = load(base.engine_config())
     runs = {}
-    for pins, queue in POLICIES:
+    for pins, queue in policies:
         settings = base.model_copy(
             update={
                 "chunk_cache_bytes": memory_mb << 20,
@@ -219,20 +231,23 @@ def bench_agents(
         f"{programs} programs ({turns} turns), Poisson arrivals at {rate_per_s}/s, driven by {DRIVERS[client_kind]}, "
         f"{output_tokens} output tokens a turn, "
         f"KV memory {memory_mb} MiB (LRU, no disk tier), fixed TTL {fixed_ttl_s} s. Tool durations lognormal per tool "
-        f"(benchmarks/agent_workload.py). JCT: a program's last answer minus its arrival.\n\n"
-        + table(HEADER, rows(runs))
+        f"(benchmarks/agent_workload.py). JCT: a program's last answer minus its arrival; memory evictions: entries "
+        "the memory tier evicted for room (pressure: contexts that did not all fit).\n\n" + table(HEADER, rows(runs))
     )
-    if sim_programs:
-        from kvgate.bench.agents_sim import bench_sim, measure, report
+    if sim_programs or sweep_programs:
+        from kvgate.bench.agents_sim import bench_sim, measure, report, sweep, sweep_report
 
         engine = Engine(base.engine_config(), loaded)
         try:
             costs = measure(engine)
         finally:
             engine.shutdown()
-        for rate, mib in SIMULATED:
+        for rate, mib in SIMULATED if sim_programs else ():
             simulated = bench_sim(costs, sim_programs, rate, mib << 20, fixed_ttl_s, seed, output_tokens)
             body += "\n\n" + report(simulated, costs, sim_programs, rate, mib << 20, fixed_ttl_s)
+        if sweep_programs:
+            results = sweep(costs, programs=sweep_programs, fixed_ttl_s=fixed_ttl_s, output_tokens=output_tokens)
+            body += "\n\n" + sweep_report(results, costs, sweep_programs, fixed_ttl_s)
     write_section(output, "agents", "Agent programs: TTL pins and program FCFS", command, body)
     print(body)
     return runs

@@ -39,6 +39,17 @@ def layers(text: str) -> tuple[int, ...]:
     return tuple(sorted({int(x) for x in parts}))
 
 
+def policies(text: str) -> list[tuple[str, str]]:
+    """Pin and queue policies: "off+fcfs,decide+program" -> [("off", "fcfs"), ("decide", "program")]."""
+    out = []
+    for part in (x.strip() for x in text.split(",") if x.strip()):
+        pins, _, queue = part.partition("+")
+        if pins not in ("off", "fixed", "decide") or queue not in ("fcfs", "program"):
+            raise argparse.ArgumentTypeError(f"{part!r}: PINS+QUEUE, PINS off, fixed or decide, QUEUE fcfs or program")
+        out.append((pins, queue))
+    return out
+
+
 BLEND = ("select", "first_k", "check_layers", "widen")  # the BlendConfig fields `bench fidelity` takes
 
 
@@ -167,6 +178,21 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
         "--data", type=Path, default=MUSIQUE, help="MuSiQue jsonl: the text of prompts and tool results"
     )
     agents.add_argument("--sim-programs", type=int, default=300, help="programs in the simulator (0: no simulation)")
+    agents.add_argument(
+        "--sweep",
+        type=int,
+        default=0,
+        metavar="PROGRAMS",
+        help="also simulate every regime of arrival rate x memory x tool-duration spread with PROGRAMS programs "
+        "each, and check decided pins against the best of off and fixed (0: no sweep)",
+    )
+    agents.add_argument(
+        "--policies",
+        type=policies,
+        default=None,
+        help="the live policies, comma-separated pins+queue (e.g. off+program,decide+program; default: all six; "
+        "off+fcfs, the baseline, always runs)",
+    )
 
     multiagent = kind("multiagent", "agents reading each other's answers: KVCOMM against dense")
     multiagent.add_argument("--data", type=Path, default=GSM8K, help="GSM8K jsonl: the questions")

@@ -284,6 +284,8 @@ def run_agents(args: argparse.Namespace, settings: Settings, command: str) -> in
         args.output,
         command,
         args.client,
+        args.sweep,
+        args.policies,
     )
     return 0
 

@@ -1,0 +1,124 @@
+"""The decided pin policy against what memory does unpinned: no pin where memory keeps contexts
+anyway, none that displaces fresher contexts worth more, a pin where eviction would lose a
+predictable return; a returning turn holds its context until admitted. And a small simulated sweep:
+decided pins never trail the better of no pins and a fixed TTL."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvgate.agents import AgentConfig, PinPolicy, Programs, decide
+from kvgate.bench.agents_sim import Regime, StepCosts, regime_jct, verdict
+from kvgate.chunk_cache import ChunkKV, ChunkStore, MemoryTier
+from tests.test_chunk_cache import Clock
+from tests.test_programs import CALL, RESULT, FixedCosts, keep
+
+DECIDE = PinPolicy("decide")
+# A tool that takes 4 s, give or take little; the next turn comes in 3 cases out of 4.
+WAITS = [1.0, 2.0, 3.0, 3.8, 4.0, 4.2, 30.0]
+BACK = [0.0, 0.0, 0.0, 0.3, 0.6, 0.75, 0.75]
+
+
+def test_no_pin_when_memory_keeps_contexts_past_the_longest_ttl() -> None:
+    assert decide(DECIDE, WAITS, BACK, saved_s=100.0, held=0.1, resident_s=DECIDE.max_ttl_s) == 0.0
+    assert decide(DECIDE, WAITS, BACK, saved_s=100.0, held=0.1, resident_s=math.inf) == 0.0
+
+
+def test_a_pin_covers_a_predictable_return_that_eviction_would_lose() -> None:
+    assert decide(DECIDE, WAITS, BACK, saved_s=2.0, held=0.3, resident_s=1.5) == 4.2
+
+
+def test_no_pin_when_memory_earns_more_on_fresher_contexts() -> None:
+    # Most returns come within the residence: a pin for the rest would hold memory that
+    # unpinned contexts use better (the same distribution, the same saving, any share of memory).
+    early = [0.5, 1.0, 2.0, 6.0, 20.0]
+    back = [0.3, 0.55, 0.68, 0.72, 0.75]
+    for held in (0.01, 0.3, 0.9):
+        assert decide(DECIDE, early, back, saved_s=50.0, held=held, resident_s=2.0) == 0.0
+
+
+def make(memory_bytes: int) -> tuple[Programs, ChunkStore, Clock]:
+    clock = Clock()
+    store = ChunkStore([MemoryTier(budget_bytes=memory_bytes, clock=clock, policy="lru")])
+    costs = FixedCosts(bytes_per_token=8, memory_bytes=memory_bytes)  # as `keep` stores: float32 K and V
+    return Programs(AgentConfig(pins=DECIDE), store, costs, clock=clock), store, clock
+
+
+def rounds(programs: Programs, store: ChunkStore, clock: Clock, n: int, tool_s: float = 4.0) -> list[float]:
+    """`n` programs start together, call a tool that takes `tool_s`, come back, twice; the TTLs."""
+    ttls = []
+    for turn_no in range(3):
+        turns = [programs.begin(f"p{i}", "t", [CALL, RESULT] if turn_no else [], 100) for i in range(n)]
+        clock.now += 0.1
+        for turn in turns:
+            keep(store, turn, 100, clock.now)
+            programs.end("t", turn)
+            ttls.append(turn.pin_s)
+        clock.now += tool_s
+    return ttls
+
+
+def test_decide_never_pins_when_memory_is_free() -> None:
+    programs, store, clock = make(memory_bytes=1 << 30)
+    assert rounds(programs, store, clock, 100) == [0.0] * 300
+    again = programs.begin("p0", "t", [CALL, RESULT], 100)
+    assert again.pin_s == 0.0 and not again.pinned and store.tiers[0].stats()["pinned"] == 0
+
+
+def test_decided_pins_cover_the_tool_when_memory_turns_over_faster_than_it_returns() -> None:
+    # 100 contexts of 800 bytes stored every 4 s in 3,200 bytes: memory keeps one about a second.
+    programs, store, clock = make(memory_bytes=3_200)
+    ttls = rounds(programs, store, clock, 100)
+    assert programs.resident_s(clock.now) < 2.0
+    assert 4.0 <= ttls[-1] < 6.0
+
+
+def returning(names: list[str]) -> tuple[Programs, ChunkStore, list[str]]:
+    """Programs whose first turn ended long ago, their contexts still in memory, unpinned; memory
+    busy since (contexts stored at 10 kB/s into 3,200 bytes)."""
+    programs, store, clock = make(memory_bytes=3_200)
+    for name in names:
+        turn = programs.begin(name, "t", [], 100)
+        keep(store, turn, 100, clock.now)
+        programs.end("t", turn)
+    clock.now += 400.0
+    programs.expire()
+    programs.stored(600_000, clock.now)
+    contexts = [programs.programs[("t", name)].context for name in names]
+    assert all(c in store.tiers[0] for c in contexts) and store.tiers[0].stats()["pinned"] == 0
+    return programs, store, contexts
+
+
+def test_a_returning_turn_holds_its_context_until_the_engine_takes_it() -> None:
+    programs, store, (context,) = returning(["p"])
+    waiting = programs.begin("p", "t", [CALL, RESULT], 100)
+    assert waiting.resume == context
+    for i in range(8):  # others store their contexts while the turn waits in the queue
+        kv = torch.zeros(1, 1, 100, 1)
+        store.put(ChunkKV(f"other-{i}", list(range(100)), kv, kv))
+    assert context in store.tiers[0]
+
+
+def test_a_held_turn_goes_first_only_while_memory_thrashes() -> None:
+    programs, _, _ = returning(["a", "b"])
+    programs.found_rate = 0.9  # most turns find their context: program order alone
+    assert not programs.begin("a", "t", [CALL, RESULT], 100).pinned
+    programs.found_rate = 0.1  # most lose it: the few that kept theirs go first
+    assert programs.begin("b", "t", [CALL, RESULT], 100).pinned
+
+
+# About the 135M model on 2 CPU cores (benchmarks/agents_sim.py `measure`), fp32 KV.
+COSTS = StepCosts(step_s=0.08, prefill_s_per_token=0.0017, decode_s_per_seq=0.0009, bytes_per_token=46080)
+
+
+@pytest.mark.parametrize(
+    "regime",
+    [Regime(0.7, 128, 1.0), Regime(0.95, 128, 0.5), Regime(1.2, 384, 1.0)],
+    ids=["light", "pressed", "roomy"],
+)
+def test_decided_pins_never_trail_the_best_of_off_and_fixed(regime: Regime) -> None:
+    jct = regime_jct(COSTS, regime, programs=60, fixed_ttl_s=4.0, seeds=1, output_tokens=16)
+    assert verdict(jct)[1] >= 0.97
