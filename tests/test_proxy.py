@@ -261,9 +261,7 @@ def test_the_semantic_cache_answers_in_front_of_the_upstream(tmp_path, upstreams
     assert requests_seen(a) == 2
 
 
-def test_with_the_race_a_miss_is_kept_after_it_went_out_and_a_hit_does_not_wait_for_the_upstream(
-    tmp_path, upstreams
-):
+def test_with_the_race_a_miss_is_kept_after_it_went_out_and_a_hit_does_not_wait_for_the_upstream(tmp_path, upstreams):
     """semantic_race: the upstream starts at once, the lookup beside it. The upstream's answer to a miss
     is served and kept afterwards; a hit found while the upstream is still slow is served at once."""
     a, _ = upstreams
