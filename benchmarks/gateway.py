@@ -26,7 +26,6 @@ from kvgate.bench.upstream import _free_port, serve_upstream
 from kvgate.gateway.workers import serving
 
 MODEL = "stub-a"
-SETTLE_S = 0.03  # after a semantic request, before the next
 LITELLM_KEY = "sk-kvgate-bench"  # LiteLLM's proxy refuses to start without a master key
 LITELLM_VENV = Path.home() / ".cache" / "kvgate" / "bench" / "litellm-venv"
 
@@ -104,9 +103,6 @@ def timer(
 ) -> Callable[[int], float]:
     """One request's latency in seconds: the whole answer, or a stream's first event."""
     headers = {"authorization": f"Bearer {key}"} if key else {}
-    # A semantic request leaves work behind (the store after its answer; with the race, the lookup):
-    # let it finish, so that it lands on no other path's timing.
-    settle_s = SETTLE_S if temperature == 0 else 0.0
 
     def once(i: int) -> float:
         content = f"Question {i}: what is {random.randint(0, 10**9)}?" if temperature == 0 else "hello"
@@ -118,7 +114,6 @@ def timer(
             r = http.post(url + "/v1/chat/completions", json=body, headers=headers)
             elapsed = time.perf_counter() - started
             assert r.status_code == 200, r.text
-            time.sleep(settle_s)
             return elapsed
         with http.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
             lines = r.iter_lines()
@@ -127,7 +122,6 @@ def timer(
             elapsed = time.perf_counter() - started
             for _ in lines:
                 pass
-        time.sleep(settle_s)
         return elapsed
 
     return once
@@ -151,30 +145,39 @@ def bench_gateway(
         litellm_proxy(binary, upstream, Path(folder)) if binary else nothing() as peer,
         httpx.Client(timeout=30) as http,
     ):
-        variants = {
+        proxying = {
             "direct": timer(http, upstream, False, None),
             "proxy": timer(http, proxy, False, None),
             "direct, stream": timer(http, upstream, True, None),
             "proxy, stream": timer(http, proxy, True, None),
+        }
+        if peer is not None:
+            proxying["LiteLLM proxy"] = timer(http, peer, False, None, LITELLM_KEY)
+            proxying["LiteLLM proxy, stream"] = timer(http, peer, True, None, LITELLM_KEY)
+        semantic = {
             "direct, temperature 0": timer(http, upstream, False, 0),
             "proxy, temperature 0 (semantic miss)": timer(http, proxy, False, 0),
             RACE: timer(http, racing, False, 0),
         }
-        if peer is not None:
-            variants["LiteLLM proxy"] = timer(http, peer, False, None, LITELLM_KEY)
-            variants["LiteLLM proxy, stream"] = timer(http, peer, True, None, LITELLM_KEY)
-        for i in range(max(50, requests // 10)):  # warm-up: connections, caches, the embedder
-            for once in variants.values():
-                once(i)
-        seen: dict[str, list[float]] = {name: [] for name in variants}
-        for i in range(requests):
-            names = list(variants)
-            random.shuffle(names)  # in turn, in a new order each round: every path sees the same noise
-            for name in names:
-                seen[name].append(variants[name](i))
+        seen = {**measure(proxying, requests), **measure(semantic, requests)}
     results = {name: {"p50": statistics.median(v) * 1e3, "p99": percentile(v, 0.99) * 1e3} for name, v in seen.items()}
     report(results, requests, output, command)
     return results
+
+
+def measure(variants: dict[str, Callable[[int], float]], requests: int) -> dict[str, list[float]]:
+    """Each path's latencies: after a warm-up, `requests` rounds of every path once, in a new order
+    each round (every path sees the same noise)."""
+    for i in range(max(50, requests // 10)):  # warm-up: connections, caches, the embedder
+        for once in variants.values():
+            once(i)
+    seen: dict[str, list[float]] = {name: [] for name in variants}
+    for i in range(requests):
+        names = list(variants)
+        random.shuffle(names)
+        for name in names:
+            seen[name].append(variants[name](i))
+    return seen
 
 
 @contextmanager
@@ -226,8 +229,9 @@ key it requires to start, one worker) are processes of their own on loopback. No
 whole answer (8 words); stream rows the first SSE event. "temperature 0" requests are new questions each
 time: the front's semantic cache looks each one up (an embedding, a miss) and stores the answer; with
 `semantic_race: true` (a second front) the upstream is asked at once, the lookup runs beside it, and
-the answer is stored after it went out. After each of these the bench waits 30 ms, so that the work they
-leave behind (the store; with the race, the lookup) lands on no other path's timing.
+the answer is stored after it went out. These three paths are timed in a second phase of the run, so
+that the work a semantic request leaves behind (the store; with the race, the lookup) lands on no
+proxy path's timing.
 
 {table(header, rows)}
 
