@@ -21,7 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
 from urllib.parse import urlparse
@@ -206,7 +206,7 @@ def bench_tiers(
 ) -> None:
     loaded = load(config)
     data_items = load_items(loaded, data, docs, limit, True, 0, 0)
-    with tempfile.TemporaryDirectory() as tmp, redis_server() if redis_url is None else _given(redis_url) as url:
+    with tempfile.TemporaryDirectory() as tmp, redis_server() if redis_url is None else nullcontext(redis_url) as url:
         stores = tier_stores(Path(tmp), url)
         model, tokenizer, fp = loaded.model, loaded.tokenizer, model_fingerprint(loaded)
         reusers = {name: Reuser(model, tokenizer, store, fp, BlendConfig()) for name, store in stores.items()}
@@ -223,11 +223,6 @@ def bench_tiers(
         for store in stores.values():
             store.close()
     write(bandwidth, ttft, ratio, len(data_items), docs, output, command)
-
-
-@contextmanager
-def _given(url: str) -> Iterator[str]:
-    yield url
 
 
 def measure_bandwidth(
