@@ -235,7 +235,8 @@ def bench_agents(
         "the memory tier evicted for room (pressure: contexts that did not all fit).\n\n" + table(HEADER, rows(runs))
     )
     if sim_programs or sweep_programs:
-        from kvgate.bench.agents_sim import bench_sim, measure, report, sweep, sweep_report
+        from kvgate.bench.agents_sim import bench_sim, measure, report
+        from kvgate.bench.agents_sweep import sweep, sweep_report
 
         engine = Engine(base.engine_config(), loaded)
         try:

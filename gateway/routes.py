@@ -271,17 +271,18 @@ def as_reply(response: Response) -> Reply:
 
 
 async def passed_on(request: Request, got: Generated) -> Response:
-    """The answer as it came: whole (counted first), or relayed event by event; kept in the semantic
-    cache once it has gone out."""
+    """The answer as it came: whole (counted and kept first), or relayed event by event. After a race
+    (a lookup still running beside the answer) it is kept once it has gone out."""
     if got.reply.events is None:
         await settle(request, got)
-        keeping = BackgroundTask(keep, request, got)
-        return Response(got.reply.content, got.reply.status, headers=got.headers, background=keeping)
+        after = BackgroundTask(keep, request, got) if got.looking is not None else None
+        return Response(got.reply.content, got.reply.status, headers=got.headers, background=after)
     return Relayed(relay(request, got), got.reply, headers=SSE_HEADERS | got.headers)
 
 
 async def relay(request: Request, got: Generated) -> AsyncIterator[bytes]:
-    """A stream passed on event by event; counted before its [DONE] goes out, kept after."""
+    """A stream passed on event by event; counted and kept before its [DONE] goes out (after a race,
+    kept after it)."""
     assert got.reply.events is not None
     settled = False
     async for event in got.reply.events:
@@ -291,11 +292,13 @@ async def relay(request: Request, got: Generated) -> AsyncIterator[bytes]:
         yield event
     if not settled:
         await settle(request, got)
-    await keep(request, got)
+    if got.looking is not None:
+        await keep(request, got)
 
 
 async def settle(request: Request, got: Generated) -> None:
-    """A finished answer in the metrics, and its tokens against the key's limit."""
+    """A finished answer in the metrics, its tokens against the key's limit, and kept in the semantic
+    cache, unless a lookup still runs beside it (a race: kept after the answer went out)."""
     if got.hit:
         return
     outcome = got.reply.outcome
@@ -303,6 +306,8 @@ async def settle(request: Request, got: Generated) -> None:
     metrics.usage(got.call.model, outcome.usage)
     metrics.reuse(outcome.reuse, outcome.reused_tokens, outcome.recomputed_tokens)
     await spend(request, outcome.usage.get("total_tokens") or 0)
+    if got.looking is None:
+        await keep(request, got)
 
 
 async def keep(request: Request, got: Generated) -> None:

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kvgate.agents import AgentConfig, PinPolicy, Programs, decide
-from kvgate.bench.agents_sim import Regime, StepCosts, regime_jct, verdict
+from kvgate.bench.agents_sim import StepCosts
+from kvgate.bench.agents_sweep import Regime, regime_jct, verdict
 from kvgate.chunk_cache import ChunkKV, ChunkStore, MemoryTier
 from tests.test_chunk_cache import Clock
 from tests.test_programs import CALL, RESULT, FixedCosts, keep
