@@ -3,8 +3,10 @@
 The directory is its own ledger. A write takes the directory's lock (fcntl.flock on LOCK), removes
 the least recently used entries until every file there, entries and writes in flight, leaves room
 within the budget, and reserves its bytes by creating its temporary file at full size, locked for
-as long as it is written; then, the directory unlocked, fills it, fsyncs it, renames it to the
-entry's name and fsyncs the directory. A crash leaves an old entry or a whole new one, never part of
+as long as it is written; then, the directory unlocked, fills it and fsyncs it; renames it to the
+entry's name under the lock again (a listing that meets a rename half-way may show the file under
+neither name, and an eviction counting on it would leave the budget overdrawn) and fsyncs the
+directory. A crash leaves an old entry or a whole new one, never part of
 one, and an unlocked temporary file (its lock died with its writer) that the next writer or opener
 removes. A read goes from the open file straight into the layer's tensor (preadv); a file's mtime
 is its last use, so the order survives a restart and is the same for every process. A damaged file
@@ -101,7 +103,8 @@ class DiskTier(ByteTier):
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-                os.replace(tmp, path)  # before close: the file is never an unlocked temporary one
+                with self._locked():
+                    os.replace(tmp, path)  # before close: the file is never an unlocked temporary one
             self._sync_dir()
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

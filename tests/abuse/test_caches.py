@@ -8,6 +8,7 @@ real servers, real processes, a real redis-server and the real model:
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -23,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvgate.chunk_cache import DiskTier
+from kvgate.chunk_cache.disk_tier import LOCK
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel, load
@@ -214,15 +216,23 @@ def writer(root: Path, budget: int, name: str, count: int, tokens: int) -> subpr
 
 
 def on_disk(root: Path) -> int:
-    """Bytes of every file in the directory now (each file once, however often a rename shows it)."""
-    sizes = {}
-    for path in root.iterdir():
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            continue
-        sizes[st.st_ino] = st.st_size
-    return sum(sizes.values())
+    """Bytes of every file in the directory now (each file once, however often a rename shows it),
+    read under the directory's lock: writers make room and reserve under it, so the listing is one
+    moment's (unlocked, a slow scan could count a file evicted after it was seen and the file reserved
+    in its place)."""
+    fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        sizes = {}
+        for path in root.iterdir():
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            sizes[st.st_ino] = st.st_size
+        return sum(sizes.values())
+    finally:
+        os.close(fd)
 
 
 def test_two_processes_sharing_a_disk_directory_keep_one_budget(tmp_path: Path) -> None:
