@@ -100,7 +100,6 @@ class Programs:
         self.ended = self.returned = 0  # turns ended; turns that came back with tool results
         self.pinned: dict[tuple[str, str], int] = {}  # programs whose context is pinned -> its bytes
         self.stored_rate, self.rate_at = 0.0, -math.inf  # context bytes stored per second, lately
-        self.found_rate = 1.0  # later turns that found their program's context in memory, lately
         self.lock = threading.Lock()
         self.wake = threading.Event()  # a new deadline: the expiry thread looks again
 
@@ -125,13 +124,11 @@ class Programs:
             p.turns += 1
             p.nbytes = prompt_tokens * self.costs.bytes_per_token
             self.stored(p.nbytes, now)
+            # Program FCFS admits a pinned program's turn first; so too one that came back to a context
+            # memory kept unpinned, as it holds that context until admitted (under overload program
+            # order is most of what pins win: a held turn behind new programs loses it).
             resident = p.context in self.store.tiers[0]
-            if p.context:  # a later turn: did memory keep its context? (over the last 32 or so)
-                self.found_rate += (resident - self.found_rate) / 32
-            # Program FCFS admits a pinned program's turn first. A turn that comes back to a context
-            # memory kept unpinned holds it until admitted, first in line only while memory thrashes
-            # (most turns find theirs gone): else the context outlasts a place in program order.
-            pinned = resident and (p.pinned_until > now or (self.hold(p, now) and self.found_rate < 0.5))
+            pinned = resident and (p.pinned_until > now or self.hold(p, now))
             self.pinned.pop((scope, p.id), None)  # the turn takes the context: its memory is the turn's
             ttl = self.ttl(p.tools, prompt_tokens, predictor, now)
             return Turn(p.id, p.arrival, pinned, p.context, context_key(scope, p.id, p.turns), ttl)
