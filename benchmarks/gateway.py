@@ -243,8 +243,8 @@ Targets, on the proxy path (a request the semantic cache does not take): {"; ".j
 Where the added time goes (py-spy on the front): about 40% is writing to sockets, the answer to the client
 (one write: gateway/transport.py corks uvicorn's header and body writes) and the request to the upstream;
 the rest is uvicorn's parsing, the Starlette/FastAPI stack with kvgate's middlewares (request id, metrics,
-body limit, keys and limits), and kvgate's routing and relay. The client to upstreams is aiohttp, whose HTTP parser is C: it
-took the added p50 from about +1.4 ms (httpx, whose h11 parser is pure Python) to about +0.9 ms in the
-same harness. Three processes (client, front, upstream) share two cores.
+body limit, keys and limits), and kvgate's routing and relay. The client to upstreams is aiohttp, whose
+HTTP parser is C: it took the added p50 from about +1.4 ms (httpx, whose h11 parser is pure Python) to
+about +0.9 ms in the same harness. Three processes (client, front, upstream) share two cores.
 """
     write_section(output, "gateway", "Gateway: latency added by proxy mode", command, body)
