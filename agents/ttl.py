@@ -1,8 +1,8 @@
 """How long to pin a program's KV after a turn (Continuum), weighed against what memory does for it
 unpinned.
 
-Unpinned, a context stays in memory for about `resident_s` = R seconds: the memory that pins leave
-over the bytes of context stored per second (an LRU's characteristic time, Che's approximation).
+Unpinned, a context stays in memory for about `resident_s` = R seconds after its last use: the idle
+age at which memory evicts what is not pinned, as measured lately (an LRU's characteristic time).
 What a pin of TTL T adds is the returns in (R, T]; what it takes is memory for T - R more seconds,
 which unpinned contexts (the next ones stored, most likely to be needed) would have used. Memory earns
 P(back within R) x seconds saved per R seconds holding this context unpinned; a pin must earn at
@@ -26,6 +26,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 PINS = ("off", "fixed", "decide")
+# A longer pin for a gain within this share of a shorter one's is not worth its memory: when memory
+# earns nothing on a context unpinned (every return comes after R), the prior's thin tail would
+# otherwise win the longest TTL by a hair.
+TIE = 0.01
 
 
 @dataclass(frozen=True)
@@ -83,14 +87,11 @@ def decide(
 
 
 def best_ttl(policy: PinPolicy, waits: list[float], gains: list[float]) -> float:
-    """The wait of the highest positive gain within the longest TTL; 0 when none is positive."""
-    best, best_gain = 0.0, 0.0
-    for wait, gain in zip(waits, gains):
-        if wait > policy.max_ttl_s:
-            break
-        if gain > best_gain:
-            best, best_gain = wait, gain
-    return best
+    """The shortest wait within the longest TTL whose gain is within `TIE` of the highest positive
+    one; 0 when none is positive."""
+    within = [(wait, gain) for wait, gain in zip(waits, gains) if wait <= policy.max_ttl_s]
+    top = max((gain for _, gain in within), default=0.0)
+    return next((wait for wait, gain in within if gain > 0 and gain >= (1 - TIE) * top), 0.0)
 
 
 def cdf(waits: list[float], p_back: list[float], t: float) -> float:

@@ -23,6 +23,8 @@ from kvgate.chunk_cache.tier import Tier, register_tier
 
 log = logging.getLogger(__name__)
 
+RESIDENCE_WEIGHT = 1 / 16  # of each eviction in the running mean of the age at eviction
+
 
 @dataclass
 class _Slot:
@@ -55,6 +57,8 @@ class MemoryTier(Tier):
         self._bytes = 0
         self._lock = threading.Lock()
         self._hits = self._misses = self._puts = self._refused = self._evictions = 0
+        # Idle age of the unpinned entries evicted lately (a running mean), and when the last went.
+        self._residence, self._evicted_at = math.inf, -math.inf
 
     @property
     def nbytes(self) -> int:
@@ -96,6 +100,8 @@ class MemoryTier(Tier):
             for victim in victims:
                 self._remove(victim.entry.key)
                 self._evictions += 1
+                if victim.pinned_until <= now:
+                    self._evicted(now - victim.touched, now)
             if old is not None:
                 self._remove(entry.key)
                 self._use(old, now)
@@ -130,6 +136,12 @@ class MemoryTier(Tier):
 
     def unpin(self, key: str) -> bool:
         return self.pin(key, -math.inf)
+
+    def residence_s(self, horizon_s: float = math.inf) -> float:
+        """How long memory keeps an unpinned entry after its last use, lately: the mean idle age of
+        those it evicted; inf when it evicted none within `horizon_s`."""
+        with self._lock:
+            return self._residence if self.clock() - self._evicted_at <= horizon_s else math.inf
 
     def value(self, key: str) -> float | None:
         """The entry's current eviction value (decayed uses x cost / bytes); None if absent."""
@@ -166,6 +178,11 @@ class MemoryTier(Tier):
     def _use(self, slot: _Slot, now: float) -> None:
         slot.uses = slot.uses * 0.5 ** ((now - slot.touched) / self.half_life_s) + 1.0
         slot.touched = now
+
+    def _evicted(self, age: float, now: float) -> None:
+        first = math.isinf(self._residence)
+        self._residence = age if first else self._residence + RESIDENCE_WEIGHT * (age - self._residence)
+        self._evicted_at = now
 
     def _priority(self, slot: _Slot) -> float:
         if self.policy == "lru":

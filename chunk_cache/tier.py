@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
@@ -59,6 +60,11 @@ class Tier(ABC):
 
     def unpin(self, key: str) -> bool:
         return False
+
+    def residence_s(self, horizon_s: float = math.inf) -> float:
+        """How long the tier keeps an unpinned entry after its last use, as measured lately (inf: it
+        evicted nothing within `horizon_s`, or does not say)."""
+        return math.inf
 
     def put_pinned(self, entry: ChunkKV, until: float) -> bool:
         """put, then pin; a tier that pins may also make room by evicting pins that end later."""

@@ -3,6 +3,7 @@ budget; and value against LRU on a skewed trace."""
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 
@@ -127,6 +128,21 @@ def test_evicted_entries_are_handed_to_on_evict() -> None:
     tier.put(chunk("first"))
     tier.put(chunk("second"))
     assert demoted == ["first"]
+
+
+def test_residence_is_the_idle_age_at_which_unpinned_entries_are_evicted() -> None:
+    clock = Clock()
+    tier = MemoryTier(budget_bytes=2 * chunk().nbytes, clock=clock, policy="lru")
+    assert tier.residence_s() == math.inf  # nothing evicted: memory keeps everything
+    tier.put(chunk("pinned"))
+    tier.pin("pinned", until=clock.now + 100.0)
+    for i in range(40):  # one slot turns over: each entry is evicted 2 s after its put
+        tier.put(chunk(f"e{i}"))
+        clock.now += 2.0
+    assert tier.residence_s() == pytest.approx(2.0)  # the pinned entry, 80 s old, is not counted
+    clock.now += 50.0
+    assert tier.residence_s(horizon_s=60.0) == pytest.approx(2.0)
+    assert tier.residence_s(horizon_s=30.0) == math.inf  # evictions stopped: no measure left
 
 
 def test_concurrent_puts_gets_and_deletes_keep_byte_accounting_right() -> None:

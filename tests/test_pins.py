@@ -5,6 +5,7 @@ decided pins never trail the better of no pins and a fixed TTL."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -49,16 +50,17 @@ def make(memory_bytes: int) -> tuple[Programs, ChunkStore, Clock]:
 
 
 def rounds(programs: Programs, store: ChunkStore, clock: Clock, n: int, tool_s: float = 4.0) -> list[float]:
-    """`n` programs start together, call a tool that takes `tool_s`, come back, twice; the TTLs."""
+    """`n` programs run a turn each, 10 ms apart, call a tool that takes `tool_s`, come back, twice;
+    the TTLs."""
     ttls = []
     for turn_no in range(3):
-        turns = [programs.begin(f"p{i}", "t", [CALL, RESULT] if turn_no else [], 100) for i in range(n)]
-        clock.now += 0.1
-        for turn in turns:
+        for i in range(n):
+            turn = programs.begin(f"p{i}", "t", [CALL, RESULT] if turn_no else [], 100)
             keep(store, turn, 100, clock.now)
             programs.end("t", turn)
             ttls.append(turn.pin_s)
-        clock.now += tool_s
+            clock.now += 0.01
+        clock.now += tool_s - 0.01 * n
     return ttls
 
 
@@ -70,24 +72,28 @@ def test_decide_never_pins_when_memory_is_free() -> None:
 
 
 def test_decided_pins_cover_the_tool_when_memory_turns_over_faster_than_it_returns() -> None:
-    # 100 contexts of 800 bytes stored every 4 s in 3,200 bytes: memory keeps one about a second.
+    # 100 contexts of 800 bytes stored 10 ms apart in 3,200 bytes: memory keeps one under a second.
     programs, store, clock = make(memory_bytes=3_200)
     ttls = rounds(programs, store, clock, 100)
-    assert programs.resident_s(clock.now) < 2.0
-    assert 4.0 <= ttls[-1] < 6.0
+    assert programs.resident_s() < 1.0
+    assert ttls[-1] == pytest.approx(4.0)  # the tool, and not the prior's tail past it
 
 
 def returning(names: list[str]) -> tuple[Programs, ChunkStore, list[str]]:
-    """Programs whose first turn ended long ago, their contexts still in memory, unpinned; memory
-    busy since (contexts stored at 10 kB/s into 3,200 bytes)."""
+    """Programs whose first turn ended a moment ago, their contexts still in memory, unpinned; memory
+    busy (it evicts others' entries 2 s after their put, 800 bytes every 0.5 s into 3,200)."""
     programs, store, clock = make(memory_bytes=3_200)
+    for i in range(8):
+        kv = torch.zeros(1, 1, 100, 1)
+        store.put(ChunkKV(f"busy-{i}", list(range(100)), kv, kv))
+        clock.now += 0.5
     for name in names:
-        turn = programs.begin(name, "t", [], 100)
+        turn = dataclasses.replace(programs.begin(name, "t", [], 100), pin_s=0.0)
         keep(store, turn, 100, clock.now)
         programs.end("t", turn)
-    clock.now += 400.0
-    programs.expire()
-    programs.stored(600_000, clock.now)
+    clock.now += 0.5
+    programs.costs.waiting_s = 5.0  # a queue longer than memory keeps a context: it would be evicted
+    assert programs.resident_s() == pytest.approx(2.0)
     contexts = [programs.programs[("t", name)].context for name in names]
     assert all(c in store.tiers[0] for c in contexts) and store.tiers[0].stats()["pinned"] == 0
     return programs, store, contexts
@@ -106,6 +112,13 @@ def test_a_returning_turn_holds_its_context_until_the_engine_takes_it() -> None:
 def test_a_held_turn_goes_first_like_a_pinned_one() -> None:
     programs, _, _ = returning(["a"])
     assert programs.begin("a", "t", [CALL, RESULT], 100).pinned
+
+
+def test_a_turn_whose_context_memory_keeps_through_the_queue_is_neither_held_nor_first() -> None:
+    programs, store, (context,) = returning(["a"])
+    programs.costs.waiting_s = 1.0  # memory keeps a context 2 s after its use; it was used 0.5 s ago
+    turn = programs.begin("a", "t", [CALL, RESULT], 100)
+    assert turn.resume == context and not turn.pinned and store.tiers[0].stats()["pinned"] == 0
 
 
 # About the 135M model on 2 CPU cores (benchmarks/agents_sim.py `measure`), fp32 KV.

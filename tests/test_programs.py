@@ -120,20 +120,6 @@ def test_no_pin_when_it_is_not_worth_its_memory() -> None:
     assert programs.begin("p", "tenant", [], 900).pin_s == 0.0
 
 
-def test_decided_pins_cover_the_observed_durations_when_memory_turns_over_fast() -> None:
-    # 200 programs' contexts of 10 kB stored together every 4 s, into 100 kB: memory keeps an
-    # unpinned one for about a second, and their search calls take 4 s.
-    programs, store, clock = make(PinPolicy("decide"))
-    for _ in range(3):
-        turns = [programs.begin(f"p{i}", "t", [CALL, RESULT], 100) for i in range(200)]
-        for turn in turns:
-            programs.end("t", turn)
-        clock.now += 4.0
-    assert programs.resident_s(clock.now) < 2.0
-    ttl = programs.begin("p0", "t", [CALL, RESULT], 100).pin_s
-    assert 4.0 <= ttl < 6.0
-
-
 def test_no_decided_pin_while_memory_keeps_every_context() -> None:
     programs, store, clock = make(PinPolicy("decide"))
     first = programs.begin("p", "t", [], 100)
