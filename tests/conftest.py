@@ -12,19 +12,33 @@ from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.tokens import chat_prompt
+from tests import corpus
 from tests.redis_server import RedisServer
 from tests.servers import serving
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the generated evaluation text is written, once per run (tests/corpus.py)."""
+    return tmp_path_factory.mktemp("corpus")
 
 
-@pytest.fixture
-def qqp() -> Path:
-    """The shared QQP pairs, for the semantic benchmarks' smoke tests; skipped where ../shared is absent."""
-    path = DATA / "qqp_pairs_dev.jsonl"
-    if not path.is_file():
-        pytest.skip(f"{path} is missing (the shared evaluation data)")
-    return path
+@pytest.fixture(scope="session")
+def musique(corpus_dir: Path) -> Path:
+    """MuSiQue-like RAG items (question, answers, 10 passages), for `--data` of the MuSiQue benchmarks."""
+    return corpus.write_jsonl(corpus_dir / "musique.jsonl", corpus.musique_rows(8))
+
+
+@pytest.fixture(scope="session")
+def gsm8k(corpus_dir: Path) -> Path:
+    """GSM8K-like word problems (question, answer), for `--data` of `kvgate bench multiagent`."""
+    return corpus.write_jsonl(corpus_dir / "gsm8k.jsonl", corpus.gsm8k_rows(8))
+
+
+@pytest.fixture(scope="session")
+def qqp(corpus_dir: Path) -> Path:
+    """QQP-like question pairs (a, b, duplicate), for `--data` of the semantic benchmarks."""
+    return corpus.write_jsonl(corpus_dir / "qqp.jsonl", corpus.qqp_rows(400))
 
 
 @pytest.fixture(scope="session")

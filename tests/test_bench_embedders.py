@@ -1,5 +1,5 @@
-"""`python -m kvgate.bench.embedders` on a few hundred QQP pairs: its section is written, with a MiniLM row
-whose numbers parse and make sense."""
+"""`python -m kvgate.bench.embedders` on a few hundred QQP-like pairs (tests/corpus.py): its section is written,
+with a MiniLM row whose numbers parse and make sense."""
 
 from __future__ import annotations
 

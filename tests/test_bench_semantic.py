@@ -1,5 +1,5 @@
-"""`kvgate bench semantic` on a few hundred QQP pairs: its section and plot are written, and the
-numbers in its tables parse and make sense."""
+"""`kvgate bench semantic` on a few hundred QQP-like pairs (tests/corpus.py): its section and plot are
+written, and the numbers in its tables parse and make sense."""
 
 from __future__ import annotations
 
@@ -65,4 +65,5 @@ def test_a_hit_through_the_gateway_is_timed_against_the_models_answer(settings: 
     found = {r[0]: r for r in rows(body, "")}
     assert found["miss"][1] == found["hit (same question)"][1] == "1"
     speedup = float(found["hit (same question)"][4].removesuffix("x"))
-    assert speedup > 1  # a hit skips the model; the >= 20x target is for the benchmark, not a test
+    # A hit skips the model: measured 29.8x, 30.6x and 31.9x (2 cores, SmolLM2-135M); a third of that.
+    assert speedup > 10

@@ -15,18 +15,16 @@ from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.reuse import Reuse, Reuser
 
-MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_rag_dev.jsonl"
-
 
 @pytest.fixture(scope="module")
 def reuser(loaded: LoadedModel) -> Reuser:
     return Reuser(loaded.model, loaded.tokenizer, ChunkStore.from_config(), fingerprint("test"), BlendConfig())
 
 
-def musique(loaded: LoadedModel, index: int, docs: int, words: int) -> tuple[list[list[int]], list[bool]]:
-    if not MUSIQUE.is_file():
-        pytest.skip(f"{MUSIQUE} is missing (the shared evaluation data)")
-    with MUSIQUE.open() as f:
+def item(musique: Path, loaded: LoadedModel, index: int, docs: int, words: int) -> tuple[list[list[int]], list[bool]]:
+    """Row `index` of the generated MuSiQue-like items (tests/corpus.py): the chat head, `docs` passages cut
+    to `words` words each as documents, the question; and which pieces are documents."""
+    with musique.open() as f:
         row = [json.loads(line) for _, line in zip(range(index + 1), f)][-1]
     tok = loaded.tokenizer
     head, tail = chat_pieces(tok, [{"role": "user", "content": row["question"]}])
@@ -51,8 +49,8 @@ def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum())
 
 
-def test_blend_at_ratio_one_is_full_prefill(reuser: Reuser, loaded: LoadedModel) -> None:
-    pieces, documents = musique(loaded, 0, docs=3, words=120)
+def test_blend_at_ratio_one_is_full_prefill(musique: Path, reuser: Reuser, loaded: LoadedModel) -> None:
+    pieces, documents = item(musique, loaded, 0, docs=3, words=120)
     reference = full_logits(reuser, pieces)
     kv = reuser.new_kv()
     done = prefill(reuser.model, kv, blend_pieces(reuser, pieces, documents), BlendConfig(ratio=1.0))
@@ -61,33 +59,41 @@ def test_blend_at_ratio_one_is_full_prefill(reuser: Reuser, loaded: LoadedModel)
     assert len(kv) == sum(map(len, pieces))
 
 
-def test_naive_reuse_computes_only_the_fresh_tokens_and_moves_the_answer(reuser: Reuser, loaded: LoadedModel) -> None:
-    pieces, documents = musique(loaded, 0, docs=3, words=120)
+def test_naive_reuse_computes_only_the_fresh_tokens_and_moves_the_answer(
+    musique: Path, reuser: Reuser, loaded: LoadedModel
+) -> None:
+    pieces, documents = item(musique, loaded, 0, docs=3, words=120)
     for ids, is_doc in zip(pieces, documents):
         if is_doc:
             reuser.document(ids)  # stored before: reused counts only KV found in the cache
     kv = reuser.new_kv()
     done = reuser.prefill(kv, pieces, documents, Reuse("naive"))
     assert done.recomputed == 0 and done.reused == sum(len(p) for p, d in zip(pieces, documents) if d)
-    # Without the attention across documents the distribution moves, measurably but not wildly.
-    assert 1e-4 < kl(full_logits(reuser, pieces), done.logits) < 2.0
+    # Without the attention across documents the distribution moves, measurably but not wildly: KL 0.026
+    # measured on this item (the generated corpus, 0.025-0.11 over its first six items); bounds /5 and x3.
+    assert 0.005 < kl(full_logits(reuser, pieces), done.logits) < 0.08
 
 
-def test_deviation_selection_beats_random_selection(reuser: Reuser, loaded: LoadedModel) -> None:
-    pieces, documents = musique(loaded, 1, docs=4, words=150)
-    reference = full_logits(reuser, pieces)
-    parts = blend_pieces(reuser, pieces, documents)
+def test_deviation_selection_beats_random_selection(musique: Path, reuser: Reuser, loaded: LoadedModel) -> None:
+    """Summed over six items: on one item either may win (deviation wins on 3 of the first 6 generated items)."""
 
-    def divergence(config: BlendConfig) -> float:
+    def divergence(reference: torch.Tensor, parts: list[Piece], config: BlendConfig) -> float:
         return kl(reference, prefill(reuser.model, reuser.new_kv(), parts, config).logits)
 
-    chosen = divergence(BlendConfig(ratio=0.15))
-    at_random = [divergence(BlendConfig(ratio=0.15, select="random", seed=s)) for s in range(3)]
-    assert chosen < sum(at_random) / len(at_random)
+    chosen, at_random = 0.0, 0.0
+    for index in range(6):
+        pieces, documents = item(musique, loaded, index, docs=4, words=150)
+        reference, parts = full_logits(reuser, pieces), blend_pieces(reuser, pieces, documents)
+        chosen += divergence(reference, parts, BlendConfig(ratio=0.15))
+        seeds = [BlendConfig(ratio=0.15, select="random", seed=s) for s in range(3)]
+        at_random += sum(divergence(reference, parts, c) for c in seeds) / len(seeds)
+    # Measured 0.340 against 0.352 (random, mean of three seeds): a margin of 3.5% only, as the generated
+    # passages barely depend on each other (naive reuse moves the answer by KL 0.03-0.11 here).
+    assert chosen < at_random
 
 
-def test_more_recompute_moves_the_answer_less(reuser: Reuser, loaded: LoadedModel) -> None:
-    pieces, documents = musique(loaded, 1, docs=4, words=150)
+def test_more_recompute_moves_the_answer_less(musique: Path, reuser: Reuser, loaded: LoadedModel) -> None:
+    pieces, documents = item(musique, loaded, 1, docs=4, words=150)
     reference = full_logits(reuser, pieces)
     kls = [
         kl(reference, reuser.prefill(reuser.new_kv(), pieces, documents, Reuse("blend", r)).logits) for r in (0, 0.5)
@@ -95,8 +101,8 @@ def test_more_recompute_moves_the_answer_less(reuser: Reuser, loaded: LoadedMode
     assert kls[1] < kls[0]
 
 
-def test_exact_prefix_is_found_at_a_document_boundary(reuser: Reuser, loaded: LoadedModel) -> None:
-    pieces, documents = musique(loaded, 2, docs=3, words=60)
+def test_exact_prefix_is_found_at_a_document_boundary(musique: Path, reuser: Reuser, loaded: LoadedModel) -> None:
+    pieces, documents = item(musique, loaded, 2, docs=3, words=60)
     earlier = reuser.new_kv()
     forward(reuser.model, [Run(earlier, [t for p in pieces for t in p], 0)])
     reuser.store_prefix(earlier, pieces)
@@ -138,8 +144,8 @@ def test_documents_sit_between_head_and_the_users_words(loaded: LoadedModel) -> 
     assert document_ids(tok, "Some text.") == document_ids(tok, "Some text.")
 
 
-def test_a_request_deviating_beyond_calibration_gets_a_larger_ratio(loaded: LoadedModel) -> None:
-    pieces, documents = musique(loaded, 0, docs=2, words=80)
+def test_a_request_deviating_beyond_calibration_gets_a_larger_ratio(musique: Path, loaded: LoadedModel) -> None:
+    pieces, documents = item(musique, loaded, 0, docs=2, words=80)
     store, fp = ChunkStore.from_config(), fingerprint("t")
     calm = Reuser(loaded.model, loaded.tokenizer, store, fp, BlendConfig(ratio=0.1), deviation_limit=1e9)
     wary = Reuser(loaded.model, loaded.tokenizer, store, fp, BlendConfig(ratio=0.1), deviation_limit=0.0)
@@ -156,23 +162,23 @@ def test_a_request_deviating_beyond_calibration_gets_a_larger_ratio(loaded: Load
 
 
 def test_attention_weighted_selection_keeps_the_fresh_tokens_and_the_budget(
-    reuser: Reuser, loaded: LoadedModel
+    musique: Path, reuser: Reuser, loaded: LoadedModel
 ) -> None:
-    pieces, documents = musique(loaded, 1, docs=3, words=80)
+    pieces, documents = item(musique, loaded, 1, docs=3, words=80)
     parts = blend_pieces(reuser, pieces, documents)
     done = prefill(reuser.model, reuser.new_kv(), parts, BlendConfig(ratio=0.2, select="attention"))
     doc_tokens = sum(len(p) for p, d in zip(pieces, documents) if d)
     assert done.recomputed == round(0.2 * doc_tokens)
-    assert kl(full_logits(reuser, pieces), done.logits) < 2.0
+    assert kl(full_logits(reuser, pieces), done.logits) < 0.15  # measured 0.050 on this item: x3
 
 
 def test_documents_read_from_disk_layer_by_layer_blend_exactly_as_from_memory(
-    loaded: LoadedModel, tmp_path: Path
+    musique: Path, loaded: LoadedModel, tmp_path: Path
 ) -> None:
     def reuser_on(store: ChunkStore) -> Reuser:
         return Reuser(loaded.model, loaded.tokenizer, store, fingerprint("test"), BlendConfig())
 
-    pieces, documents = musique(loaded, 1, docs=3, words=60)
+    pieces, documents = item(musique, loaded, 1, docs=3, words=60)
     warm = reuser_on(ChunkStore([MemoryTier(1 << 30), DiskTier(tmp_path, 1 << 30)]))
     for ids in (p for p, d in zip(pieces, documents) if d):
         warm.document(ids)

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import httpx
 import openai
-import pytest
 
 from kvgate.runtime.calibration import load as load_calibration
 from kvgate.runtime.calibration import model_fingerprint
@@ -103,19 +102,10 @@ def test_bench_grammar_checks_every_answer_and_weighs_the_grammar(tmp_path: Path
     assert "% of the step" in text
 
 
-MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_rag_dev.jsonl"
-GSM8K = MUSIQUE.with_name("gsm8k_dev.jsonl")
-
-
-def need_musique() -> None:
-    if not MUSIQUE.is_file():
-        pytest.skip(f"{MUSIQUE} is missing (the shared evaluation data)")
-
-
-def test_bench_fidelity_writes_a_table_and_a_plot(tmp_path: Path) -> None:
-    need_musique()
+def test_bench_fidelity_writes_a_table_and_a_plot(tmp_path: Path, musique: Path) -> None:
     out = tmp_path / "BENCHMARKS.md"
     args = ["bench", "fidelity", "--docs", "2", "--limit", "1", "--ratios", "0,50", "--words", "60"]
+    args += ["--data", str(musique)]
     proc = subprocess.run([KVGATE, *args, "--output", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     text = out.read_text()
@@ -127,8 +117,9 @@ def test_bench_fidelity_writes_a_table_and_a_plot(tmp_path: Path) -> None:
     assert (tmp_path / "fidelity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_refuses_bad_ratios_and_missing_data(tmp_path: Path) -> None:
-    for args in (["--ratios", "0,150"], ["--data", str(tmp_path / "none.jsonl")], ["--limit", "0"]):
+def test_bench_refuses_bad_ratios_and_missing_data(tmp_path: Path, musique: Path) -> None:
+    data = ["--data", str(musique)]  # the data is there: what is refused is the option
+    for args in (["--ratios", "0,150", *data], ["--data", str(tmp_path / "none.jsonl")], ["--limit", "0", *data]):
         proc = subprocess.run(
             [KVGATE, "bench", "fidelity", *args, "--output", str(tmp_path / "B.md")],
             capture_output=True,
@@ -138,11 +129,9 @@ def test_bench_refuses_bad_ratios_and_missing_data(tmp_path: Path) -> None:
         assert proc.returncode == 2 and "kvgate: error:" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_bench_multiagent_writes_a_table_and_a_plot(tmp_path: Path) -> None:
-    if not GSM8K.is_file():
-        pytest.skip(f"{GSM8K} is missing (the shared evaluation data)")
+def test_bench_multiagent_writes_a_table_and_a_plot(tmp_path: Path, gsm8k: Path) -> None:
     out = tmp_path / "BENCHMARKS.md"
-    args = ["bench", "multiagent", "--questions", "3", "--agents", "2", "--written", "8"]
+    args = ["bench", "multiagent", "--questions", "3", "--agents", "2", "--written", "8", "--data", str(gsm8k)]
     proc = subprocess.run([KVGATE, *args, "--output", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     text = out.read_text()
@@ -151,19 +140,19 @@ def test_bench_multiagent_writes_a_table_and_a_plot(tmp_path: Path) -> None:
     assert {"dense", "prefix", "naive", "kvcomm 0%", "blend 15%", "kvcomm 15%"} <= rows.keys()
     assert float(rows["prefix"][6]) < 1e-3  # the agent's own previous prompt is exact
     assert (tmp_path / "multiagent.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for bad in (["--agents", "6"], ["--questions", "0"], ["--data", str(tmp_path / "none.jsonl")]):
+    data = ["--data", str(gsm8k)]
+    for bad in (["--agents", "6", *data], ["--questions", "0", *data], ["--data", str(tmp_path / "none.jsonl")]):
         proc = subprocess.run([KVGATE, "bench", "multiagent", *bad], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and "kvgate: error:" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_calibrate_stores_a_calibration_the_engine_finds(tmp_path: Path, settings, loaded) -> None:
-    need_musique()
+def test_calibrate_stores_a_calibration_the_engine_finds(tmp_path: Path, settings, loaded, musique: Path) -> None:
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / "models").symlink_to(settings.cache_dir / "models")  # the converted model, not converted again
     env = {**os.environ, "KVGATE_CACHE_DIR": str(cache)}
     args = ["calibrate", "--docs", "2", "--limit", "1", "--words", "50", "--ratios", "0,20", "--target", "0.5"]
-    args += ["--table-docs", "1,2"]
+    args += ["--table-docs", "1,2", "--data", str(musique), "--offset", "0"]  # the generated file's first item
     proc = subprocess.run([KVGATE, *args], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     # Where the engine looks: the model's fingerprint (its content: the same from this cache dir).

@@ -23,7 +23,6 @@ SOLVER = "You are a careful math tutor. Solve the problem step by step."
 CHECKER = "You are a strict reviewer. Check the solution above and give the final number."
 QUESTION = "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total does it take?"
 OTHER = "Josh buys a house for $80,000 and puts in $50,000 in repairs. How much profit did he make?"
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_dev.jsonl"
 UNRELATED = "Lorem ipsum: 0xDEADBEEF; ¿Dónde está la biblioteca? 東京は日本の首都です。🙂🙂 #!/usr/bin/env zsh"
 
 
@@ -177,13 +176,11 @@ def test_a_similar_span_passes_the_gate_an_unrelated_one_adds_an_anchor(spans: S
     assert len(spans.offsets) == before + 1
 
 
-def test_in_a_pipeline_kvcomm_moves_the_answer_less_than_naive_reuse_and_blend(spans: Spans) -> None:
-    """The benchmark's pipeline, two agents: a checker reads each GSM8K question, the solver's
-    greedy answer and its own cue. From the third question on, those spans come from the solver's
-    context (or its own, under other messages) with offsets learnt on the first two."""
-    if not GSM8K.is_file():
-        pytest.skip(f"{GSM8K} is missing (the shared evaluation data)")
-    with GSM8K.open() as f:
+def test_in_a_pipeline_kvcomm_moves_the_answer_less_than_naive_reuse_and_blend(spans: Spans, gsm8k: Path) -> None:
+    """The benchmark's pipeline, two agents: a checker reads each GSM8K-like question (tests/corpus.py),
+    the solver's greedy answer and its own cue. From the third question on, those spans come from the
+    solver's context (or its own, under other messages) with offsets learnt on the first two."""
+    with gsm8k.open() as f:
         questions = [json.loads(line)["question"] for _, line in zip(range(5), f)]
     model, eos = spans.reuser.model, frozenset({spans.reuser.tokenizer.eos_token_id})
     moved: dict[str, list[float]] = {"naive": [], "blend": [], "kvcomm": []}
