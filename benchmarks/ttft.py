@@ -208,7 +208,7 @@ def bench_ttft(
         source = f"NOT calibrated (no `kvgate calibrate` result for this model): the default {BlendConfig().ratio:.0%}"
         print(f"kvgate bench ttft: no calibration found; blend uses the default ratio {BlendConfig().ratio:.0%}")
         reuser = make_reuser(loaded, memory_bytes=max(config.chunk_cache.memory_bytes, need))
-        blend = Reuse("blend")
+        blend = Reuse("blend", BlendConfig().ratio)  # its row is not "(calibrated)": nothing was
     calibrated = reuser.blend.ratio if ratio is None else ratio
     modes = [Reuse("full"), Reuse("prefix"), Reuse("naive"), blend]
     modes += [Reuse("blend", r) for r in sorted(set(ratios)) if r != calibrated]
