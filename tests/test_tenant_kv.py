@@ -1,0 +1,175 @@
+"""Tenants and KV reuse, as clients see it: with API keys, the KV one tenant's requests leave behind
+(its documents, its exact prefixes, its conversations) is reused by that tenant's later requests and
+never by another tenant's, whose same text is computed afresh (`tenant_scoped_kv`, the default). With
+`tenant_scoped_kv: false`, document and prefix KV are everyone's. What was reused is read where any
+OpenAI client reads it: `x-kvgate-reused-tokens` and `usage.prompt_tokens_details.cached_tokens`.
+
+A test that only asks whether tenant B can *see* tenant A's document (a 404) passes even when B
+silently reuses A's KV; these tests count the tokens B reused."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import openai
+import pytest
+
+import kvgate
+from kvgate.gateway.settings import Settings
+from kvgate.runtime.engine import Engine
+from tests.servers import serving
+
+A, B = "sk-tenant-a", "sk-tenant-b"
+KEYS = {A: "tenant-a", B: "tenant-b"}
+BLEND = {"reuse": "blend", "recompute_ratio": 0.2}  # a ratio asked is run as asked: no calibration, no cost model
+PREFIX = {"reuse": "prefix"}
+
+
+def notes(subject: str) -> str:
+    """A document no other test sends, so only this test's requests can have left its KV behind."""
+    return (
+        f"Internal notes on {subject}: the harbour office opens at seven, the pilot boats leave from the "
+        f"north quay, and every manifest is checked twice before a vessel may berth."
+    )
+
+
+@contextmanager
+def keyed_server(settings: Settings, engine: Engine, **more: Any) -> Iterator[str]:
+    """A server over the session's engine where each key is a tenant of its own."""
+    offsets = engine.spans.offsets  # a server's backend sets the engine's anchor pool: the session's comes back
+    try:
+        with serving(settings.model_copy(update={"api_keys": KEYS, **more}), engine) as url:
+            yield url
+    finally:
+        engine.spans.offsets = offsets
+
+
+@pytest.fixture(scope="module")
+def scoped(settings: Settings, engine: Engine) -> Iterator[str]:
+    """Two tenants, KV kept per tenant (the default)."""
+    with keyed_server(settings, engine) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def unscoped(settings: Settings, engine: Engine) -> Iterator[str]:
+    """Two tenants, `tenant_scoped_kv: false`: document and prefix KV shared by all."""
+    with keyed_server(settings, engine, tenant_scoped_kv=False) as url:
+        yield url
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a client learns about a chat completion's reuse."""
+
+    text: str
+    reused: int  # x-kvgate-reused-tokens, which usage.prompt_tokens_details.cached_tokens repeats
+    reuse: str  # x-kvgate-reuse: the mode that ran ("" when nothing was reused)
+    program: str  # x-kvgate-program-id: the program the turn belongs to ("" when none)
+
+
+def ask(
+    url: str,
+    key: str,
+    model: str,
+    messages: list[dict[str, Any]] | str,
+    documents: list[dict[str, str]] | None = None,
+    reuse: dict[str, Any] | None = None,
+    **kw: Any,
+) -> Answer:
+    """One temperature-0 chat completion through the openai SDK, kvgate's fields in `extra_body`."""
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    extra: dict[str, Any] = {}
+    if documents is not None:
+        extra["documents"] = documents
+    if reuse is not None:
+        extra["kvgate"] = reuse
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+    raw = client.chat.completions.with_raw_response.create(
+        model=model, messages=messages, temperature=0, max_tokens=8, extra_body=extra or None, **kw
+    )
+    completion, reused = raw.parse(), int(raw.headers["x-kvgate-reused-tokens"])
+    assert completion.usage is not None and completion.usage.prompt_tokens_details is not None
+    assert completion.usage.prompt_tokens_details.cached_tokens == reused  # the header and the usage agree
+    headers = raw.headers
+    text = completion.choices[0].message.content or ""
+    return Answer(text, reused, headers.get("x-kvgate-reuse", ""), headers.get("x-kvgate-program-id", ""))
+
+
+# ---- documents ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kept_by", ["documents API", "a chat"])
+def test_a_tenants_document_kv_is_reused_by_that_tenant_only(scoped: str, model_name: str, kept_by: str) -> None:
+    """Tenant A's document KV, kept through `POST /v1/documents` or by a chat that cited the text: B
+    citing the same text reuses none of it (its own copy is computed), while A's next request does."""
+    text = notes(f"tenant A, kept by {kept_by}")
+    question = "When does the harbour office open?"
+    if kept_by == "documents API":
+        with kvgate.Client(scoped, api_key=A, model=model_name) as kvgate_client:
+            card = kvgate_client.documents.add(text)
+        assert card.cached and card.tokens > 0
+    else:  # a plain chat citing it, left to the server's default reuse
+        assert ask(scoped, A, model_name, question, [{"text": text}]).reused == 0  # read for the first time
+
+    assert ask(scoped, B, model_name, question, [{"text": text}], BLEND).reused == 0
+    assert ask(scoped, A, model_name, question, [{"text": text}], BLEND).reused > 0
+    assert ask(scoped, B, model_name, question, [{"text": text}], BLEND).reused > 0  # now B's own copy
+
+
+# ---- exact prefixes and conversations -------------------------------------------------------------
+
+
+def test_an_exact_prefix_is_reused_within_its_tenant_only(scoped: str, model_name: str) -> None:
+    """`reuse: prefix` finds an earlier prompt's identical leading pieces: the same tenant's, never
+    another's."""
+    documents = [{"text": notes("exact prefixes")}]
+    question = "Where do the pilot boats leave from?"
+    assert ask(scoped, A, model_name, question, documents, PREFIX).reused == 0
+    assert ask(scoped, B, model_name, question, documents, PREFIX).reused == 0
+    assert ask(scoped, A, model_name, question, documents, PREFIX).reused > 0
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["program id", "no markup"])
+def test_a_conversation_is_continued_within_its_tenant_only(scoped: str, model_name: str, named: bool) -> None:
+    """A conversation's next turn resumes the KV its previous turn left (prompt and answer), whether
+    the program is named (`x-kvgate-program-id`, the same name for both tenants) or found from the
+    resent messages. Tenant B sending A's exact next turn resumes nothing of A's."""
+    program = {"extra_headers": {"x-kvgate-program-id": "harbour-shift"}} if named else {}
+    history = [
+        {"role": "user", "content": "Who checks the manifests at the harbour?"},
+        {"role": "assistant", "content": "The harbour office checks every manifest twice."},
+        {"role": "user", "content": "And when does that office open?"},
+    ]
+    first = ask(scoped, A, model_name, history, **program)
+    following = [*history, {"role": "assistant", "content": first.text}, {"role": "user", "content": "Who leads?"}]
+
+    other = ask(scoped, B, model_name, following, **program)
+    assert other.reused == 0
+    if not named:  # found from the messages: B's turn starts a program of its own, never joins A's
+        assert other.program.startswith("conv-") and other.program != first.program
+    again = ask(scoped, A, model_name, following, **program)
+    assert again.reused > 0 and again.reuse == "program" and again.program == first.program
+
+
+# ---- tenant_scoped_kv: false ----------------------------------------------------------------------
+
+
+def test_without_tenant_scoped_kv_tenants_share_document_and_prefix_kv(unscoped: str, model_name: str) -> None:
+    """`tenant_scoped_kv: false`: tenant B reuses the document KV tenant A kept, and A's exact prefix."""
+    text = notes("tenants sharing KV")
+    with kvgate.Client(unscoped, api_key=A, model=model_name) as kvgate_client:
+        card = kvgate_client.documents.add(text)
+    assert card.cached
+    assert ask(unscoped, B, model_name, "When does the office open?", [{"text": text}], BLEND).reused > 0
+
+    # A system prompt of this test's own: no other request's exact prefix starts the same way.
+    system = {"role": "system", "content": "You answer from the harbour's shared notes."}
+    messages = [system, {"role": "user", "content": "Who checks manifests?"}]
+    documents = [{"text": notes("tenants sharing prefixes")}]
+    assert ask(unscoped, A, model_name, messages, documents, PREFIX).reused == 0
+    assert ask(unscoped, B, model_name, messages, documents, PREFIX).reused > 0
