@@ -289,6 +289,19 @@ class Events:
         return [bytes(self.buffer)] if self.buffer.strip() else []
 
 
+def event_data(event: bytes) -> bytes | None:
+    """An SSE event's data: its `data:` fields' values joined by newlines (SSE's rule), whatever other
+    fields (`id:`, `event:`) or comment lines come with them; None when it has none."""
+    if event.startswith(b"data:") and b"\n" not in event and b"\r" not in event:
+        return event[5:]  # the usual event: one data line
+    values = []
+    for line in event.splitlines():
+        name, _, value = line.partition(b":")
+        if name == b"data":
+            values.append(value[1:] if value.startswith(b" ") else value)
+    return b"\n".join(values) if values else None
+
+
 class Relay:
     """An upstream's answer on its way to the client: a whole one read at once; a stream passed on
     event by event, its usage chunk read (and dropped if the client did not ask for it), an upstream
@@ -328,15 +341,19 @@ class Relay:
     def read(self, event: bytes) -> bool:
         """Note what an event says; whether to pass it on."""
         outcome = self.outcome
-        if not event.startswith(b"data:") or event.endswith(b"[DONE]"):
-            if event.endswith(b"[DONE]"):
-                outcome.done, outcome.text = not self.cut, "".join(self.text)
+        data = event_data(event)
+        if data is None:  # comments, or fields with no data
             return bool(event.strip())
-        if not self.keep_text and b'"usage"' not in event:
+        if data.strip() == b"[DONE]":
+            outcome.done, outcome.text = not self.cut, "".join(self.text)
+            return True
+        if not self.keep_text and b'"usage"' not in data:
             return True
         try:
-            chunk = json.loads(event[5:])
+            chunk = json.loads(data)
         except ValueError:
+            return True
+        if not isinstance(chunk, dict):
             return True
         if isinstance(chunk.get("usage"), dict):
             outcome.usage = chunk["usage"]
