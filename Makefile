@@ -38,7 +38,7 @@ redis:
 
 test: $(TEST_STAMP) redis
 	$(BIN)/kvgate convert
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -rs
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
