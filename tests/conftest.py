@@ -8,7 +8,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from kvgate.gateway.settings import Settings
+from kvgate.gateway.settings import Settings, user_cache_dir
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.tokens import chat_prompt
@@ -46,7 +46,14 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
     # Document KV on disk starts empty each run; the converted model stays in the user cache.
     # The semantic cache is off here: these tests send the same temperature-0 requests again and
     # compare what the model does; tests/test_semantic_gateway.py runs servers with it on.
-    return Settings(max_num_seqs=8, chunk_cache_dir=tmp_path_factory.mktemp("chunks"), semantic_cache=False)
+    # A cache directory of the run's own, so that what a developer stored in the user cache (a
+    # `kvgate calibrate` result: the engine would serve its ratio) changes nothing here; the converted
+    # model is linked from the user cache, not converted again.
+    cache, models = tmp_path_factory.mktemp("cache"), user_cache_dir() / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    (cache / "models").symlink_to(models)
+    chunks = tmp_path_factory.mktemp("chunks")
+    return Settings(cache_dir=cache, max_num_seqs=8, chunk_cache_dir=chunks, semantic_cache=False)
 
 
 @pytest.fixture(scope="session")
