@@ -12,7 +12,7 @@ from kvgate.gateway.settings import Settings, user_cache_dir
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.tokens import chat_prompt
-from tests import corpus
+from tests import corpus, questions
 from tests.redis_server import RedisServer
 from tests.servers import serving
 
@@ -32,13 +32,13 @@ def musique(corpus_dir: Path) -> Path:
 @pytest.fixture(scope="session")
 def gsm8k(corpus_dir: Path) -> Path:
     """GSM8K-like word problems (question, answer), for `--data` of `kvgate bench multiagent`."""
-    return corpus.write_jsonl(corpus_dir / "gsm8k.jsonl", corpus.gsm8k_rows(8))
+    return corpus.write_jsonl(corpus_dir / "gsm8k.jsonl", questions.gsm8k_rows(8))
 
 
 @pytest.fixture(scope="session")
 def qqp(corpus_dir: Path) -> Path:
     """QQP-like question pairs (a, b, duplicate), for `--data` of the semantic benchmarks."""
-    return corpus.write_jsonl(corpus_dir / "qqp.jsonl", corpus.qqp_rows(400))
+    return corpus.write_jsonl(corpus_dir / "qqp.jsonl", questions.qqp_rows(400))
 
 
 @pytest.fixture(scope="session")
