@@ -138,10 +138,11 @@ class Programs:
         longer than the residence it has left), pin it until the turn takes it, as its chance of
         coming back is now 1. One that memory keeps through the wait needs neither pin nor turn."""
         pins = self.config.pins
-        resident = self.resident_s()
-        if pins.mode != "decide" or resident >= pins.max_ttl_s:
+        residence = self.resident_s()
+        if pins.mode != "decide" or residence >= pins.max_ttl_s:
             return False
-        if self.costs.queue_s() < resident - (now - (p.ended if p.ended is not None else now)):
+        idle = now - p.ended if p.ended is not None else 0.0
+        if self.costs.queue_s() < residence - idle:
             return False
         p.pinned_until = now + pins.max_ttl_s  # a turn that never starts lets go at this deadline
         heapq.heappush(self.deadlines, (p.pinned_until, p.scope, p.id))
