@@ -4,6 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
+# No pip wheel cache: the install is ~4 GB already, and CI's machine once ran out of disk in it.
+export PIP_NO_CACHE_DIR := 1
 
 .PHONY: serve test lint install redis
 
