@@ -36,12 +36,19 @@ def rows(path: Path, limit: int, docs: int, words: int) -> list[tuple[str, list[
 
 
 def ask(
-    engine: Engine, planner: Planner, question: str, docs: list[str], scope: str = "", wait_s: float = 600
+    engine: Engine,
+    planner: Planner,
+    question: str,
+    docs: list[str],
+    scope: str = "",
+    wait_s: float = 600,
+    ratio: float | None = None,
 ) -> Result:
     """A chat over `docs` through the engine (one token), returned once its shadow check, if one is
-    due, is done (it runs when the engine is idle), or `wait_s` later."""
+    due, is done (it runs when the engine is idle), or `wait_s` later. `ratio`: a blend's, asked."""
     documents = [{"text": d} for d in docs]
-    ids, plan = planner.chat(Chat([{"role": "user", "content": question}], documents=documents, scope=scope))
+    messages = [{"role": "user", "content": question}]
+    ids, plan = planner.chat(Chat(messages, documents=documents, scope=scope, ratio=ratio))
 
     async def run() -> Result:
         result = Result()

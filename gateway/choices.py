@@ -143,6 +143,8 @@ def reuse_headers(done: Output | Result) -> dict[str, str]:
     }
     if done.reuse:
         headers["x-kvgate-reuse"] = done.reuse
+    if done.fidelity:
+        headers["x-kvgate-fidelity"] = done.fidelity
     return headers
 
 

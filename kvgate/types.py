@@ -34,6 +34,7 @@ class Reuse:
     program: str | None = None
     upstream: str | None = None
     request_id: str | None = None
+    fidelity: str | None = None  # how far the reuse moves the first token: "exact", or kl/top1 and their source
 
     @classmethod
     def from_headers(cls, headers: Mapping[str, str]) -> Reuse:
@@ -54,6 +55,7 @@ class Reuse:
             program=h.get("x-kvgate-program-id"),
             upstream=h.get("x-kvgate-upstream"),
             request_id=h.get("x-request-id"),
+            fidelity=h.get("x-kvgate-fidelity"),
         )
 
 

@@ -18,6 +18,7 @@ from kvgate.runtime.sequence import Missing, Plan, Sequence
 from kvgate.runtime.shared import Spans
 
 log = logging.getLogger("kvgate.engine")
+EXACT = "exact"  # the KV reused is the very KV full prefill computes (an exact prefix, a program's own context)
 
 
 class Caches:
@@ -94,13 +95,30 @@ class Caches:
             label = seq.reuse if done.mode == "full" else done.mode  # "full": no span reused
             seq.cached_tokens, seq.recomputed_tokens = done.reused, done.recomputed
             seq.reuse = "; ".join(x for x in (label, done.note, why) if x)
+            spans = done.reused and done.mode != "full"
+            seq.fidelity = self.fidelity("kvcomm", ratio, 0) if spans else EXACT if seq.cached_tokens else ""
             return done.logits
         reuse, why = self.choose(seq, plan)
         done = yield from self.reuser.prefilling(seq.kv, plan.pieces, plan.documents, reuse, plan.scope, seq.fresh)
         seq.planned = True
         seq.cached_tokens, seq.recomputed_tokens = done.reused, done.recomputed
         seq.reuse = "; ".join(x for x in (done.mode, done.note, why) if x)
+        if done.reused:
+            exact = done.mode == "prefix"
+            seq.fidelity = EXACT if exact else self.fidelity(done.mode, done.ratio, sum(plan.documents))
         return done.logits
+
+    def fidelity(self, mode: str, ratio: float, documents: int) -> str:
+        """How far reusing KV at `ratio` moves the first token from full prefill's: the latest shadow
+        checks of that mode at that ratio, else what calibration measured for as many documents."""
+        checked = self.gate.measured(mode, ratio)
+        if checked is not None:
+            kl, top1, n = checked
+            return f"kl={kl:.4f}; top1={top1:.3f}; ratio={ratio:g}; source=shadow; checks={n}"
+        calibrated = self.calibration.measured(documents, ratio) if self.calibration and mode == "blend" else None
+        if calibrated is not None:
+            return f"kl={calibrated['kl']:.4f}; top1={calibrated['top1']:.3f}; ratio={ratio:g}; source=calibration"
+        return f"ratio={ratio:g}; source=none"
 
     def choose(self, seq: Sequence, plan: Plan) -> tuple[Reuse, str]:
         """The reuse to run, and why when it is not the one the plan asked for. A ratio asked is run

@@ -35,8 +35,7 @@ class Calibration:
         Without a table: the one calibrated ratio."""
         if not self.table:
             return self.ratio, ""
-        counts = sorted(int(d) for d in self.table)
-        count = next((c for c in counts if c >= documents), counts[-1])
+        count = self.count(documents)
         rows = sorted((float(r), m) for r, m in self.table[str(count)].items())
         for ratio, m in rows:
             if m["kl"] <= target_kl and m["top1"] >= target_top1:
@@ -46,6 +45,15 @@ class Calibration:
             f"no calibrated recompute ratio meets the fidelity target (KL <= {target_kl:g}, top-1 >= "
             f"{target_top1:.0%}) for {count} documents; the best, {r:.0%}, had KL {m['kl']:.3f}, top-1 {m['top1']:.1%}"
         )
+
+    def count(self, documents: int) -> int:
+        """The number of documents calibrated that stands for `documents`: the nearest at or above, else the largest."""
+        counts = sorted(int(d) for d in self.table)
+        return next((c for c in counts if c >= documents), counts[-1])
+
+    def measured(self, documents: int, ratio: float) -> dict[str, float] | None:
+        """The mean first-token {"kl", "top1"} calibration measured at `ratio` for as many documents."""
+        return self.table[str(self.count(documents))].get(f"{ratio:g}") if self.table else None
 
 
 def model_fingerprint(loaded: LoadedModel) -> str:

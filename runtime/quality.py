@@ -141,6 +141,14 @@ class Gate:
             elif ladder.at and n >= c.window and mean_kl <= RECOVER * c.target_kl and top1 >= c.target_top1:
                 ladder.move(-1, ladder.why)
 
+    def measured(self, mode: str, ratio: float) -> tuple[float, float, int] | None:
+        """The mean KL and top-1 of the latest checks of `mode` at `ratio`, and how many; None if none."""
+        ladder = self.ladders.get(mode)
+        with self.lock:
+            if ladder is None or ladder.probe != ratio or not ladder.checks:
+                return None
+            return (*ladder.means(), len(ladder.checks))
+
     def stats(self) -> Iterable[tuple[str, dict[str, float]]]:
         """Per mode: lifetime checks, their mean KL and top-1, the window's, and the ratio served."""
         with self.lock:

@@ -46,6 +46,7 @@ class Prefilled:
     recomputed: int = 0
     deviation: float = 0.0
     note: str = ""
+    ratio: float = 0.0  # the recompute ratio that ran (naive: 0)
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -359,11 +360,12 @@ class Reuser:
             # Far outside what calibration saw: redo with the larger ratio.
             notes.append(f"deviation {done.deviation:.3g} above the calibrated {self.deviation_limit:.3g}")
             kv.truncate(0)
-            done = yield from blend(self.model, kv, parts, self.config(self.max_ratio, "blend"))
+            ratio = self.max_ratio
+            done = yield from blend(self.model, kv, parts, self.config(ratio, "blend"))
         # Only KV that came from the cache counts as reused; a document computed for this request is not.
         recomputed = int((found & done.recomputed_mask).sum())
         reused = int(found.sum()) - recomputed
-        return Prefilled(done.logits, reuse.mode, reused, recomputed, done.deviation, "; ".join(notes))
+        return Prefilled(done.logits, reuse.mode, reused, recomputed, done.deviation, "; ".join(notes), ratio)
 
     def config(self, ratio: float, mode: str) -> BlendConfig:
         if mode == "naive":  # no layer runs over the reused tokens at all

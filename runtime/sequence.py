@@ -67,6 +67,7 @@ class Output:
     cached_tokens: int = 0  # prompt tokens whose KV came from a cache and was kept
     recomputed_tokens: int = 0  # cached prompt tokens computed again (blend)
     reuse: str = ""  # how the prompt's KV was made, when documents were reused; and why if not as asked
+    fidelity: str = ""  # how far that reuse moves the first token, as last measured (runtime/caching.py)
 
 
 @dataclass
@@ -82,6 +83,7 @@ class Result:
     cached_tokens: int = 0
     recomputed_tokens: int = 0
     reuse: str = ""
+    fidelity: str = ""
 
     def add(self, out: Output) -> None:
         self.text += out.text
@@ -90,6 +92,7 @@ class Result:
         self.finish_reason = out.finish_reason
         self.prompt_tokens, self.completion_tokens = out.prompt_tokens, out.completion_tokens
         self.cached_tokens, self.recomputed_tokens, self.reuse = out.cached_tokens, out.recomputed_tokens, out.reuse
+        self.fidelity = out.fidelity
 
 
 @dataclass
@@ -124,6 +127,7 @@ class Sequence:
     cached_tokens: int = 0
     recomputed_tokens: int = 0
     reuse: str = ""
+    fidelity: str = ""
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
@@ -197,6 +201,7 @@ class Sequence:
             cached_tokens=self.cached_tokens,
             recomputed_tokens=self.recomputed_tokens,
             reuse=self.reuse,
+            fidelity=self.fidelity,
         )
         self.sent, self.pending_ids, self.pending_logprobs = end, [], []
         return out

@@ -66,7 +66,7 @@ def test_a_second_turn_within_the_ttl_reuses_the_whole_previous_context(url: str
     # is computed only when it is fed back).
     assert int(raw.headers["x-kvgate-reused-tokens"]) == one.usage.prompt_tokens + one.usage.completion_tokens - 1
     assert two.usage.prompt_tokens_details.cached_tokens == int(raw.headers["x-kvgate-reused-tokens"])
-    assert raw.headers["x-kvgate-reuse"] == "program"
+    assert raw.headers["x-kvgate-reuse"] == "program" and raw.headers["x-kvgate-fidelity"] == "exact"
     # Exact prefix reuse is the full prefill's answer.
     truth = turn(url, messages, None).parse()
     assert two.choices[0].message.content == truth.choices[0].message.content
@@ -168,6 +168,7 @@ def test_a_second_agent_reuses_the_question_and_the_first_agents_answer(url: str
         else:
             assert reused >= count(question) + count(answer), raw.headers["x-kvgate-reuse"]
             assert raw.headers["x-kvgate-reuse"].startswith("kvcomm")
+            assert "source=" in raw.headers["x-kvgate-fidelity"]  # spans moved it: by how much, or unmeasured
     metrics = httpx.get(f"{url}/metrics").text
     assert "kvgate_kvcomm_estimates_total" in metrics
     # Another tenant's agents share none of it: spans hold their first reader's context.

@@ -44,6 +44,10 @@ def test_documents_by_text_are_reused_and_reported(client, model_name) -> None:
     assert reply.usage.prompt_tokens_details.cached_tokens == reused
     assert reused + recomputed < reply.usage.prompt_tokens  # head and question are always computed
     assert raw.headers["x-kvgate-reuse"] == "blend" and reply.choices[0].message.content
+    # And how far that moved the answer: nothing has measured 20% on this server (tests/test_fidelity.py has
+    # a server that measured), so it says so rather than claim a KL.
+    assert "x-kvgate-fidelity" not in first.headers  # nothing reused, nothing moved
+    assert raw.headers["x-kvgate-fidelity"] == "ratio=0.2; source=none"
 
 
 def test_blend_at_ratio_one_answers_as_full_prefill(client, model_name) -> None:
@@ -86,6 +90,7 @@ def test_exact_prefix_reuse_finds_an_earlier_prompt(client, model_name) -> None:
     assert first.headers["x-kvgate-reused-tokens"] == "0"
     assert int(again.headers["x-kvgate-reused-tokens"]) > sum(len(d["text"]) for d in docs) // 8
     assert again.parse().choices[0].message.content == first.parse().choices[0].message.content
+    assert again.headers["x-kvgate-fidelity"] == "exact"  # the very KV full prefill computes
 
 
 def test_streaming_with_documents_carries_the_reuse_headers(client, model_name, base_url) -> None:
@@ -101,6 +106,7 @@ def test_streaming_with_documents_carries_the_reuse_headers(client, model_name, 
     with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=AS_CLIENT, timeout=120) as r:
         assert r.status_code == 200
         reused = int(r.headers["x-kvgate-reused-tokens"])
+        assert "source=" in r.headers["x-kvgate-fidelity"]  # out with the headers, before the first token
         events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
     assert reused > 0 and events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
