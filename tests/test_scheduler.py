@@ -3,6 +3,8 @@ between tenants (the fewest running first), a reserve of slots for a tenant with
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given
@@ -128,7 +130,7 @@ def test_once_tenants_share_the_server_the_last_slot_waits_for_a_tenant_with_not
 
 
 def test_the_default_reserve_is_an_eighth_of_the_batch() -> None:
-    assert [Scheduler(n, 64).reserve for n in (1, 2, 8, 16, 64)] == [0, 1, 1, 2, 8]
+    assert [Scheduler(n, 64).reserve for n in (1, 2, 8, 12, 16, 64)] == [0, 1, 1, 1, 2, 8]
 
 
 def test_an_aborted_waiting_sequence_leaves_the_queue() -> None:
@@ -204,3 +206,91 @@ def test_a_thousand_waiting_sequences_of_many_tenants_do_not_scan_the_queue() ->
     taken = [fair.pop() for _ in range(100)]
     assert taken == list(range(100))  # 50 tenants with nothing running, then one each: arrival order
     assert len(fair.heap) <= 4 * 50 + 64
+
+
+# --- the step's token budget ------------------------------------------------------------------------
+
+
+def prompt(name: str, n: int, arrival: float = 0.0) -> Sequence:
+    seq = request(name, arrival)
+    seq.prompt_ids = list(range(1, n + 1))
+    return seq
+
+
+def run_step(scheduler: Scheduler) -> list[tuple[str, int]]:
+    """One step as the engine runs it: each sequence's tokens enter its KV; a done prompt samples a token."""
+    batch = scheduler.schedule()
+    for seq, tokens in batch:
+        seq.kv.lengths = [len(seq.kv) + len(tokens)]
+        if not seq.prefilling:
+            seq.output_ids.append(7)
+    return [(seq.text, len(tokens)) for seq, tokens in batch]
+
+
+def test_a_step_computes_at_most_its_budget_and_no_empty_chunk() -> None:
+    scheduler = Scheduler(max_num_seqs=4, max_num_batched_tokens=8)
+    for name, n in (("a", 5), ("b", 6), ("c", 2)):
+        scheduler.add(prompt(name, n))
+    assert run_step(scheduler) == [("a", 5), ("b", 3)]  # the budget spent exactly: c is not admitted yet
+    assert scheduler.waiting_tokens == 2 and [s.text for s in scheduler.running] == ["a", "b"]
+
+
+def test_the_last_token_of_the_budget_is_used_and_none_past_it() -> None:
+    scheduler = Scheduler(max_num_seqs=4, max_num_batched_tokens=3)
+    scheduler.add(prompt("a", 2))
+    scheduler.add(prompt("b", 5))
+    assert run_step(scheduler) == [("a", 2), ("b", 1)]  # one token left: b's first chunk is one token
+    scheduler.add(prompt("c", 1))
+    scheduler.add(prompt("d", 1))
+    assert run_step(scheduler) == [("a", 1), ("b", 2)]  # a decodes, b fills the rest: c waits
+    assert run_step(scheduler) == [("a", 1), ("b", 2)]  # b's prompt ends here
+    assert run_step(scheduler) == [("a", 1), ("b", 1), ("c", 1)]
+    assert run_step(scheduler) == [("a", 1), ("b", 1), ("c", 1)]  # three decodes spend it all: d waits
+
+
+def test_decodes_go_first_so_a_long_prompt_never_starves_them() -> None:
+    scheduler = Scheduler(max_num_seqs=4, max_num_batched_tokens=8)
+    scheduler.add(prompt("short", 3))
+    assert run_step(scheduler) == [("short", 3)]
+    scheduler.add(prompt("long", 40))
+    # Admitted after the decode, and every later step: the decode's token, then the long prompt's chunk.
+    assert run_step(scheduler) == [("short", 1), ("long", 7)]
+    assert run_step(scheduler) == [("short", 1), ("long", 7)]
+
+
+def test_a_given_reserve_keeps_one_slot_for_the_rest() -> None:
+    assert Scheduler(4, 64, reserve=4).reserve == 3
+    assert Scheduler(4, 64, reserve=2).reserve == 2
+
+
+def test_a_sequence_that_ends_frees_its_slot_and_its_tenant_count() -> None:
+    scheduler = Scheduler(max_num_seqs=1, max_num_batched_tokens=64)
+    first, second = tenants_request("a", "a0", 0.0), tenants_request("a", "a1", 1.0)
+    scheduler.add(first)
+    scheduler.add(second)
+    assert step_names(scheduler) == ["a0"] and step_names(scheduler) == []
+    scheduler.remove(first)
+    assert first.status.name == "FINISHED" and step_names(scheduler) == ["a1"]
+    assert scheduler.waiting_tokens == 0 and len(scheduler.waiting) == 0
+
+
+def test_program_order_reads_arrival_not_the_order_requests_were_added() -> None:
+    scheduler = Scheduler(max_num_seqs=1, max_num_batched_tokens=64, order="program")
+    for name, arrival in (("late", 5.0), ("early", 1.0)):
+        scheduler.add(request(name, arrival))
+    assert step_names(scheduler) == ["early"]
+
+
+def test_only_program_order_lets_a_pinned_turn_pass_the_waiting_tokens() -> None:
+    for order, passable in (("program", 12), ("fcfs", 0)):
+        scheduler = Scheduler(max_num_seqs=1, max_num_batched_tokens=64, order=order)
+        for seq in queue():
+            scheduler.add(seq)
+        assert scheduler.passable_tokens == passable
+
+
+def test_the_simulators_sequences_without_a_tenant_are_the_anonymous_tenant() -> None:
+    scheduler = Scheduler(max_num_seqs=2, max_num_batched_tokens=64)
+    scheduler.add(tenants_request("", "keyless", 0.0))
+    scheduler.add(SimpleNamespace(turn=None, arrival=1.0, prompt_ids=[1]))  # like benchmarks/agents_sim.py's
+    assert not scheduler.shared  # one tenant: no slot is held back
