@@ -13,11 +13,15 @@ import pytest
 
 from kvgate.bench.calibrate import deviation_limit
 from kvgate.bench.fidelity import Scores
+from kvgate.runtime.blend import BlendConfig
 from kvgate.runtime.calibration import Calibration, load, model_fingerprint, path, pick_ratio, save
 from kvgate.runtime.config import EngineConfig
+from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.loader import load as load_model
+from kvgate.runtime.planner import Planner
 from tests.test_families import FAMILIES, saved
+from tests.test_quality import ask
 
 
 def sample() -> Calibration:
@@ -150,9 +154,7 @@ def test_a_damaged_table_counts_as_none(tmp_path: Path, table) -> None:
 def test_the_engine_serves_what_the_table_says_and_full_prefill_where_nothing_meets(
     loaded: LoadedModel, tmp_path: Path
 ) -> None:
-    from kvgate.runtime.engine import Engine
-    from kvgate.runtime.planner import Planner
-    from tests.test_quality import DOCS, ask
+    from tests.test_quality import DOCS
 
     save(
         replace(sample(), table={"1": {"0.15": {"kl": 0.2, "top1": 0.5}}, "2": TABLE["2"]}),
@@ -166,5 +168,34 @@ def test_the_engine_serves_what_the_table_says_and_full_prefill_where_nothing_me
         one = ask(engine, planner, "Who kept the lamp?", DOCS[:1])
         assert one.reuse.startswith("full") and "no calibrated recompute ratio meets" in one.reuse
         assert one.cached_tokens == 0
+    finally:
+        engine.shutdown()
+
+
+CALIBRATED = Calibration(ratio=0.37, deviation_limit=1e9, target=0.95, metric="top1", items=8, curve={})
+
+
+@pytest.mark.parametrize(
+    ("stored", "configured", "recomputed"),
+    [
+        (None, None, BlendConfig().ratio),  # nothing calibrated: the default ratio
+        (CALIBRATED, None, 0.37),  # the stored ratio
+        (CALIBRATED, 0.25, 0.25),  # a ratio in the engine's config wins over it
+        (replace(CALIBRATED, deviation_limit=0.0), None, 0.5),  # every blend deviates more: redone at max_ratio
+    ],
+)
+def test_the_engine_blends_as_its_stored_calibration_says(
+    loaded: LoadedModel, tmp_path: Path, stored: Calibration | None, configured: float | None, recomputed: float
+) -> None:
+    if stored is not None:
+        save(stored, path(tmp_path, model_fingerprint(loaded)))
+    engine = Engine(EngineConfig(cache_dir=tmp_path, recompute_ratio=configured), loaded)
+    try:
+        planner = Planner(engine.reuser)
+        ask(engine, planner, "Who kept the lamp?")  # the documents' KV computed and stored
+        blended = ask(engine, planner, "Who kept the lamp?")
+        reused = blended.cached_tokens + blended.recomputed_tokens  # the documents' tokens, all from the cache
+        assert blended.reuse.startswith("blend") and reused > 0
+        assert blended.recomputed_tokens == round(recomputed * reused)
     finally:
         engine.shutdown()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from kvgate.runtime.engine import Engine
 from kvgate.runtime.sampling import SamplingParams, choose, logprob_of, penalise
+from kvgate.runtime.sequence import Result
 
 LOGITS = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
 
@@ -53,3 +56,23 @@ def test_logprobs_are_normalised() -> None:
 def test_a_tiny_temperature_is_greedy() -> None:
     # Dividing by it would overflow the logits to inf and the distribution to NaN.
     assert draws(SamplingParams(temperature=1e-40), 5) == {0}
+
+
+def test_logprobs_are_the_models_own_distribution_before_temperature_and_penalties(engine: Engine, chat_ids) -> None:
+    """The same context gives the same logprobs, whatever temperature and penalties then make of them."""
+    ids = chat_ids("Repeat the word hello five times.")  # a repetitive answer: the penalties bite
+
+    def run(**sampling) -> Result:
+        return engine.generate_sync(ids, SamplingParams(**{"max_tokens": 8, "logprobs": 5, **sampling}))
+
+    plain, hot = run(temperature=0), run(temperature=1.5, seed=0, max_tokens=1)
+    penalised = run(temperature=0, presence_penalty=2.0, frequency_penalty=2.0)
+    # Up to the first token the penalties changed, both read the same context.
+    same = next(i for i, (a, b) in enumerate(zip(plain.token_ids, penalised.token_ids)) if a != b)
+    assert same > 0 and [lp.logprob for lp in penalised.logprobs[:same]] == pytest.approx(
+        [lp.logprob for lp in plain.logprobs[:same]], abs=1e-4
+    )
+    for other, steps in ((hot, 1), (penalised, same + 1)):
+        for a, b in zip(plain.logprobs[:steps], other.logprobs[:steps], strict=True):
+            assert [t for t, _ in b.top] == [t for t, _ in a.top]
+            assert [lp for _, lp in b.top] == pytest.approx([lp for _, lp in a.top], abs=1e-4)

@@ -216,3 +216,28 @@ def test_without_keys_callers_with_different_tokens_do_not_share(engine: Engine,
         ask(base, QUESTION, key="token-one", model=model)
         assert ask(base, QUESTION, key="token-one", model=model).headers["x-kvgate-cache"] == "hit"
         assert ask(base, QUESTION, key="token-two", model=model).headers["x-kvgate-cache"] == "miss"
+
+
+def entries(url: str) -> int:
+    return httpx.get(f"{url}/admin/semantic-cache", headers={"authorization": f"Bearer {ADMIN}"}).json()["entries"]
+
+
+def test_n_above_one_or_logprobs_are_never_answered_from_the_cache(url: str, model_name: str) -> None:
+    question = unique("Name a large ocean.")
+    ask(url, question, model=model_name)
+    assert ask(url, question, model=model_name).headers["x-kvgate-cache"] == "hit"  # stored, as a plain request
+    two = ask(url, question, model=model_name, n=2)
+    assert two.headers["x-kvgate-cache"] == "bypass" and len(two.parse().choices) == 2
+    scored = ask(url, question, model=model_name, logprobs=True, top_logprobs=2)
+    assert scored.headers["x-kvgate-cache"] == "bypass"
+    tokens = scored.parse().choices[0].logprobs.content
+    assert len(tokens) == scored.parse().usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in tokens)
+
+
+def test_answers_to_n_above_one_or_logprobs_are_never_stored(url: str, model_name: str) -> None:
+    question = unique("Name a tall mountain.")
+    before = entries(url)
+    for _ in range(2):  # the second of each would be a hit had the first been stored
+        assert ask(url, question, model=model_name, n=2).headers["x-kvgate-cache"] == "bypass"
+        assert ask(url, question, model=model_name, logprobs=True).headers["x-kvgate-cache"] == "bypass"
+    assert entries(url) == before
