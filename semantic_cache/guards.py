@@ -132,7 +132,7 @@ def quantities(text: str) -> frozenset[str]:
     found = set()
     for w in words(text):
         if w[0].isdigit():
-            found.add(re.sub(r"(?<=\d)[,](?=\d{3})", "", w).removesuffix("th").removesuffix("st").removesuffix("nd"))
+            found.add(re.sub(r"(?<=\d)(st|nd|rd|th)$", "", re.sub(r"(?<=\d)[,](?=\d{3})", "", w)))
         elif w in NUMBER_WORDS:
             found.add(NUMBER_WORDS[w])
         elif w in CALENDAR:
@@ -152,11 +152,12 @@ def names(text: str) -> frozenset[str]:
     openers = {m.group(1) for m in _SENTENCE_START.finditer(text)}
     found = set()
     for raw in re.findall(r"[A-Za-z][\w'.&+-]*[\w+]|[A-Za-z]", text):
-        low = raw.lower().replace("'", "")
-        if low in NOT_NAMES or raw in openers and not raw.isupper():
+        if raw.lower() in NOT_NAMES or raw in openers and not raw.isupper():
             continue
-        if raw[0].isupper() or any(ch.isdigit() for ch in raw) or len(raw) > 1 and raw.isupper():
-            found.add(low.removesuffix("s") if raw.isupper() is False else low)
+        # Capitalised, or a capital inside (iPhone, eBay), or letters with digits (a4); acronyms are not plurals.
+        if any(ch.isupper() for ch in raw) or any(ch.isdigit() for ch in raw):
+            low = raw.lower().replace("'", "")
+            found.add(low if raw.isupper() else _stem(low))
     return frozenset(found)
 
 
