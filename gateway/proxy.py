@@ -23,7 +23,10 @@ from kvgate.gateway.render import sse
 from kvgate.gateway.settings import Settings
 from kvgate.gateway.upstreams import Opened, Pool, Upstream, UpstreamFailed, UpstreamTimeout
 
-EVENT_END = re.compile(rb"\r?\n\r?\n")
+# A line ends with CRLF, LF or CR (SSE allows each); an empty line ends the event. A CR ends a line by
+# itself only once the next byte is known not to be an LF: a CRLF split between two reads is one line end.
+LINE_END = rb"(?:\r\n|\r(?=[^\n])|\n)"
+EVENT_END = re.compile(LINE_END + LINE_END)
 PASSED_ON = ("content-type", "retry-after")  # and every x-kvgate-* header
 DOCUMENT_OWNERS = 65536  # document ids remembered with the worker that stored them
 
@@ -274,7 +277,8 @@ class Events:
     def feed(self, chunk: bytes) -> list[bytes]:
         self.buffer += chunk
         found, start = [], 0
-        # An event's end is up to 4 bytes (\r\n\r\n): it may begin 3 bytes before the new ones.
+        # An event's end and the byte after a CR it ends with are 4 bytes at most (\r\n\r\n, or \r\n\r and
+        # one not an LF): an end waiting on the new bytes begins at most 3 bytes before them.
         while (end := EVENT_END.search(self.buffer, max(start, self.searched - 3))) is not None:
             found.append(bytes(self.buffer[start : end.start()]))
             start = end.end()
@@ -285,8 +289,10 @@ class Events:
         return found
 
     def rest(self) -> list[bytes]:
-        """What the stream ended with after its last event's end."""
-        return [bytes(self.buffer)] if self.buffer.strip() else []
+        """What the stream ended with after its last event's end, less its line ends (a CR last, waiting to
+        see whether an LF followed, ended the event: nothing follows)."""
+        event = bytes(self.buffer).rstrip(b"\r\n")
+        return [event] if event.strip() else []
 
 
 def event_data(event: bytes) -> bytes | None:

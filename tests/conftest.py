@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +17,31 @@ from kvgate.runtime.tokens import chat_prompt
 from tests import corpus, questions
 from tests.redis_server import RedisServer
 from tests.servers import serving
+
+LINKED = ("models", "bench")  # made once, shared: the converted model, the benchmarks' embeddings
+COPIED = ("digests",)  # the files' hashes (the model's is seconds of sha256): copied, so never written back
+
+
+@pytest.fixture(scope="session", autouse=True)
+def run_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Every Settings() of the run, in this process and in the ones it starts (they inherit the environment),
+    uses a cache directory of the run's own: what a developer keeps in theirs (a `kvgate calibrate` result
+    the engine would serve, a semantic cache, document KV) changes nothing the tests see. Only what is the
+    same for everyone is shared: the converted model is linked from theirs (not converted again), and so
+    are the benchmarks' embeddings. Under pytest's basetemp: a run killed midway leaves nothing behind
+    that pytest does not clear later."""
+    theirs = Path(os.environ.get("KVGATE_CACHE_DIR") or user_cache_dir())
+    ours = tmp_path_factory.mktemp("cache")
+    (theirs / "models").mkdir(parents=True, exist_ok=True)
+    for name in LINKED:
+        if (theirs / name).is_dir():
+            (ours / name).symlink_to((theirs / name).resolve(), target_is_directory=True)
+    for name in COPIED:
+        if (theirs / name).is_dir():
+            shutil.copytree(theirs / name, ours / name)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("KVGATE_CACHE_DIR", str(ours))
+        yield ours
 
 
 @pytest.fixture(scope="session")
@@ -43,17 +70,11 @@ def qqp(corpus_dir: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
-    # Document KV on disk starts empty each run; the converted model stays in the user cache.
+    # Document KV on disk starts empty each run; the cache directory is the run's own (run_cache).
     # The semantic cache is off here: these tests send the same temperature-0 requests again and
     # compare what the model does; tests/test_semantic_gateway.py runs servers with it on.
-    # A cache directory of the run's own, so that what a developer stored in the user cache (a
-    # `kvgate calibrate` result: the engine would serve its ratio) changes nothing here; the converted
-    # model is linked from the user cache, not converted again.
-    cache, models = tmp_path_factory.mktemp("cache"), user_cache_dir() / "models"
-    models.mkdir(parents=True, exist_ok=True)
-    (cache / "models").symlink_to(models)
     chunks = tmp_path_factory.mktemp("chunks")
-    return Settings(cache_dir=cache, max_num_seqs=8, chunk_cache_dir=chunks, semantic_cache=False)
+    return Settings(max_num_seqs=8, chunk_cache_dir=chunks, semantic_cache=False)
 
 
 @pytest.fixture(scope="session")

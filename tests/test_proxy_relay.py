@@ -196,6 +196,45 @@ def test_events_cut_and_merged_anyhow_reach_the_client_whole_in_order_and_lf_fra
     assert raw.content == b"".join(event + b"\n\n" for event in wire)
 
 
+def relayed(tmp_path: Path, pieces: list[bytes]) -> tuple[list[str | None], bytes]:
+    """The chunks' texts the SDK reads through kvgate, and the bytes a raw client gets, the upstream writing
+    `pieces` 30 ms apart."""
+    upstream = RawUpstream(lambda seen: sse_stream(*((0.03, piece) for piece in pieces)))
+    with upstream, serving(front(tmp_path, upstream.url), None) as url:
+        chunks = list(sdk(url).chat.completions.create(model="stub-a", messages=HELLO, stream=True))
+        body = {"model": "stub-a", "messages": HELLO, "stream": True}
+        raw = httpx.post(url + "/v1/chat/completions", json=body, timeout=10)
+    assert raw.status_code == 200
+    return [c.choices[0].delta.content for c in chunks], raw.content
+
+
+def test_events_ended_by_bare_crs_reach_the_client_whole(tmp_path: Path) -> None:
+    """SSE lines may end with a CR alone: `\\r\\r` ends an event as `\\n\\n` does. A CR last in a write ends
+    nothing yet (an LF may come next); the stream's end ends its last event, `data: [DONE]\\r\\r`."""
+    events = [b"data: " + chunk({"role": "assistant", "content": PIECES[0]}), b": keep-alive"]
+    events += [b"id: %d\revent: message\rdata: " % i + chunk({"content": p}) for i, p in enumerate(PIECES[1:], 1)]
+    events += [b"data: " + chunk({}, finish="stop"), b"data: [DONE]"]
+    stream = b"".join(event + b"\r\r" for event in events)
+    # cut between an event's two CRs, after a CR inside one (`id: 1\\r`), and just after an event's two CRs
+    pieces = cut(stream, b"\r", b"id: 1\r", b"\r\r")
+    texts, wire = relayed(tmp_path, pieces)
+    assert texts == [*PIECES, None]
+    assert wire == b"".join(event + b"\n\n" for event in events)  # each event as written, its CRs within
+
+
+def test_a_crlf_split_between_two_writes_is_one_line_end(tmp_path: Path) -> None:
+    """A write may end between the CR and the LF of a CRLF: one line end, never a CR's and an LF's (an empty
+    line: the event cut short). Cut so inside an event (`id: 0\\r` | `\\ndata:`) and in an event's terminator:
+    `\\r\\n\\r` | `\\n`, and `\\r` | `\\n\\r\\n`."""
+    events = [b"id: %d\r\ndata: " % i + chunk({"content": p}) for i, p in enumerate(PIECES)] + [b"data: [DONE]"]
+    stream = b"".join(event + b"\r\n\r\n" for event in events)
+    pieces = cut(stream, b"id: 0\r", b"\r\n\r", b"}\r")
+    assert pieces[1].endswith(b"}\r\n\r") and pieces[2].startswith(b"\nid: 1") and pieces[3].startswith(b"\n\r\n")
+    texts, wire = relayed(tmp_path, pieces)
+    assert texts == PIECES
+    assert wire == b"".join(event + b"\n\n" for event in events)
+
+
 # ---- events leave as they arrive -----------------------------------------------------------------
 
 
