@@ -14,16 +14,12 @@ from kvgate.agents import AgentConfig, AnchorConfig, PinPolicy, Prior
 from kvgate.chunk_cache import ChunkCacheConfig
 from kvgate.gateway.limits import Limits
 from kvgate.gateway.upstreams import ProxyConfig, Upstream
-from kvgate.runtime.config import EngineConfig
+from kvgate.runtime.config import EngineConfig, user_cache_dir
 from kvgate.runtime.quality import QualityConfig
 from kvgate.semantic_cache import SemanticCacheConfig
 from kvgate.semantic_cache import categories as semantic_categories
 from kvgate.semantic_cache.guards import GUARDS
 from kvgate.semantic_cache.verifier import SHIPPED
-
-
-def user_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvgate"
 
 
 class UpstreamSettings(BaseModel):
