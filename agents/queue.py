@@ -53,6 +53,8 @@ class ProgramQueue(Generic[T]):
         self, item: T, program_arrival: float | None = None, pinned: bool = False, arrival: float | None = None
     ) -> None:
         """`program_arrival`: the first arrival of the item's program (None: it is a program of its own)."""
+        if id(item) in self.entries:
+            raise ValueError("the item is already waiting")  # keyed by identity: a second copy would corrupt it
         entry = _Entry(self.key(program_arrival, pinned, arrival), item)
         self.entries[id(item)] = entry
         heapq.heappush(self.heap, entry)
@@ -170,11 +172,9 @@ class FairQueue(Generic[T]):
     def _touch(self, tenant: str) -> None:
         """The tenant's running count or head changed: a fresh heap entry (the old one goes stale)."""
         version = next(self.versions)
-        queue = self.queues.get(tenant)
-        head = queue.head() if queue is not None else None
+        head = self.queues[tenant].head()  # every caller touches a tenant with a queue
         if head is None:
-            self.queues.pop(tenant, None)
-            self.version.pop(tenant, None)
+            del self.queues[tenant], self.version[tenant]
         else:
             self.version[tenant] = version
             heapq.heappush(self.heap, (self.running.get(tenant, 0), head, version, tenant))
