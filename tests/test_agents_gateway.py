@@ -139,9 +139,9 @@ def test_a_pin_holds_until_its_ttl_then_the_context_moves_to_disk(engine: Engine
 SOLVER = "You are a careful math tutor. Solve the problem step by step."
 CHECKER = "You are a strict reviewer. Check the solution above and give the final number."
 QUESTIONS = [
-    "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total does it take?",
-    "Josh buys a house for $80,000 and puts in $50,000 in repairs. How much profit did he make?",
-    "Every day, Wendi feeds each of her 20 chickens three cups of mixed chicken feed. How many cups is that?",
+    "A quilt takes 2 rolls of red cloth and half that much grey cloth. How many rolls in total does it take?",
+    "Mira buys a boat for $9,000 and spends $4,000 mending it. How much did the boat cost her in all?",
+    "Each morning, Tobin gives each of his 12 goats two scoops of oats. How many scoops is that a day?",
 ]
 
 

@@ -21,8 +21,8 @@ from kvgate.runtime.tokens import TemplateError
 
 SOLVER = "You are a careful math tutor. Solve the problem step by step."
 CHECKER = "You are a strict reviewer. Check the solution above and give the final number."
-QUESTION = "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total does it take?"
-OTHER = "Josh buys a house for $80,000 and puts in $50,000 in repairs. How much profit did he make?"
+QUESTION = "A quilt takes 2 rolls of red cloth and half that much grey cloth. How many rolls in total does it take?"
+OTHER = "Mira buys a boat for $9,000 and spends $4,000 mending it. How much did the boat cost her in all?"
 UNRELATED = "Lorem ipsum: 0xDEADBEEF; ¿Dónde está la biblioteca? 東京は日本の首都です。🙂🙂 #!/usr/bin/env zsh"
 
 
@@ -65,11 +65,11 @@ def kl(p: torch.Tensor, q: torch.Tensor) -> float:
 
 
 def test_message_pieces_cut_at_every_content_and_join_to_the_prompt(spans: Spans) -> None:
-    pieces, kinds = prompt(spans, SOLVER, QUESTION, "It takes 3 bolts.")
+    pieces, kinds = prompt(spans, SOLVER, QUESTION, "It takes 3 rolls.")
     tok = spans.reuser.tokenizer
     assert kinds.count(True) == 3
     contents = [tok.decode(p) for p, k in zip(pieces, kinds) if k]
-    assert contents == [SOLVER, QUESTION, "It takes 3 bolts."]
+    assert contents == [SOLVER, QUESTION, "It takes 3 rolls."]
     assert tok.decode([t for p in pieces for t in p]).startswith("<|im_start|>system\n" + SOLVER)
 
 
@@ -122,7 +122,7 @@ def test_offsets_from_the_same_content_under_the_same_prefix_reproduce_dense_kv(
 
 def test_a_span_read_twice_in_one_prompt_gets_an_offset_for_each_place(spans: Spans) -> None:
     """Two agents wrote the same answer: the reader reads one source twice, in two contexts."""
-    answer = "It takes 2 + 1 = 3 bolts."
+    answer = "It takes 2 + 1 = 3 rolls."
     run(spans, *prompt(spans, SOLVER, QUESTION, answer), "full", "solver")
     checker = prompt(spans, CHECKER, QUESTION, answer, answer)
     dense_kv, dense, first = run(spans, *checker, "kvcomm", "checker")
@@ -206,7 +206,7 @@ def test_in_a_pipeline_kvcomm_moves_the_answer_less_than_naive_reuse_and_blend(s
 def test_an_answer_becomes_a_span_written_by_its_agent(spans: Spans) -> None:
     pieces, kinds = prompt(spans, SOLVER, QUESTION)
     kv, logits, _ = run(spans, pieces, kinds, "full", "solver")
-    text = "It takes 2 + 1 = 3 bolts."
+    text = "It takes 2 + 1 = 3 rolls."
     ids = spans.reuser.tokenizer.encode(text, add_special_tokens=False)
     prompt_len = len(kv)
     forward(spans.reuser.model, [Run(kv, ids[:-1], prompt_len)])  # as decoding leaves it: the last token unfed
