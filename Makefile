@@ -7,7 +7,7 @@ TEST_STAMP := $(VENV)/.installed-test
 # No pip wheel cache: the install is ~4 GB already, and CI's machine once ran out of disk in it.
 export PIP_NO_CACHE_DIR := 1
 
-.PHONY: serve test lint install redis
+.PHONY: serve test lint install redis mutation
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,3 +45,10 @@ test: $(TEST_STAMP) redis
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# Mutation testing over the modules that carry the README's promises (tests/mutation.py; TESTING.md).
+# Hours on two cores, so not part of `make test`: MODULES="agents/queue.py ..." narrows it.
+mutation: $(TEST_STAMP) redis
+	$(BIN)/pip install --quiet mutmut==3.8.1
+	$(BIN)/kvgate convert
+	$(BIN)/python -m tests.mutation $(if $(MODULES),--only $(MODULES)) --report build/mutation-report.md

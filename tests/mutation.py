@@ -1,0 +1,140 @@
+"""`make mutation`: mutmut over the modules that carry the README's promises, with the tests that pin them.
+
+mutmut mutates a copy of the source under `mutants/` and names each mutant by the file's path, while the
+trampoline it plants reports the importing module's name. The repository maps its top-level folders into
+one `kvgate` package, so the copy is staged with the installed layout (`kvgate/runtime/...`) in which
+both names agree. Not part of CI: a full run takes hours on two cores. TESTING.md has the last report.
+
+    python -m tests.mutation [--stage DIR] [--only MODULE ...] [--report FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"gateway": "gateway", "runtime": "runtime", "chunk_cache": "chunk_cache",
+            "semantic_cache": "semantic_cache", "agents": "agents", "bench": "benchmarks"}  # fmt: skip
+
+# Module (as installed) -> the test files that pin its promises.
+TARGETS: dict[str, list[str]] = {
+    "chunk_cache/entry.py": ["test_chunk_cache.py", "test_disk_tier.py", "test_memory_tier.py", "test_codec.py"],
+    "runtime/reuse.py": ["test_tenant_kv.py", "test_documents.py", "test_blend.py"],
+    "gateway/keys.py": ["test_keys.py"],
+    "gateway/limits.py": ["test_limits.py"],
+    "semantic_cache/guards.py": ["test_guards.py"],
+    "semantic_cache/cache.py": ["test_semantic_cache.py", "test_semantic_gateway.py"],
+    "runtime/rope.py": ["test_rope.py", "test_rope_configs.py"],
+    "runtime/blend.py": ["test_blend.py"],
+    "runtime/caching.py": ["test_fidelity.py", "test_quality.py", "test_calibration.py"],
+    "runtime/scheduler.py": ["test_scheduler.py"],
+    "agents/queue.py": ["test_programs.py", "test_scheduler.py", "test_queue.py"],
+    "gateway/proxy.py": ["test_proxy.py", "test_proxy_relay.py"],
+}
+KILLED = ("killed", "timeout", "caught by type check", "segfault")
+
+
+def status(code: int | None) -> str:
+    from mutmut.stats import status_by_exit_code  # mutmut is installed by `make mutation` only
+
+    return status_by_exit_code[code]
+
+
+def stage(out: Path, modules: list[str]) -> None:
+    """Copy the package in its installed layout, the tests, and a pyproject with mutmut's settings."""
+    if out.exists():
+        shutil.rmtree(out)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(ROOT / "kvgate", out / "kvgate", ignore=ignore)
+    for name, folder in PACKAGES.items():
+        shutil.copytree(ROOT / folder, out / "kvgate" / name, ignore=ignore)
+    shutil.copytree(ROOT / "tests", out / "tests", ignore=ignore)
+    tests = sorted({f"tests/{t}" for m in modules for t in TARGETS[m]})
+    (out / "pyproject.toml").write_text(
+        "[tool.mutmut]\n"
+        'source_paths = ["kvgate"]\n'
+        f"only_mutate = {json.dumps(['kvgate/' + m for m in modules])}\n"
+        f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
+        'pytest_add_cli_args = ["-p", "no:cacheprovider", "-q"]\n'
+        "[tool.pytest.ini_options]\n"
+        "timeout = 900\n"  # mutmut's trampolines slow the model's hot paths
+        'filterwarnings = ["ignore::DeprecationWarning"]\n'
+    )
+
+
+def run(out: Path, children: int) -> None:
+    env = {**os.environ, "PYTHONPATH": ""}  # the staged copy, not the editable install, must be found
+    subprocess.run(
+        [sys.executable, "-m", "mutmut", "run", "--max-children", str(children)], cwd=out, env=env, check=False
+    )
+
+
+def results(out: Path) -> dict[str, Counter[str]]:
+    """Per module, how many mutants ended how, from mutmut's meta files."""
+    counts: dict[str, Counter[str]] = {}
+    for meta in sorted((out / "mutants" / "kvgate").rglob("*.py.meta")):
+        module = str(meta.relative_to(out / "mutants" / "kvgate"))[: -len(".meta")]
+        codes = json.loads(meta.read_text())["exit_code_by_key"]
+        counts[module] = Counter(status(c) for c in codes.values())
+    return counts
+
+
+def survivors(out: Path) -> list[str]:
+    """Each surviving mutant as its name and the line it changes (from `mutmut show`)."""
+    lines: list[str] = []
+    for meta in sorted((out / "mutants" / "kvgate").rglob("*.py.meta")):
+        for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+            if status(code) not in ("survived", "no tests"):
+                continue
+            shown = subprocess.run(
+                [sys.executable, "-m", "mutmut", "show", name], cwd=out, capture_output=True, text=True
+            )
+            changed = [ln[1:].strip() for ln in shown.stdout.splitlines() if re.match(r"^\+(?!\+)", ln)]
+            lines.append(f"- `{name}` ({status(code)}): `{changed[0] if changed else '?'}`")
+    return lines
+
+
+def report(counts: dict[str, Counter[str]], survived: list[str]) -> str:
+    rows = ["| module | mutants | killed | survived | no tests | timeout | killed % |", "|---|---|---|---|---|---|---|"]
+    total = Counter[str]()
+    for module, c in counts.items():
+        total += c
+        n = sum(c.values())
+        killed = sum(c[k] for k in KILLED)
+        rows.append(f"| {module} | {n} | {killed} | {c['survived']} | {c['no tests']} | {c['timeout']} | "
+                    f"{100 * killed / max(n, 1):.1f}% |")  # fmt: skip
+    n = sum(total.values())
+    killed = sum(total[k] for k in KILLED)
+    rows.append(f"| **all** | {n} | {killed} | {total['survived']} | {total['no tests']} | {total['timeout']} | "
+                f"{100 * killed / max(n, 1):.1f}% |")  # fmt: skip
+    return "\n".join(rows) + "\n\nSurvivors:\n\n" + ("\n".join(survived) or "none") + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--stage", type=Path, default=ROOT / "build" / "mutation")
+    parser.add_argument("--only", nargs="*", choices=sorted(TARGETS), default=sorted(TARGETS))
+    parser.add_argument("--children", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--report", type=Path, help="also write the report here")
+    parser.add_argument("--report-only", action="store_true", help="report on the staged run, do not run")
+    args = parser.parse_args(argv)
+    if not args.report_only:
+        stage(args.stage, args.only)
+        run(args.stage, args.children)
+    text = report(results(args.stage), survivors(args.stage))
+    print(text)
+    if args.report:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
