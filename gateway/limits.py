@@ -298,10 +298,9 @@ def wait(last: int, current: int, cap: int, elapsed: float) -> float:
     """Seconds until last * weight + current <= cap, where the weight falls as the window moves on,
     and at the next window the current counts become the last ones."""
     left = WINDOW_S - elapsed
-    if current <= cap:
-        if last * left / WINDOW_S + current <= cap:
-            return 0.0
-        return left - WINDOW_S * (cap - current) / last
+    if current < cap or not current:  # the last window's share is what is over (judge asks only when over)
+        return max(0.0, left - WINDOW_S * (cap - current) / last)
+    # This window alone fills the cap (tokens: exactly tpm is full too): wait into the next one.
     return left + WINDOW_S * (1 - cap / current)
 
 

@@ -29,7 +29,7 @@ TARGETS: dict[str, list[str]] = {
     "chunk_cache/entry.py": ["test_chunk_cache.py", "test_disk_tier.py", "test_memory_tier.py", "test_codec.py"],
     "runtime/reuse.py": ["test_tenant_kv.py", "test_documents.py", "test_blend.py"],
     "gateway/keys.py": ["test_keys.py"],
-    "gateway/limits.py": ["test_limits.py"],
+    "gateway/limits.py": ["test_limits.py", "test_limits_redis.py"],
     "semantic_cache/guards.py": ["test_guards.py"],
     "semantic_cache/cache.py": ["test_semantic_cache.py", "test_semantic_gateway.py"],
     "runtime/rope.py": ["test_rope.py", "test_rope_configs.py"],

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvgate.gateway.limits import WINDOW_S, Limits, MemoryLimiter, RedisLimiter, Verdict, duration, limiter
+from kvgate.gateway.limits import WINDOW_S, Counts, Limits, MemoryLimiter, RedisLimiter, Verdict, duration, limiter
 from tests.redis_server import RedisServer
 
 START = 1000 * WINDOW_S + 10.0  # 10 s into a fixed window
@@ -116,10 +116,108 @@ def test_durations_are_in_openais_format() -> None:
 
 
 def test_limits_are_positive_or_none() -> None:
-    for bad in ({"rpm": 0}, {"tpm": -1}):
-        with pytest.raises(ValueError):
+    for bad, message in (({"rpm": 0}, "rpm must be at least 1"), ({"tpm": -1}, "tpm must be at least 1")):
+        with pytest.raises(ValueError, match=message):
             Limits(**bad)
-    assert isinstance(limiter(None), MemoryLimiter) and isinstance(limiter("redis://x"), RedisLimiter)
+    shared = limiter("redis://x")
+    assert isinstance(limiter(None), MemoryLimiter) and isinstance(shared, RedisLimiter) and shared.url == "redis://x"
+
+
+def test_tpm_counts_tokens_from_one_and_spending_exactly_tpm_refuses() -> None:
+    async def run() -> None:
+        limits = MemoryLimiter(Clock())
+        await limits.spend("idle", Limits(tpm=1), 0)  # nothing spent: nothing stored
+        assert "idle" not in limits._counts
+        await limits.spend("k", Limits(tpm=1), -5)
+        await limits.spend("k", Limits(rpm=5), 10**6)  # no tpm on that request: its tokens are not counted
+        assert (await limits.admit("k", Limits(tpm=100))).headers["x-ratelimit-remaining-tokens"] == "100"
+        await limits.spend("k", Limits(tpm=1), 1)
+        refused = await limits.admit("k", Limits(tpm=1))
+        assert refused.allowed is False and refused.headers["x-ratelimit-remaining-tokens"] == "0"
+
+    asyncio.run(run())
+
+
+def test_spending_exactly_tpm_asks_to_wait_until_the_window_rolls() -> None:
+    async def run() -> None:
+        clock = Clock()
+        limits = MemoryLimiter(clock)
+        await limits.spend("k", Limits(tpm=100), 100)
+        refused = await limits.admit("k", Limits(tpm=100))
+        clock.now += refused.retry_after_s
+        assert (await limits.admit("k", Limits(tpm=100))).allowed
+
+    asyncio.run(run())
+
+
+def test_the_last_windows_share_falls_and_retry_after_is_when_it_fits() -> None:
+    async def run() -> None:
+        clock = Clock()
+        limits = MemoryLimiter(clock)
+        for _ in range(3):
+            await limits.admit("a", Limits(rpm=3))
+        for _ in range(4):
+            await limits.admit("b", Limits(rpm=4))
+        window = (START // WINDOW_S + 1) * WINDOW_S
+        clock.now = window + 19.5  # 19.5 s into the next window: 67.5 % of the last one counts
+        refused = await limits.admit("a", Limits(rpm=3))  # 3 * 0.675 + 1 > 3, until 3 * share + 1 <= 3 in 0.5 s
+        assert refused.allowed is False and refused.retry_after_s == pytest.approx(0.501, abs=1e-9)
+        assert refused.headers["x-ratelimit-reset-requests"] == "40.5s"  # the last window's share ends
+        clock.now += refused.retry_after_s
+        assert (await limits.admit("a", Limits(rpm=3))).allowed
+        clock.now = window + 30  # 30 s in: 4 * 0.5 + 2 fit in 4, one more does not until 4 * share + 2 <= 3
+        assert (await limits.admit("b", Limits(rpm=4))).allowed and (await limits.admit("b", Limits(rpm=4))).allowed
+        refused = await limits.admit("b", Limits(rpm=4))
+        assert refused.retry_after_s == pytest.approx(15.001, abs=1e-9)
+        assert refused.headers["x-ratelimit-reset-requests"] == "1m30s"  # this window's ones count until the next
+
+    asyncio.run(run())
+
+
+def test_spent_tokens_count_in_the_next_window_by_their_share() -> None:
+    async def run() -> None:
+        clock = Clock()
+        limits = MemoryLimiter(clock)
+        await limits.spend("k", Limits(tpm=1000), 600)
+        assert (await limits.admit("k", Limits(tpm=1000))).headers["x-ratelimit-reset-tokens"] == "1m50s"
+        clock.now += WINDOW_S + 20  # 30 s into the next window: half of the 600 count
+        verdict = await limits.admit("k", Limits(tpm=1000))
+        assert verdict.headers["x-ratelimit-remaining-tokens"] == "700"
+        assert verdict.headers["x-ratelimit-reset-tokens"] == "30s"
+
+    asyncio.run(run())
+
+
+def test_keys_idle_for_two_windows_are_forgotten_once_a_window() -> None:
+    async def run() -> None:
+        clock = Clock()
+        limits = MemoryLimiter(clock)
+        await limits.admit("old", Limits(rpm=1))
+        clock.now += WINDOW_S
+        await limits.admit("new", Limits(rpm=1))
+        assert set(limits._counts) == {"old", "new"}  # idle for one window: still counts
+        clock.now += WINDOW_S
+        await limits.admit("new", Limits(rpm=1))
+        assert set(limits._counts) == {"new"}
+        limits._counts["planted"] = Counts(0)
+        await limits.admit("new", Limits(rpm=1))
+        assert "planted" in limits._counts  # not swept again within the window
+        clock.now += WINDOW_S
+        await limits.admit("new", Limits(rpm=1))
+        assert set(limits._counts) == {"new"}
+
+    asyncio.run(run())
+
+
+def test_a_clock_stepped_back_forgets_the_counts_and_does_not_fail() -> None:
+    async def run() -> None:
+        clock = Clock()
+        limits = MemoryLimiter(clock)
+        await limits.admit("k", Limits(rpm=1))
+        clock.now -= 3 * WINDOW_S  # NTP stepped the wall clock back
+        assert (await limits.admit("k", Limits(rpm=1))).allowed
+
+    asyncio.run(run())
 
 
 # --- shared through Redis -----------------------------------------------------------------------
