@@ -148,16 +148,17 @@ def numbers(query: str, cached: str) -> bool:
 
 
 def names(text: str) -> frozenset[str]:
-    """Named entities, roughly: capitalised words not opening a sentence, acronyms, letters with digits."""
+    """Named entities, roughly: capitalised words not opening a sentence, acronyms, letters with digits;
+    lower-cased and stemmed, but acronyms upper-cased: they match only themselves (HTTPS is not HTTP's plural)."""
     openers = {m.group(1) for m in _SENTENCE_START.finditer(text)}
     found = set()
     for raw in re.findall(r"[A-Za-z][\w'.&+-]*[\w+]|[A-Za-z]", text):
         if raw.lower() in NOT_NAMES or raw in openers and not raw.isupper():
             continue
-        # Capitalised, or a capital inside (iPhone, eBay), or letters with digits (a4); acronyms are not plurals.
+        # Capitalised, or a capital inside (iPhone, eBay), or letters with digits (a4).
         if any(ch.isupper() for ch in raw) or any(ch.isdigit() for ch in raw):
-            low = raw.lower().replace("'", "")
-            found.add(low if raw.isupper() else _stem(low))
+            name = raw.replace("'", "")
+            found.add(name.upper() if raw.isupper() else _stem(name.lower()))
     return frozenset(found)
 
 
@@ -168,7 +169,10 @@ def entities(query: str, cached: str) -> bool:
 
 
 def _named_in(found: frozenset[str], vocabulary: set[str]) -> bool:
-    return all(n in vocabulary or _stem(n) in vocabulary or any(_related(n, w) for w in vocabulary) for n in found)
+    return all(
+        n.lower() in vocabulary if n.isupper() else n in vocabulary or any(_related(n, w) for w in vocabulary)
+        for n in found
+    )
 
 
 def _related(a: str, b: str) -> bool:

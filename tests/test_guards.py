@@ -26,7 +26,7 @@ PARAPHRASES = [
     ("What is the capital of Spain?", "Which city is the capital of Spain?"),
     ("What is an API?", "What are APIs?"),
     ("How do I center a div with CSS?", "How can I center a div using CSS?"),
-    ("How much do CEOS earn?", "How much does a CEO earn?"),
+    ("How much do CEOs earn?", "How much does a CEO earn?"),
     ("What is traditional food in Peru?", "What is traditional Peruvian food?"),
     ("What currency is used in the Bahamas?", "What is the Bahamian currency?"),
     ("What did Mrs Thatcher say about Europe?", "What did Mrs Thatcher think of Europe?"),  # a short name's "s"
@@ -46,6 +46,7 @@ TRAPS = [
     ("What is the population of Austin?", "What is the population of Austria?", "entities"),
     ("What size is a4 paper?", "What size is b4 paper?", "entities"),
     ("How do I reset my iPhone?", "How do I reset my iPad?", "entities"),  # a capital inside: a name
+    ("How do I enable HTTPS on nginx?", "How do I enable HTTP on nginx?", "entities"),  # an acronym is no plural
     ("Who won the World Cup in 2014?", "Who won the World Cup in 2018?", "numbers"),
     ("What are three ways to save money?", "What are five ways to save money?", "numbers"),
     ("What happened on March 3?", "What happened on April 3?", "numbers"),
