@@ -252,6 +252,6 @@ def test_an_item_already_waiting_is_refused_not_held_twice() -> None:
     queue: ProgramQueue[object] = ProgramQueue("fcfs")
     item = object()
     queue.push(item)
-    with pytest.raises(ValueError, match="already waiting"):
+    with pytest.raises(ValueError, match="^the item is already waiting$"):
         queue.push(item)
     assert queue.pop() is item and len(queue) == 0 and queue.head() is None
