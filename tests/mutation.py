@@ -64,6 +64,9 @@ def stage(out: Path, modules: list[str]) -> None:
         f"only_mutate = {json.dumps(['kvgate/' + m for m in modules])}\n"
         f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
         'pytest_add_cli_args = ["-p", "no:cacheprovider", "-q"]\n'
+        # A fork of the process that ran the tests can inherit a lock another thread held (the disk tier's
+        # writer, torch's pool) and hang: five of the first six entry.py mutants timed out, counted as killed.
+        'process_isolation = "forkserver"\n'
         "[tool.pytest.ini_options]\n"
         "timeout = 900\n"  # mutmut's trampolines slow the model's hot paths
         'filterwarnings = ["ignore::DeprecationWarning"]\n'
