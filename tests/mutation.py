@@ -105,19 +105,18 @@ def survivors(out: Path) -> list[str]:
     return lines
 
 
+def row(name: str, c: Counter[str]) -> str:
+    """Counts of the mutants tested; those a stopped run never reached ("not checked") are only listed."""
+    n = sum(c.values()) - c["not checked"]
+    killed = sum(c[k] for k in KILLED)
+    return (f"| {name} | {n} | {killed} | {c['survived']} | {c['no tests']} | {c['timeout']} | "
+            f"{100 * killed / max(n, 1):.1f}% | {c['not checked']} |")  # fmt: skip
+
+
 def report(counts: dict[str, Counter[str]], survived: list[str]) -> str:
-    rows = ["| module | mutants | killed | survived | no tests | timeout | killed % |", "|---|---|---|---|---|---|---|"]
-    total = Counter[str]()
-    for module, c in counts.items():
-        total += c
-        n = sum(c.values())
-        killed = sum(c[k] for k in KILLED)
-        rows.append(f"| {module} | {n} | {killed} | {c['survived']} | {c['no tests']} | {c['timeout']} | "
-                    f"{100 * killed / max(n, 1):.1f}% |")  # fmt: skip
-    n = sum(total.values())
-    killed = sum(total[k] for k in KILLED)
-    rows.append(f"| **all** | {n} | {killed} | {total['survived']} | {total['no tests']} | {total['timeout']} | "
-                f"{100 * killed / max(n, 1):.1f}% |")  # fmt: skip
+    rows = ["| module | mutants | killed | survived | no tests | timeout | killed % | not run |", "|---" * 8 + "|"]
+    rows += [row(module, c) for module, c in counts.items()]
+    rows.append(row("**all**", sum(counts.values(), Counter[str]())))
     return "\n".join(rows) + "\n\nSurvivors:\n\n" + ("\n".join(survived) or "none") + "\n"
 
 
