@@ -150,6 +150,22 @@ def test_spending_exactly_tpm_asks_to_wait_until_the_window_rolls() -> None:
     asyncio.run(run())
 
 
+def test_tokens_of_the_last_window_alone_can_refuse_until_their_share_fits() -> None:
+    async def run() -> None:
+        clock = Clock()
+        limits = MemoryLimiter(clock)
+        await limits.spend("k", Limits(tpm=100), 200)  # one long answer: twice the budget
+        clock.now = (START // WINDOW_S + 1) * WINDOW_S + 15  # 15 s into the next window: 75 % of 200 counts
+        refused = await limits.admit("k", Limits(tpm=100))
+        assert refused.allowed is False and refused.retry_after_s == pytest.approx(
+            15.001, abs=1e-9
+        )  # 200 * share <= 100
+        clock.now += refused.retry_after_s
+        assert (await limits.admit("k", Limits(tpm=100))).allowed
+
+    asyncio.run(run())
+
+
 def test_the_last_windows_share_falls_and_retry_after_is_when_it_fits() -> None:
     async def run() -> None:
         clock = Clock()
