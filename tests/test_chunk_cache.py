@@ -98,6 +98,30 @@ def test_an_entry_stored_under_another_key_is_a_corrupt_entry() -> None:
         ChunkKV.from_bytes(data, key="doc-b")
 
 
+def test_an_entry_computed_by_another_model_is_a_corrupt_entry() -> None:
+    entry = chunk("doc-a")
+    data = entry.to_bytes()
+    assert ChunkKV.from_bytes(data, model=entry.model).model == entry.model
+    with pytest.raises(CorruptEntry, match="computed by model"):
+        ChunkKV.from_bytes(data, "doc-a", "another model")
+
+
+def test_trailing_bytes_are_a_corrupt_entry() -> None:
+    data = chunk().to_bytes()
+    with pytest.raises(CorruptEntry, match=f"^{len(data) + 1} bytes, expected {len(data)}$"):
+        ChunkKV.from_bytes(data + b"\0")
+
+
+def test_an_entry_moves_to_a_device_whole() -> None:
+    entry = chunk()
+    assert entry.to("cpu") is entry  # already there: not copied
+    moved = entry.to("meta")  # a device every torch build has: the copy path a GPU takes
+    fields = ("key", "token_ids", "cost", "model")
+    assert [getattr(moved, f) for f in fields] == [getattr(entry, f) for f in fields]
+    assert moved.keys.device.type == moved.values.device.type == "meta"
+    assert moved.keys.shape == entry.keys.shape and moved.values.shape == entry.values.shape
+
+
 def test_entry_checks_its_own_shapes() -> None:
     k = torch.randn(2, 2, 4, 8)
     with pytest.raises(ValueError, match="differ"):
