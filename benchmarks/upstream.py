@@ -32,6 +32,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+import kvgate
+
 _RAW_SEND = "upstream.raw_send"  # scope key: the server's own `send`, through which its transport can be reached
 _ERROR_KINDS = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error"}
 _ERROR_KINDS |= {429: "rate_limit_exceeded", 500: "server_error", 503: "service_unavailable"}
@@ -244,7 +246,7 @@ def serve_upstream(models: Sequence[str] = ("stub-a",), words: int = 8, api_key:
     port = _free_port()
     cmd = [sys.executable, "-m", "kvgate.bench.upstream", "--port", str(port), "--models", ",".join(models)]
     cmd += ["--words", str(words)] + (["--api-key", api_key] if api_key is not None else [])
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(kvgate.__file__).resolve().parent.parent)  # where `kvgate` imports from, whatever the layout
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{port}"
