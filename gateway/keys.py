@@ -78,7 +78,16 @@ def key_of(hashed: str, spec: str | dict[str, Any], source: str, default: Limits
     """A key from its settings entry: a tenant name, or {tenant, models, rpm, tpm}."""
     spec = {"tenant": spec} if isinstance(spec, str) else spec
     unknown = set(spec) - {"tenant", "models", "rpm", "tpm"}
-    if unknown or not isinstance(spec.get("tenant"), str):
+    models = spec.get("models") or []
+    counts = [spec[n] for n in ("rpm", "tpm") if spec.get(n) is not None]
+    if (
+        unknown
+        or not isinstance(spec.get("tenant"), str)
+        or not spec["tenant"]
+        or not isinstance(models, list)
+        or not all(isinstance(m, str) for m in models)
+        or not all(isinstance(c, int) and not isinstance(c, bool) for c in counts)
+    ):
         raise ValueError(f"api key {hashed[:12]}...: expected a tenant or {{tenant, models, rpm, tpm}}, got {spec}")
     limits = Limits(spec.get("rpm", default.rpm), spec.get("tpm", default.tpm))
     return Key("key-" + hashed[:16], spec["tenant"], tuple(spec.get("models") or ()), limits, source)
