@@ -37,7 +37,14 @@ TARGETS: dict[str, list[str]] = {
     "runtime/caching.py": ["test_fidelity.py", "test_quality.py", "test_calibration.py"],
     "runtime/scheduler.py": ["test_scheduler.py"],
     "agents/queue.py": ["test_programs.py", "test_scheduler.py", "test_queue.py"],
-    "gateway/proxy.py": ["test_proxy.py", "test_proxy_relay.py"],
+    "gateway/proxy.py": [
+        "test_proxy.py",
+        "test_proxy_relay.py",
+        "test_proxy_kvgate.py",
+        "test_workers.py",
+        "test_metrics.py",
+        "abuse/test_proxy_bounds.py",
+    ],
 }
 KILLED = ("killed", "timeout", "caught by type check", "segfault")
 
