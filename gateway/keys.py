@@ -19,6 +19,7 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,8 +95,11 @@ def key_of(hashed: str, spec: str | dict[str, Any], source: str, default: Limits
 
 
 class Keys:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(
+        self, settings: Settings, clock: Callable[[], float] = time.monotonic, cache_max: int = CACHE_MAX
+    ) -> None:
         self.required, self.default = settings.keys_required, settings.limits()
+        self.clock, self.cache_max = clock, cache_max  # the Redis lookups' cache: how long, how many
         self.known: dict[str, Key] = {}  # sha256 of the key -> Key
         for token, spec in settings.api_keys.items():
             hashed = token.removeprefix("sha256:").lower() if token.startswith("sha256:") else digest(token)
@@ -118,14 +122,14 @@ class Keys:
         hashed = digest(token)
         if (key := self.known.get(hashed)) is not None or self.redis is None:
             return key
-        now = time.monotonic()
+        now = self.clock()
         hit = self.cached.get(hashed)
         if hit is not None and hit[0] > now:
             return hit[1]
         # Redis down: a REDIS_DOWN error, answered 503 (keys from the settings still work)
         raw = await self.redis.get(REDIS_PREFIX + hashed)
         key = key_of(hashed, json.loads(raw), "redis", self.default) if raw else None
-        if len(self.cached) >= CACHE_MAX:
+        if len(self.cached) >= self.cache_max:
             self.cached.clear()
         self.cached[hashed] = (now + CACHE_S, key)
         return key
@@ -171,6 +175,12 @@ class Keys:
             await self.redis.aclose()
 
 
+def private_file(path: Path) -> Path:
+    """A new empty file only its owner may read, whatever the umask: private before its first byte."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    return path
+
+
 def tenant_secret(cache_dir: Path) -> bytes:
     """The secret that names token tenants: read from cache_dir, or made there (0600) the first time,
     so that a token keeps its tenant across restarts and in every process sharing the directory."""
@@ -178,10 +188,8 @@ def tenant_secret(cache_dir: Path) -> bytes:
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         if not path.exists():
-            fresh = cache_dir / f".{SECRET_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
-            fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as out:
-                out.write(secrets.token_hex(32))
+            fresh = private_file(cache_dir / f".{SECRET_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
+            fresh.write_text(secrets.token_hex(32))
             try:
                 os.link(fresh, path)  # atomic, and never over another process's secret
             except FileExistsError:

@@ -9,15 +9,26 @@ import hmac
 import logging
 import os
 import stat
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 
-from kvgate.gateway import keys as keys_module
 from kvgate.gateway.errors import APIError
-from kvgate.gateway.keys import ANONYMOUS, CACHE_S, REDIS_PREFIX, SECRET_FILE, Key, Keys, authenticate, spend
+from kvgate.gateway.keys import (
+    ANONYMOUS,
+    CACHE_MAX,
+    CACHE_S,
+    REDIS_PREFIX,
+    SECRET_FILE,
+    Key,
+    Keys,
+    authenticate,
+    private_file,
+    spend,
+)
 from kvgate.gateway.limits import Limits
 from kvgate.gateway.settings import Settings
 from tests.test_auth import app_of, request
@@ -29,8 +40,9 @@ def digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def store(tmp_path: Path, **settings: Any) -> Keys:
-    return Keys(Settings(**{"cache_dir": tmp_path, "semantic_cache": False, **settings}))
+def store(tmp_path: Path, clock: Clock | None = None, cache_max: int = CACHE_MAX, **settings: Any) -> Keys:
+    given = Settings(**{"cache_dir": tmp_path, "semantic_cache": False, **settings})
+    return Keys(given, clock or time.monotonic, cache_max)
 
 
 # --- keys from the settings file --------------------------------------------------------------------
@@ -102,21 +114,20 @@ async def test_a_key_created_in_redis_is_found_and_listed_by_every_process(tmp_p
 
 
 class Clock:
-    """time.monotonic for keys.py only, moved by the test."""
+    """The key store's clock, moved by the test."""
 
     def __init__(self) -> None:
         self.now = 1000.0
 
-    def monotonic(self) -> float:
+    def __call__(self) -> float:
         return self.now
 
 
 async def test_a_key_revoked_in_another_process_stops_working_within_the_cache_time(
-    tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, redis_url: str
 ) -> None:
     clock = Clock()
-    monkeypatch.setattr(keys_module, "time", clock)
-    mine, theirs = store(tmp_path, redis_url=redis_url), store(tmp_path, redis_url=redis_url)
+    mine, theirs = store(tmp_path, clock, redis_url=redis_url), store(tmp_path, clock, redis_url=redis_url)
     token, key = await theirs.create("t", [], Limits())
     assert (await mine.find(token)).id == key.id
     assert await theirs.revoke(key.id)
@@ -128,9 +139,8 @@ async def test_a_key_revoked_in_another_process_stops_working_within_the_cache_t
         await keys.close()
 
 
-async def test_the_lookup_cache_is_bounded(tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(keys_module, "CACHE_MAX", 3)
-    keys = store(tmp_path, redis_url=redis_url)
+async def test_the_lookup_cache_is_bounded(tmp_path: Path, redis_url: str) -> None:
+    keys = store(tmp_path, cache_max=3, redis_url=redis_url)
     for i in range(3):
         assert await keys.find(f"unknown-{i}") is None
     assert len(keys.cached) == 3
@@ -167,23 +177,26 @@ async def test_even_one_token_counts_against_a_tokens_per_minute_limit(tmp_path:
 # --- the tenant secret --------------------------------------------------------------------------------
 
 
-def test_the_secret_is_made_once_private_from_its_first_byte(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    modes: list[int] = []
-    real_link = os.link
+def test_the_secrets_file_is_private_before_its_first_byte_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0)  # the most permissive: only the mode asked for protects the file
+    try:
+        made = private_file(tmp_path / "fresh")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(made.stat().st_mode) == 0o600 and made.stat().st_size == 0
+    with pytest.raises(FileExistsError):  # never over a file already there
+        private_file(made)
 
-    def link(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
-        modes.append(stat.S_IMODE(os.stat(src).st_mode))  # the file as it is when it gets its name
-        real_link(src, dst, *args, **kwargs)
 
-    monkeypatch.setattr(os, "link", link)
+def test_the_secret_is_made_once_and_kept_private(tmp_path: Path) -> None:
     where = tmp_path / "not" / "yet" / "there"
     one = store(where)
     secret = (where / SECRET_FILE).read_text()
-    assert modes == [0o600] and stat.S_IMODE((where / SECRET_FILE).stat().st_mode) == 0o600
+    assert stat.S_IMODE((where / SECRET_FILE).stat().st_mode) == 0o600
     assert len(secret) == 64 and int(secret, 16) >= 0  # 256 bits, hex
     assert [p.name for p in where.iterdir()] == [SECRET_FILE]  # no temporary file left
     again = store(where)  # a restart, or another process: the same secret, the same tenants
-    assert modes == [0o600] and one.tenant("tok") == again.tenant("tok")
+    assert one.tenant("tok") == again.tenant("tok")
     assert one.tenant("tok") == "anon-" + hmac.new(secret.encode(), b"tok", "sha256").hexdigest()[:24]
 
 
