@@ -10,11 +10,20 @@ from kvgate.chunk_cache import ChunkCacheConfig
 from kvgate.runtime.quality import QualityConfig
 
 
+def user_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvgate"
+
+
+def default_cache_dir() -> Path:
+    """As the gateway's Settings read it: $KVGATE_CACHE_DIR, else the user's cache."""
+    return Path(os.environ.get("KVGATE_CACHE_DIR") or user_cache_dir())
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     # A local HF directory of a Llama-family model, a .gguf file, or None for the embedded default.
     model: str | None = None
-    cache_dir: Path = field(default_factory=lambda: default_cache_dir())
+    cache_dir: Path = field(default_factory=default_cache_dir)
     dtype: str = "float32"
     device: str = "cpu"
     # 0: the model's own context window.
@@ -38,12 +47,3 @@ class EngineConfig:
     kvcomm_ratio: float = 0.0
     # Shadow checks of reuse against full prefill, and the gate they move (runtime/quality.py).
     quality: QualityConfig = QualityConfig()
-
-
-def user_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvgate"
-
-
-def default_cache_dir() -> Path:
-    """As the gateway's Settings read it: $KVGATE_CACHE_DIR, else the user's cache."""
-    return Path(os.environ.get("KVGATE_CACHE_DIR") or user_cache_dir())
