@@ -6,6 +6,10 @@ one `kvgate` package, so the copy is staged with the installed layout (`kvgate/r
 both names agree. Not part of CI: a full run takes hours on two cores. TESTING.md has the last report.
 
     python -m tests.mutation [--stage DIR] [--only MODULE ...] [--report FILE]
+    python -m tests.mutation --only runtime/blend.py --promises --sample 40   # the model-backed modules
+
+A module whose tests run the model takes hours whole; `--promises` runs every mutant of the functions that
+keep its README promises (PROMISES) and `--sample N` a seeded random N of the rest of each module's.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -46,6 +51,21 @@ TARGETS: dict[str, list[str]] = {
         "abuse/test_proxy_bounds.py",
     ],
 }
+# Module -> the functions (as mutmut mangles them) that keep its promises, for the modules too slow to run whole:
+# tenant scoping of document and prefix KV, the blend's placement and selection, the fidelity a reply reports,
+# the stored calibration, the semantic cache's tenant scoping.
+PROMISES: dict[str, list[str]] = {
+    "runtime/reuse.py": [
+        "x_copy_prefix", "xǁReuserǁkey", "xǁReuserǁdocument", "xǁReuserǁmissing", "xǁReuserǁcached",
+        "xǁReuserǁattach_prefix", "xǁReuserǁstore_prefix",
+    ],
+    "runtime/blend.py": ["x_place", "x_choose", "x_first_tokens"],
+    "runtime/caching.py": ["xǁCachesǁfidelity", "xǁCachesǁtargets"],
+    "semantic_cache/cache.py": [
+        "xǁSemanticCacheǁlookup", "xǁSemanticCacheǁfind", "xǁSemanticCacheǁinvalidate", "xǁSemanticCacheǁremember",
+        "xǁSemanticCacheǁreport",
+    ],
+}  # fmt: skip
 KILLED = ("killed", "timeout", "caught by type check", "segfault")
 
 
@@ -80,35 +100,63 @@ def stage(out: Path, modules: list[str]) -> None:
     )
 
 
-def run(out: Path, children: int) -> None:
-    env = {**os.environ, "PYTHONPATH": ""}  # the staged copy, not the editable install, must be found
+ENV = {**os.environ, "PYTHONPATH": ""}  # the staged copy, not the editable install, must be found
+# mutmut 3.8.1's first step alone (what `mutmut run` does before it runs anything): write the mutants.
+GENERATE = (
+    "from mutmut.__main__ import create_mutants\n"
+    "from mutmut.mutation.trampoline import set_mutant_under_test\n"
+    "from mutmut.utils.file_utils import copy_also_copy_files, copy_src_dir, setup_source_paths\n"
+    "set_mutant_under_test('mutant_generation')\n"
+    "copy_src_dir(); copy_also_copy_files(); setup_source_paths(); create_mutants(1)\n"
+)
+
+
+def mutants(out: Path) -> dict[str, dict[str, int | None]]:
+    """Per module, each mutant's exit code (None: not run), from mutmut's meta files."""
+    found: dict[str, dict[str, int | None]] = {}
+    for meta in sorted((out / "mutants" / "kvgate").rglob("*.py.meta")):
+        module = str(meta.relative_to(out / "mutants" / "kvgate"))[: -len(".meta")]
+        found[module] = json.loads(meta.read_text())["exit_code_by_key"]
+    return found
+
+
+def chosen(out: Path, promises: bool, sample: int, seed: int) -> list[str]:
+    """The mutants of the promise-keeping functions and a seeded sample of the others, per module."""
+    subprocess.run([sys.executable, "-c", GENERATE], cwd=out, env=ENV, check=True, capture_output=True)
+    names: list[str] = []
+    for module, codes in mutants(out).items():
+        keep = tuple(f"{fn}__mutmut_" for fn in PROMISES.get(module, [])) if promises else ()
+        own = [n for n in codes if n.rsplit(".", 1)[1].startswith(keep)] if keep else []
+        rest = sorted(set(codes) - set(own))
+        names += own + random.Random(seed).sample(rest, min(sample, len(rest)))
+    return names
+
+
+def run(out: Path, children: int, names: list[str]) -> None:
     subprocess.run(
-        [sys.executable, "-m", "mutmut", "run", "--max-children", str(children)], cwd=out, env=env, check=False
+        [sys.executable, "-m", "mutmut", "run", "--max-children", str(children), *names], cwd=out, env=ENV, check=False
     )
 
 
 def results(out: Path) -> dict[str, Counter[str]]:
-    """Per module, how many mutants ended how, from mutmut's meta files."""
-    counts: dict[str, Counter[str]] = {}
-    for meta in sorted((out / "mutants" / "kvgate").rglob("*.py.meta")):
-        module = str(meta.relative_to(out / "mutants" / "kvgate"))[: -len(".meta")]
-        codes = json.loads(meta.read_text())["exit_code_by_key"]
-        counts[module] = Counter(status(c) for c in codes.values())
-    return counts
+    """Per module, how many mutants ended how."""
+    return {module: Counter(status(c) for c in codes.values()) for module, codes in mutants(out).items()}
 
 
 def survivors(out: Path) -> list[str]:
     """Each surviving mutant as its name and the line it changes (from `mutmut show`)."""
     lines: list[str] = []
-    for meta in sorted((out / "mutants" / "kvgate").rglob("*.py.meta")):
-        for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+    for module, codes in mutants(out).items():
+        promised = tuple(f".{fn}__mutmut_" for fn in PROMISES.get(module, []))
+        for name, code in codes.items():
             if status(code) not in ("survived", "no tests"):
                 continue
             shown = subprocess.run(
                 [sys.executable, "-m", "mutmut", "show", name], cwd=out, capture_output=True, text=True
             )
             changed = [ln[1:].strip() for ln in shown.stdout.splitlines() if re.match(r"^\+(?!\+)", ln)]
-            lines.append(f"- `{name}` ({status(code)}): `{changed[0] if changed else '?'}`")
+            where = ", promise" if any(p in name for p in promised) else ""
+            lines.append(f"- `{name}` ({status(code)}{where}): `{changed[0] if changed else '?'}`")
     return lines
 
 
@@ -133,11 +181,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", nargs="*", choices=sorted(TARGETS), default=sorted(TARGETS))
     parser.add_argument("--children", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--report", type=Path, help="also write the report here")
+    parser.add_argument("--promises", action="store_true", help="only the promise-keeping functions' mutants...")
+    parser.add_argument("--sample", type=int, default=0, help="...and this many others per module, at random")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--report-only", action="store_true", help="report on the staged run, do not run")
     args = parser.parse_args(argv)
     if not args.report_only:
         stage(args.stage, args.only)
-        run(args.stage, args.children)
+        narrow = args.promises or args.sample
+        run(args.stage, args.children, chosen(args.stage, args.promises, args.sample, args.seed) if narrow else [])
     text = report(results(args.stage), survivors(args.stage))
     print(text)
     if args.report:

@@ -26,6 +26,7 @@ def test_bench_semantic_writes_its_section_and_plot(tmp_path: Path, qqp: Path) -
     out = tmp_path / "BENCHMARKS.md"
     out.write_text("# Benchmarks\n\n<!-- bench:other -->\nkept\n<!-- /bench:other -->\n")
     args = ["bench", "semantic", "--limit", "240", "--traps", "20", "--sizes", "100,300", "--queries", "30"]
+    args += ["--data", str(qqp)]  # never the shared QQP pairs: a clone has none
     args += ["--gateway", "0"]  # the model is not converted in this cache dir; see the test below
     args += ["--fit-verifier", str(tmp_path / "verifier.npz")]
     env = {**os.environ, "KVGATE_CACHE_DIR": str(tmp_path / "cache")}  # embeddings cached there, not in ~/.cache

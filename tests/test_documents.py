@@ -10,13 +10,22 @@ import pytest
 
 from kvgate.chunk_cache import DiskTier
 
-QUESTION = "Where was the author of Hannibal and Scipio educated?"
+QUESTION = "Where was the author of The Lantern Road educated?"
+# Fictional, written for this test: a two-hop question over three short documents.
 DOCS = [
-    "Hannibal and Scipio is a Caroline era stage play, a classical tragedy written by Thomas Nabbes. "
-    "The play was first performed in 1635 by Queen Henrietta's Men.",
-    "Thomas Nabbes was an English dramatist. He was educated at Exeter College, Oxford, and came to London about 1630.",
-    "Exeter College is one of the constituent colleges of the University of Oxford, founded in 1314.",
+    "The Lantern Road is a novel about a ferry town on the river Ashen, written by Oriel Thatchwood. "
+    "It was first printed in 1874 by the Greyhaven Press.",
+    "Oriel Thatchwood was a writer and cartographer. She was educated at Quenmere College in Vellmoor "
+    "and moved to Ostford in 1866.",
+    "Quenmere College is the oldest of the colleges of Vellmoor, founded in 1412 on the bank of the Ashen.",
 ]
+
+
+def own(tag: str) -> list[dict]:
+    """DOCS as a test of its own reads them: texts no other test sends, so no test's order matters."""
+    return [{"text": f"{d} ({tag})"} for d in DOCS]
+
+
 # Documents are their tenant's: requests sent with httpx carry the key the chat client uses.
 AS_CLIENT = {"authorization": "Bearer unused"}
 
@@ -34,10 +43,11 @@ def ask(client: openai.OpenAI, model: str, documents: list[dict], reuse: dict | 
 
 
 def test_documents_by_text_are_reused_and_reported(client, model_name) -> None:
-    first = ask(client, model_name, [{"text": d} for d in DOCS], {"reuse": "blend", "recompute_ratio": 0.2})
+    docs = own("reuse test")
+    first = ask(client, model_name, docs, {"reuse": "blend", "recompute_ratio": 0.2})
     # Read for the first time: computed now, so nothing counts as reused yet.
     assert first.headers["x-kvgate-reused-tokens"] == first.headers["x-kvgate-recomputed-tokens"] == "0"
-    raw = ask(client, model_name, [{"text": d} for d in DOCS], {"reuse": "blend", "recompute_ratio": 0.2})
+    raw = ask(client, model_name, docs, {"reuse": "blend", "recompute_ratio": 0.2})
     reply = raw.parse()
     reused, recomputed = int(raw.headers["x-kvgate-reused-tokens"]), int(raw.headers["x-kvgate-recomputed-tokens"])
     assert reused > 0 and recomputed > 0
@@ -51,7 +61,8 @@ def test_documents_by_text_are_reused_and_reported(client, model_name) -> None:
 
 
 def test_blend_at_ratio_one_answers_as_full_prefill(client, model_name) -> None:
-    docs = [{"text": d} for d in DOCS]
+    docs = own("ratio one test")
+    ask(client, model_name, docs)  # read once: a blend at ratio 1 has cached KV to (not) reuse
     full = ask(client, model_name, docs, {"reuse": "full"})
     blend = ask(client, model_name, docs, {"reuse": "blend", "recompute_ratio": 1.0})
     assert full.headers["x-kvgate-reused-tokens"] == "0" and full.headers["x-kvgate-reuse"] == "full"
@@ -84,7 +95,7 @@ def test_a_stored_document_is_on_disk_when_its_card_says_so(base_url, settings) 
 
 
 def test_exact_prefix_reuse_finds_an_earlier_prompt(client, model_name) -> None:
-    docs = [{"text": d + " (prefix test)"} for d in DOCS]
+    docs = own("prefix test")
     first = ask(client, model_name, docs, {"reuse": "prefix"})
     again = ask(client, model_name, docs, {"reuse": "prefix"})
     assert first.headers["x-kvgate-reused-tokens"] == "0"
@@ -97,12 +108,13 @@ def test_streaming_with_documents_carries_the_reuse_headers(client, model_name, 
     body = {
         "model": model_name,
         "messages": [{"role": "user", "content": QUESTION}],
-        "documents": [{"text": d} for d in DOCS],
+        "documents": own("streaming test"),
         "temperature": 0,
         "max_tokens": 12,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    ask(client, model_name, body["documents"])  # read once, so that the stream reuses them
     with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=AS_CLIENT, timeout=120) as r:
         assert r.status_code == 200
         reused = int(r.headers["x-kvgate-reused-tokens"])

@@ -25,7 +25,7 @@ from kvgate.semantic_cache.embedder import MiniLM, make_embedder
 T = TypeVar("T")
 NAME = "all-MiniLM-L6-v2"
 TEXTS = [
-    "Thomas Nabbes was an English dramatist, educated at Exeter College, Oxford.",
+    "Oriel Thatchwood was a writer and cartographer, educated at Quenmere College, Vellmoor.",
     "Short.",
     "Why is the sky blue? Rayleigh scattering of sunlight by the air's molecules.",
     "Paris is the capital of France.",

@@ -247,11 +247,11 @@ def test_a_function_call_streams_its_arguments(client, model_name):
 
 
 def test_documents_and_kvgate_options_reach_the_chat_side(client, model_name):
-    doc = {"text": "Thomas Nabbes was an English dramatist, educated at Exeter College, Oxford."}
+    doc = {"text": "Oriel Thatchwood was a writer and cartographer, educated at Quenmere College, Vellmoor."}
     extra = {"documents": [doc], "kvgate": {"reuse": "naive"}}
     for _ in range(2):
         raw = client.responses.with_raw_response.create(
-            model=model_name, input="Where was Thomas Nabbes educated?", max_output_tokens=4, extra_body=extra
+            model=model_name, input="Where was Oriel Thatchwood educated?", max_output_tokens=4, extra_body=extra
         )
     assert raw.headers["x-kvgate-reuse"] == "naive"
     reused = int(raw.headers["x-kvgate-reused-tokens"])
