@@ -32,7 +32,7 @@ PACKAGES = {"gateway": "gateway", "runtime": "runtime", "chunk_cache": "chunk_ca
 # Module (as installed) -> the test files that pin its promises.
 TARGETS: dict[str, list[str]] = {
     "chunk_cache/entry.py": ["test_chunk_cache.py", "test_disk_tier.py", "test_memory_tier.py", "test_codec.py"],
-    "runtime/reuse.py": ["test_prefix_kv.py", "test_tenant_kv.py", "test_documents.py", "test_blend.py"],
+    "runtime/reuse.py": ["test_reuser.py", "test_tenant_kv.py", "test_documents.py", "test_blend.py"],
     "gateway/keys.py": ["test_keys.py", "test_auth.py", "test_key_store.py", "abuse/test_isolation.py"],
     "gateway/limits.py": ["test_limits.py", "test_limits_redis.py"],
     "semantic_cache/guards.py": ["test_guards.py"],

@@ -1,6 +1,6 @@
-"""Exact prefix KV (runtime/reuse.py `store_prefix`, `attach_prefix`, and the model check every lookup makes):
-a prompt's in-context KV is kept findable at each piece boundary, per tenant, and only the very KV full prefill
-computes is ever attached."""
+"""runtime/reuse.py's Reuser: exact prefix KV (`store_prefix`, `attach_prefix`) kept findable at each piece
+boundary, per tenant, within a bound, and only the very KV full prefill computes ever attached; the model check
+every lookup makes; a document's tokens remembered past its KV."""
 
 from __future__ import annotations
 
@@ -24,9 +24,13 @@ TEXTS = (
 )
 
 
+def make(loaded: LoadedModel, **kw) -> Reuser:
+    return Reuser(loaded.model, loaded.tokenizer, ChunkStore.from_config(), fingerprint("test"), BlendConfig(), **kw)
+
+
 @pytest.fixture
 def reuser(loaded: LoadedModel) -> Reuser:
-    return Reuser(loaded.model, loaded.tokenizer, ChunkStore.from_config(), fingerprint("prefix-test"), BlendConfig())
+    return make(loaded)
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +120,28 @@ def test_an_entry_of_another_model_under_a_key_is_a_miss(reuser: Reuser, pieces)
     other = reuser.key(q2, "t")  # never seen by this reuser: only the store could tell its tokens
     reuser.store.put(ChunkKV(other, tuple(q2), entry.keys[:, :, : len(q2)], entry.values[:, :, : len(q2)], model="x"))
     assert reuser.tokens_of(other) is None
+
+
+def test_the_prefix_map_keeps_the_latest_boundaries_within_its_bound(loaded: LoadedModel, pieces) -> None:
+    reuser = make(loaded, max_prefixes=3)
+    head, vell, ost, q1, q2 = pieces
+    reuser.store_prefix(prefilled(reuser, flat([head, vell, ost, q1])), [head, vell, ost, q1], "t")  # 3 boundaries
+    reuser.store_prefix(prefilled(reuser, flat([q2, ost, q1])), [q2, ost, q1], "t")  # 2 more, the latest
+    assert len(reuser.prefixes) == 3
+    assert reuser.attach_prefix(reuser.new_kv(), [q2, ost, head], "t") == len(q2) + len(ost)
+    assert reuser.attach_prefix(reuser.new_kv(), [head, vell, ost, q2], "t") == len(head) + len(vell) + len(ost)
+    assert reuser.attach_prefix(reuser.new_kv(), [head, vell, q2], "t") == 0  # the oldest boundaries went first
+    # Stored again, a prompt's boundaries are the latest: the other prompt's two go.
+    reuser.store_prefix(prefilled(reuser, flat([head, vell, ost, q1])), [head, vell, ost, q1], "t")
+    assert reuser.attach_prefix(reuser.new_kv(), [head, vell, ost, q2], "t") == len(head) + len(vell) + len(ost)
+    assert reuser.attach_prefix(reuser.new_kv(), [q2, ost, head], "t") == 0
+
+
+def test_a_document_remembered_is_known_by_key_after_its_kv_is_gone(reuser: Reuser, pieces) -> None:
+    _, vell, ost, _, _ = pieces
+    reuser.document(ost, "t")  # not asked to remember
+    assert reuser.known.get(reuser.key(ost, "t")) is None
+    reuser.document(vell, "t", remember=True)
+    key = reuser.key(vell, "t")
+    assert reuser.store.delete(key)
+    assert reuser.tokens_of(key) == tuple(vell)
