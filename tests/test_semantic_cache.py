@@ -117,8 +117,8 @@ def test_invalidation_by_entry_category_and_tenant(cache: SemanticCache) -> None
     assert cache.invalidate(tenant="bob") == 1
     assert not cache.lookup("s-bob", QUESTION).hit and cache.lookup("s-alice", QUESTION).hit
     assert cache.invalidate(a.id) == 1 and not cache.lookup("s-alice", QUESTION).hit
-    with pytest.raises(ValueError):
-        cache.invalidate()
+    with pytest.raises(ValueError, match="^say which entries: an id, a category or a tenant$"):
+        cache.invalidate()  # never "all of them" by omission
 
 
 def test_the_classifier_uses_rules_then_prototypes(cache: SemanticCache) -> None:
