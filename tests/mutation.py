@@ -127,15 +127,33 @@ def mutants(out: Path) -> dict[str, dict[str, int | None]]:
 
 
 def chosen(out: Path, promises: bool, sample: int, seed: int) -> list[str]:
-    """The mutants of the promise-keeping functions and a seeded sample of the others, per module."""
-    subprocess.run([sys.executable, "-c", GENERATE], cwd=out, env=ENV, check=True, capture_output=True)
+    """The mutants of the promise-keeping functions and a seeded sample of the others, per module; all of them
+    when neither is asked. Only those not decided yet (see `carry`)."""
     names: list[str] = []
     for module, codes in mutants(out).items():
+        if not (promises or sample):
+            names += list(codes)
+            continue
         keep = tuple(f"{fn}__mutmut_" for fn in PROMISES.get(module, [])) if promises else ()
         own = [n for n in codes if n.rsplit(".", 1)[1].startswith(keep)] if keep else []
         rest = sorted(set(codes) - set(own))
         names += own + random.Random(seed).sample(rest, min(sample, len(rest)))
-    return names
+    decided = {n for codes in mutants(out).values() for n, code in codes.items() if code is not None}
+    return [n for n in names if n not in decided]
+
+
+def carry(earlier: Path, out: Path) -> None:
+    """Mark killed the mutants an earlier stage's tests killed, the source unchanged and tests only added since."""
+    for meta in sorted((out / "mutants" / "kvgate").rglob("*.py.meta")):
+        before = earlier / meta.relative_to(out)
+        if not before.exists():
+            continue
+        old = json.loads(before.read_text())["exit_code_by_key"]
+        data = json.loads(meta.read_text())
+        for name, code in old.items():
+            if name in data["exit_code_by_key"] and code is not None and status(code) in KILLED:
+                data["exit_code_by_key"][name] = code
+        meta.write_text(json.dumps(data, indent=4))
 
 
 def run(out: Path, children: int, names: list[str]) -> None:
@@ -190,12 +208,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--promises", action="store_true", help="only the promise-keeping functions' mutants...")
     parser.add_argument("--sample", type=int, default=0, help="...and this many others per module, at random")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--killed-in", type=Path, help="an earlier stage whose killed mutants are not run again")
     parser.add_argument("--report-only", action="store_true", help="report on the staged run, do not run")
     args = parser.parse_args(argv)
     if not args.report_only:
         stage(args.stage, args.only)
-        narrow = args.promises or args.sample
-        run(args.stage, args.children, chosen(args.stage, args.promises, args.sample, args.seed) if narrow else [])
+        subprocess.run([sys.executable, "-c", GENERATE], cwd=args.stage, env=ENV, check=True, capture_output=True)
+        if args.killed_in:
+            carry(args.killed_in, args.stage)
+        names = chosen(args.stage, args.promises, args.sample, args.seed)
+        if names:
+            run(args.stage, args.children, names)
     text = report(results(args.stage), survivors(args.stage))
     print(text)
     if args.report:
