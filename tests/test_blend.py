@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -119,10 +120,16 @@ def test_exact_prefix_is_found_at_a_document_boundary(musique: Path, reuser: Reu
 
 def test_a_document_is_computed_once_then_found(reuser: Reuser, loaded: LoadedModel) -> None:
     ids = document_ids(loaded.tokenizer, "The Eiffel Tower is in Paris.")
+    start = time.perf_counter()
     first, found = reuser.document(ids)
+    took = time.perf_counter() - start
     again, found_again = reuser.document(ids)
     assert (found, found_again) == (False, True) and again is first
-    assert first.keys.shape[2] == len(ids) and first.cost > 0
+    assert first.keys.shape[2] == len(ids) and 0 < first.cost <= took  # its cost: the seconds it took
+    # Computed alone at positions 0..T-1: the KV a prefill of the document's tokens alone holds.
+    alone = reuser.new_kv()
+    forward(reuser.model, [Run(alone, ids, 0)])
+    assert all(torch.equal(first.keys[i], alone.keys[i][:, : len(ids)]) for i in (0, 7, 29))
     assert reuser.document(ids, scope="tenant-b")[1] is False  # scopes never share entries
 
 

@@ -182,6 +182,7 @@ def test_a_reported_hit_teaches_the_bound_and_deletes_the_entry(tmp_path: Path, 
     assert not cache.lookup("s", QUESTION).hit
     assert cache.stats()["bound"]["verdicts"]["wrong"] == 1
     assert not cache.bound.own  # the entry's own verdicts went with it, under no other name either
+    assert bounded(tmp_path, embedder, bound=BoundConfig(entries=7, warmup=0)).bound.config.entries == 7
     assert cache.report("chatcmpl-1", "t") is None  # once
 
 
