@@ -145,3 +145,11 @@ def test_a_document_remembered_is_known_by_key_after_its_kv_is_gone(reuser: Reus
     key = reuser.key(vell, "t")
     assert reuser.store.delete(key)
     assert reuser.tokens_of(key) == tuple(vell)
+
+
+def test_a_document_missing_at_blend_time_is_computed_and_kept_in_its_tenants_scope(reuser: Reuser, pieces) -> None:
+    _, vell, _, _, _ = pieces
+    entry, found = reuser.cached(vell, "tenant-a")
+    assert not found and entry.token_ids == tuple(vell)
+    assert reuser.key(vell, "tenant-a") in reuser.store and reuser.key(vell, "") not in reuser.store
+    assert reuser.cached(vell, "tenant-a")[1] is True and reuser.cached(vell, "tenant-b")[1] is False
