@@ -46,6 +46,7 @@ def test_embeddings_are_normalised_and_batched_rows_match_single_ones(embedder: 
 
 def test_a_paraphrase_hits_and_reports_its_similarity(cache: SemanticCache) -> None:
     cache.put("t", "s", QUESTION, {"content": "Paris"})
+    cache.put("t", "s", "Which river runs through Vellmoor?", {"content": "the Ashen"})  # a candidate too far
     found = cache.lookup("s", "What's the capital city of France?")
     assert found.hit and found.entry is not None and found.entry.response == {"content": "Paris"}
     assert found.threshold <= found.similarity < 1.0
@@ -64,6 +65,21 @@ def test_a_guard_refuses_a_close_question_with_another_answer(cache: SemanticCac
     assert not found.hit and found.refused == "negation"
     found = cache.lookup("s", "Is coffee good for your health in 2010?")
     assert not found.hit and found.refused == "numbers"
+
+
+def test_only_the_guards_configured_refuse(tmp_path: Path, embedder: MiniLM) -> None:
+    cache = make(tmp_path, embedder, categories=unbounded(), guards=("numbers",))
+    cache.put("t", "s", "Is coffee good for your health?", {"content": "yes, in moderation"})
+    assert cache.lookup("s", "Is coffee not good for your health?").hit  # no negation guard asked for
+    assert cache.lookup("s", "Is coffee good for your health in 2010?").refused == "numbers"
+
+
+def test_a_scope_past_flat_max_is_searched_in_its_graph(tmp_path: Path, embedder: MiniLM) -> None:
+    cache = make(tmp_path, embedder, categories=unbounded(), flat_max=2)
+    for q, a in [(QUESTION, "Paris"), ("How do birds fly?", "wings"), ("Why is the sky blue?", "scattering")]:
+        cache.put("t", "s", q, {"content": a})
+    found = cache.lookup("s", "What's the capital city of France?")
+    assert found.hit and found.entry.response == {"content": "Paris"} and cache.stats()["errors"] == 0
 
 
 def test_entries_expire_after_their_ttl_however_often_they_hit(tmp_path: Path, embedder: MiniLM) -> None:
@@ -105,7 +121,27 @@ def test_a_damaged_entry_is_a_miss_and_is_deleted(tmp_path: Path, embedder: Mini
     with sqlite3.connect(tmp_path / "semantic.sqlite3") as db:
         db.execute("UPDATE entries SET response = ? WHERE id = ?", (b'{"content":"Lyon"}', entry.id))
     assert not cache.lookup("s", QUESTION).hit
-    assert cache.store.ids() == []
+    assert cache.store.ids() == [] and entry.id not in cache.index and cache.stats()["errors"] == 0
+
+
+def test_a_gone_or_expired_candidate_is_passed_over_for_the_next(tmp_path: Path, embedder: MiniLM) -> None:
+    short = Category("all", threshold=0.7, floor=0.7, ttl_s=60, quota=100)
+    cache = make(tmp_path, embedder, categories=(short,))
+    damaged = cache.put("t", "s", QUESTION, {"content": "Paris"}, now=1000.0)
+    second = cache.put("t", "s", "What's the capital city of France?", {"content": "Paris, again"}, now=1000.0)
+    assert damaged is not None and second is not None
+    assert cache.lookup("s", QUESTION, now=1000.0).entry.id == damaged.id  # the scope is held: both indexed
+    with sqlite3.connect(tmp_path / "semantic.sqlite3") as db:
+        db.execute("UPDATE entries SET response = ? WHERE id = ?", (b'{"content":"Lyon"}', damaged.id))
+    found = cache.lookup("s", QUESTION, now=1001.0)  # the exact match first, damaged: then the paraphrase
+    assert found.hit and found.entry.id == second.id and damaged.id not in cache.index
+
+    expired = cache.put("t", "s", QUESTION, {"content": "Paris"}, now=1000.0)
+    later = cache.put("t", "s", "Tell me the capital of France.", {"content": "Paris, later"}, now=1050.0)
+    assert expired is not None and later is not None
+    found = cache.lookup("s", QUESTION, now=1070.0)  # the first two expired at 1060
+    assert found.hit and found.entry.id == later.id and expired.id not in cache.index
+    assert cache.stats()["errors"] == 0
 
 
 def test_invalidation_by_entry_category_and_tenant(cache: SemanticCache) -> None:
