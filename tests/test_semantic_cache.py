@@ -67,6 +67,31 @@ def test_a_guard_refuses_a_close_question_with_another_answer(cache: SemanticCac
     assert not found.hit and found.refused == "numbers"
 
 
+def test_a_refused_candidate_is_passed_over_for_the_next(cache: SemanticCache) -> None:
+    cache.put("t", "s", "Is coffee good for your health?", {"content": "yes, in moderation"})
+    negated = cache.put("t", "s", "Is coffee not healthy?", {"content": "it is, in moderation"})  # less similar
+    found = cache.lookup("s", "Is coffee not good for your health?")  # the first candidate is refused
+    assert found.hit and found.entry.id == negated.id and found.refused == "negation"
+
+
+def test_the_verifier_scores_the_candidate_and_without_one_the_similarity_does(
+    tmp_path: Path, embedder: MiniLM
+) -> None:
+    paraphrase = "What's the capital city of France?"
+    for verifier in (True, False):
+        options = {} if verifier else {"verifier": None}
+        cache = make(tmp_path / str(verifier), embedder, categories=unbounded(), **options)
+        cache.put("t", "s", QUESTION, {"content": "Paris"})
+        found = cache.lookup("s", paraphrase)
+        assert found.hit
+        if verifier:
+            assert cache.verifier is not None
+            want = cache.verifier.score(paraphrase, QUESTION, found.similarity, found.category.name)
+            assert found.score == want != found.similarity
+        else:
+            assert cache.verifier is None and found.score == found.similarity
+
+
 def test_only_the_guards_configured_refuse(tmp_path: Path, embedder: MiniLM) -> None:
     cache = make(tmp_path, embedder, categories=unbounded(), guards=("numbers",))
     cache.put("t", "s", "Is coffee good for your health?", {"content": "yes, in moderation"})
