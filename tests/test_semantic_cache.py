@@ -92,6 +92,24 @@ def test_the_verifier_scores_the_candidate_and_without_one_the_similarity_does(
             assert cache.verifier is None and found.score == found.similarity
 
 
+def test_the_best_scored_candidate_is_served_not_the_nearest_or_the_last(cache: SemanticCache) -> None:
+    query = "What's the capital city of France?"
+    # By similarity: nearest, second, third; the verifier scores the second best (measured: 0.84, 0.87, 0.82).
+    texts = [
+        "Which city is the capital of France?",
+        "France's capital is which city?",
+        "Tell me the capital of France.",
+    ]
+    ids = [cache.put("t", "s", text, {"content": "Paris"}).id for text in texts]
+    found = cache.lookup("s", query)
+    vectors = cache.embed(query), *(cache.embed(t) for t in texts)
+    similarities = [float(vectors[0] @ v) for v in vectors[1:]]
+    assert cache.verifier is not None and min(similarities) >= found.threshold
+    scores = [cache.verifier.score(query, t, s, found.category.name) for t, s in zip(texts, similarities)]
+    assert similarities == sorted(similarities, reverse=True) and max(scores) == scores[1]
+    assert found.hit and found.entry.id == ids[1] and found.score == pytest.approx(scores[1], abs=1e-5)
+
+
 def test_only_the_guards_configured_refuse(tmp_path: Path, embedder: MiniLM) -> None:
     cache = make(tmp_path, embedder, categories=unbounded(), guards=("numbers",))
     cache.put("t", "s", "Is coffee good for your health?", {"content": "yes, in moderation"})
