@@ -146,6 +146,17 @@ def test_a_category_keeps_its_quota_evicting_the_least_recently_used(tmp_path: P
     assert len(cache.store.ids()) == 2 and cache.stats()["evicted"] == 1
 
 
+def test_a_paraphrase_hit_counts_as_a_use_for_the_quota_too(tmp_path: Path, embedder: MiniLM) -> None:
+    small = Category("all", threshold=0.8, floor=0.8, ttl_s=3600, quota=2)
+    cache = make(tmp_path, embedder, categories=(small,))
+    first = cache.put("t", "s", "How do birds fly?", {"content": "0"}, now=1.0)
+    cache.put("t", "s", "Why is the sky blue?", {"content": "1"}, now=2.0)
+    found = cache.lookup("s", "How are birds able to fly?", now=3.0)
+    assert found.hit and found.score < 1.0 and found.entry.id == first.id  # a paraphrase, not the same question
+    cache.put("t", "s", "What is Python used for?", {"content": "2"}, now=4.0)
+    assert cache.lookup("s", "How do birds fly?", now=5.0).hit and not cache.lookup("s", "Why is the sky blue?").hit
+
+
 def test_entries_survive_a_restart_and_a_scope_is_read_in_when_first_looked_up(
     tmp_path: Path, embedder: MiniLM
 ) -> None:
