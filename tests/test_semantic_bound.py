@@ -161,6 +161,7 @@ def test_a_share_of_would_be_hits_is_left_to_the_model(tmp_path: Path, embedder:
             break
         cache.learn(found, "Practise every day.")
     assert found.verify and cache.stats()["verified"] == 1
+    assert cache.lookup("s", PARAPHRASE).verify and cache.stats()["verified"] == 2  # counted, each one
 
 
 def test_a_zero_error_rate_category_serves_only_the_same_question(tmp_path: Path, embedder: MiniLM) -> None:
