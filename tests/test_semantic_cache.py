@@ -51,6 +51,8 @@ def test_a_paraphrase_hits_and_reports_its_similarity(cache: SemanticCache) -> N
     assert found.hit and found.entry is not None and found.entry.response == {"content": "Paris"}
     assert found.threshold <= found.similarity < 1.0
     assert not cache.lookup("s", "How do I bake sourdough bread?").hit
+    cache.lookup("s", QUESTION), cache.lookup("s", "How do I bake sourdough bread?")
+    assert (cache.stats()["hits"], cache.stats()["misses"]) == (2, 2)  # each lookup counted
 
 
 def test_another_scope_never_hits(cache: SemanticCache) -> None:
