@@ -200,6 +200,14 @@ def test_a_gone_or_expired_candidate_is_passed_over_for_the_next(tmp_path: Path,
     assert cache.stats()["errors"] == 0
 
 
+def test_a_store_that_fails_is_a_miss_each_time_and_counted(tmp_path: Path, embedder: MiniLM) -> None:
+    cache = make(tmp_path, embedder, categories=unbounded())
+    cache.put("t", "s", QUESTION, {"content": "Paris"})
+    cache.store.db.close()  # the SQLite connection gone: every read of the store raises
+    assert not cache.lookup("s", QUESTION).hit and not cache.lookup("s", QUESTION).hit
+    assert cache.stats()["errors"] == 2 and cache.stats()["misses"] == 2
+
+
 def test_invalidation_by_entry_category_and_tenant(cache: SemanticCache) -> None:
     a = cache.put("alice", "s-alice", QUESTION, {"content": "Paris"})
     cache.put("alice", "s-alice", "How do I reverse a list in Python?", {"content": "reversed()"})
