@@ -130,7 +130,8 @@ def chosen(out: Path, promises: bool, sample: int, seed: int) -> list[str]:
     """The mutants of the promise-keeping functions and a seeded sample of the others, per module; all of them
     when neither is asked. Only those not decided yet (see `carry`)."""
     names: list[str] = []
-    for module, codes in mutants(out).items():
+    found = mutants(out)
+    for module, codes in found.items():
         if not (promises or sample):
             names += list(codes)
             continue
@@ -138,7 +139,7 @@ def chosen(out: Path, promises: bool, sample: int, seed: int) -> list[str]:
         own = [n for n in codes if n.rsplit(".", 1)[1].startswith(keep)] if keep else []
         rest = sorted(set(codes) - set(own))
         names += own + random.Random(seed).sample(rest, min(sample, len(rest)))
-    decided = {n for codes in mutants(out).values() for n, code in codes.items() if code is not None}
+    decided = {n for codes in found.values() for n, code in codes.items() if code is not None}
     return [n for n in names if n not in decided]
 
 
