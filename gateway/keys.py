@@ -91,7 +91,7 @@ def key_of(hashed: str, spec: str | dict[str, Any], source: str, default: Limits
     ):
         raise ValueError(f"api key {hashed[:12]}...: expected a tenant or {{tenant, models, rpm, tpm}}, got {spec}")
     limits = Limits(spec.get("rpm", default.rpm), spec.get("tpm", default.tpm))
-    return Key("key-" + hashed[:16], spec["tenant"], tuple(spec.get("models") or ()), limits, source)
+    return Key("key-" + hashed[:16], spec["tenant"], tuple(models), limits, source)
 
 
 class Keys:
