@@ -251,7 +251,9 @@ def test_the_model_under_load_fails_nothing_and_keeps_its_memory(tmp_path: Path)
     assert not errors, "\n".join(errors[:10])
     assert calm.refused == 0  # within its share, whatever the other tenant does
     assert flood.refused > 0 and flood.answered > 0
-    assert calm.answered >= 6  # about a sixth of the 39 measured
+    # Requests keep flowing for the calm tenant, by an order and not a rate (on shared cores both tenants
+    # slow alike): measured 39 calm to 25 flood, and 20 to 13 on a busier machine (1.5x); 0.75x is half that.
+    assert calm.answered >= 2 and calm.answered >= 0.75 * flood.answered, (calm.answered, flood.answered)
     # Over six times the largest growth measured. One request's KV cache (45 tokens x 45 KiB, about 3 MiB as
     # allocated) kept by each of the ~50 requests would add some 150 MiB; kept by five of them, 16 MiB.
     assert run.growth_mib < 16, f"RSS grew {run.growth_mib:.1f} MiB over {run.load.answered} requests"
