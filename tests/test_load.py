@@ -252,7 +252,8 @@ def test_the_model_under_load_fails_nothing_and_keeps_its_memory(tmp_path: Path)
     assert calm.refused == 0  # within its share, whatever the other tenant does
     assert flood.refused > 0 and flood.answered > 0
     # Requests keep flowing for the calm tenant, by an order and not a rate (on shared cores both tenants
-    # slow alike): measured 39 calm to 25 flood, and 20 to 13 on a busier machine (1.5x); 0.75x is half that.
+    # slow alike): measured 39 calm to 25 flood and 20 to 13 (1.5x); 0.75x is half that. (Tenants served
+    # FCFS gave 21 to 20: the fair share is test_queue's and abuse/test_flood's to check.)
     assert calm.answered >= 2 and calm.answered >= 0.75 * flood.answered, (calm.answered, flood.answered)
     # Over six times the largest growth measured. One request's KV cache (45 tokens x 45 KiB, about 3 MiB as
     # allocated) kept by each of the ~50 requests would add some 150 MiB; kept by five of them, 16 MiB.
