@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+
+def user_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvgate"
+
+
+def default_cache_dir() -> Path:
+    """As the gateway's Settings read it: $KVGATE_CACHE_DIR, else the user's cache. (Here, the lowest
+    package that needs it, so that the runtime and the chunk cache read one rule.)"""
+    return Path(os.environ.get("KVGATE_CACHE_DIR") or user_cache_dir())
+
+
+def default_disk_dir() -> Path:
+    return default_cache_dir() / "chunks"
 
 
 @dataclass(frozen=True)
@@ -18,7 +33,7 @@ class ChunkCacheConfig:
     memory_policy: str = "value"
     # None: entries stay where they were computed (the runtime's device).
     memory_device: str | None = None
-    disk_dir: Path = Path.home() / ".cache" / "kvgate" / "chunks"
+    disk_dir: Path = field(default_factory=default_disk_dir)
     disk_bytes: int = 16 << 30
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_bytes: int = 4 << 30

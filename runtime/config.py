@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvgate.chunk_cache import ChunkCacheConfig
+from kvgate.chunk_cache.config import default_cache_dir, user_cache_dir
 from kvgate.runtime.quality import QualityConfig
 
-
-def user_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvgate"
-
-
-def default_cache_dir() -> Path:
-    """As the gateway's Settings read it: $KVGATE_CACHE_DIR, else the user's cache."""
-    return Path(os.environ.get("KVGATE_CACHE_DIR") or user_cache_dir())
+__all__ = ["EngineConfig", "default_cache_dir", "user_cache_dir"]
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kvgate.chunk_cache import ChunkCacheConfig
 from kvgate.gateway.settings import Settings, user_cache_dir
 from kvgate.runtime.calibration import Calibration, model_fingerprint, save
 from kvgate.runtime.calibration import load as load_calibration
@@ -25,6 +26,7 @@ def test_settings_built_anywhere_use_the_runs_cache_and_the_developers_converted
     run = Settings().cache_dir
     assert run != user_cache_dir() and settings.cache_dir == run  # the session's settings say nothing of it
     assert EngineConfig().cache_dir == run  # an engine built without settings reads the same rule
+    assert ChunkCacheConfig().disk_dir == run / "chunks"  # and so does a chunk store's disk tier
     assert (run / "models").resolve() == (user_cache_dir() / "models").resolve()  # linked, not converted again
 
 
