@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -13,6 +14,7 @@ from kvgate.chunk_cache import (
     ChunkStore,
     CorruptEntry,
     DiskTier,
+    Header,
     MemoryTier,
     Tier,
     chunk_key,
@@ -113,13 +115,50 @@ def test_trailing_bytes_are_a_corrupt_entry() -> None:
 
 
 def test_an_entry_moves_to_a_device_whole() -> None:
-    entry = chunk()
+    e = chunk()
+    entry = ChunkKV(e.key, e.token_ids, e.keys, e.values, e.cost, model="model-fp")  # moved, still that model's
     assert entry.to("cpu") is entry  # already there: not copied
     moved = entry.to("meta")  # a device every torch build has: the copy path a GPU takes
     fields = ("key", "token_ids", "cost", "model")
     assert [getattr(moved, f) for f in fields] == [getattr(entry, f) for f in fields]
     assert moved.keys.device.type == moved.values.device.type == "meta"
     assert moved.keys.shape == entry.keys.shape and moved.values.shape == entry.values.shape
+
+
+def rewritten(data: bytes, **metadata: str) -> bytes:
+    """The entry's bytes with these metadata fields replaced (its checksums left as they were)."""
+    size = Header.size_of(data)
+    header = json.loads(data[8:size])
+    header["__metadata__"].update(metadata)
+    head = json.dumps(header).encode()
+    return len(head).to_bytes(8, "little") + head + data[size:]
+
+
+def test_a_header_declares_at_most_16_mib() -> None:
+    limit = 1 << 24
+    assert Header.size_of(limit.to_bytes(8, "little")) == 8 + limit
+    with pytest.raises(CorruptEntry, match=f"^a header of {limit + 1} bytes$"):
+        Header.size_of((limit + 1).to_bytes(8, "little"))
+
+
+def test_each_kind_of_damage_is_named() -> None:
+    """What a miss logs says why the entry was refused."""
+    data = chunk().to_bytes()
+    size = Header.size_of(data)
+    header = Header.parse(data[:size])
+    damaged = {
+        "^7 bytes is shorter than a header$": lambda: Header.size_of(data[:7]),
+        f"^header of {size} bytes in 20 bytes$": lambda: Header.parse(data[:20]),
+        "^format 'kvgate.chunk-entry.v1', expected 'kvgate.chunk-entry.v2'$": lambda: ChunkKV.from_bytes(
+            rewritten(data, format="kvgate.chunk-entry.v1")
+        ),
+        "^token ids truncated$": lambda: header.check_tokens(b""),
+        "^header checksum mismatch$": lambda: ChunkKV.from_bytes(rewritten(data, cost="2.0")),
+        f"^layer 1: 3 bytes, expected {header.layer_bytes}$": lambda: header.check(1, b"abc"),
+    }
+    for message, read in damaged.items():
+        with pytest.raises(CorruptEntry, match=message):
+            read()
 
 
 def test_entry_checks_its_own_shapes() -> None:
