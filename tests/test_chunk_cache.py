@@ -143,10 +143,16 @@ def test_a_header_declares_at_most_16_mib() -> None:
 
 def test_each_kind_of_damage_is_named() -> None:
     """What a miss logs says why the entry was refused."""
-    data = chunk().to_bytes()
+    e = chunk()
+    data = ChunkKV(e.key, e.token_ids, e.keys, e.values, e.cost, model="model-a").to_bytes()
     size = Header.size_of(data)
     header = Header.parse(data[:size])
     damaged = {
+        "^entry holds key 'doc', expected 'other'$": lambda: ChunkKV.from_bytes(data, key="other"),
+        "^entry computed by model 'model-a', not 'model-b'$": lambda: ChunkKV.from_bytes(data, model="model-b"),
+        r"^shape \(2, 2, 4\)$": lambda: ChunkKV.from_bytes(rewritten(data, shape="[2, 2, 4]")),
+        r"^shape \(2, 2, -4, 8\)$": lambda: ChunkKV.from_bytes(rewritten(data, shape="[2, 2, -4, 8]")),
+        r"^shape \(2, 2, 4.0, 8\)$": lambda: ChunkKV.from_bytes(rewritten(data, shape="[2, 2, 4.0, 8]")),
         "^7 bytes is shorter than a header$": lambda: Header.size_of(data[:7]),
         f"^header of {size} bytes in 20 bytes$": lambda: Header.parse(data[:20]),
         "^format 'kvgate.chunk-entry.v1', expected 'kvgate.chunk-entry.v2'$": lambda: ChunkKV.from_bytes(
