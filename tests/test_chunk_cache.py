@@ -134,6 +134,21 @@ def rewritten(data: bytes, **metadata: str) -> bytes:
     return len(head).to_bytes(8, "little") + head + data[size:]
 
 
+def test_an_entry_whose_tensors_lie_in_the_other_order_reads_the_same() -> None:
+    """The reader goes by each tensor's byte offsets, not by the order safetensors happens to write."""
+    entry = chunk(tokens=5)
+    data = entry.to_bytes()
+    size = Header.size_of(data)
+    header = json.loads(data[8:size])
+    (k0, k1), (i0, i1) = header["kv"]["data_offsets"], header["token_ids"]["data_offsets"]
+    kv, ids = data[size + k0 : size + k1], data[size + i0 : size + i1]
+    header["kv"]["data_offsets"], header["token_ids"]["data_offsets"] = [0, len(kv)], [len(kv), len(kv) + len(ids)]
+    head = json.dumps(header).encode()
+    back = ChunkKV.from_bytes(len(head).to_bytes(8, "little") + head + kv + ids)
+    assert back.token_ids == entry.token_ids
+    assert torch.equal(back.keys, entry.keys) and torch.equal(back.values, entry.values)
+
+
 def test_a_header_declares_at_most_16_mib() -> None:
     limit = 1 << 24
     assert Header.size_of(limit.to_bytes(8, "little")) == 8 + limit
@@ -153,6 +168,10 @@ def test_each_kind_of_damage_is_named() -> None:
         r"^shape \(2, 2, 4\)$": lambda: ChunkKV.from_bytes(rewritten(data, shape="[2, 2, 4]")),
         r"^shape \(2, 2, -4, 8\)$": lambda: ChunkKV.from_bytes(rewritten(data, shape="[2, 2, -4, 8]")),
         r"^shape \(2, 2, 4.0, 8\)$": lambda: ChunkKV.from_bytes(rewritten(data, shape="[2, 2, 4.0, 8]")),
+        "^tensors do not match the metadata$": lambda: ChunkKV.from_bytes(rewritten(data, dtype="F16")),
+        "^token ids or layer checksums do not match the shape$": lambda: ChunkKV.from_bytes(
+            rewritten(data, layers=json.dumps(list(header.digests[:1])))
+        ),
         "^7 bytes is shorter than a header$": lambda: Header.size_of(data[:7]),
         f"^header of {size} bytes in 20 bytes$": lambda: Header.parse(data[:20]),
         "^format 'kvgate.chunk-entry.v1', expected 'kvgate.chunk-entry.v2'$": lambda: ChunkKV.from_bytes(
