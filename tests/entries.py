@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import torch
 
-from kvgate.chunk_cache import ChunkKV
+from kvgate.chunk_cache import ChunkKV, Header
 
 
 def chunk(
@@ -43,3 +44,12 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def rewritten(data: bytes, **metadata: str) -> bytes:
+    """An entry's bytes with these metadata fields replaced (its checksums left as they were)."""
+    size = Header.size_of(data)
+    header = json.loads(data[8:size])
+    header["__metadata__"].update(metadata)
+    head = json.dumps(header).encode()
+    return len(head).to_bytes(8, "little") + head + data[size:]

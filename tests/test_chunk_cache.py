@@ -22,7 +22,7 @@ from kvgate.chunk_cache import (
     register_tier,
     tier_names,
 )
-from tests.entries import Clock
+from tests.entries import Clock, rewritten
 from tests.entries import priced as chunk
 
 # --- keys ---------------------------------------------------------------------------------------
@@ -123,15 +123,6 @@ def test_an_entry_moves_to_a_device_whole() -> None:
     assert [getattr(moved, f) for f in fields] == [getattr(entry, f) for f in fields]
     assert moved.keys.device.type == moved.values.device.type == "meta"
     assert moved.keys.shape == entry.keys.shape and moved.values.shape == entry.values.shape
-
-
-def rewritten(data: bytes, **metadata: str) -> bytes:
-    """The entry's bytes with these metadata fields replaced (its checksums left as they were)."""
-    size = Header.size_of(data)
-    header = json.loads(data[8:size])
-    header["__metadata__"].update(metadata)
-    head = json.dumps(header).encode()
-    return len(head).to_bytes(8, "little") + head + data[size:]
 
 
 def test_an_entry_whose_tensors_lie_in_the_other_order_reads_the_same() -> None:

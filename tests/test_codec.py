@@ -33,7 +33,7 @@ from kvgate.runtime.documents import chat_pieces, document_ids
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.reuse import Reuse, Reuser
-from tests.entries import chunk, same
+from tests.entries import chunk, rewritten, same
 
 # A raw entry written by kvgate before codecs existed (2 layers, 1 kv head, 3 tokens, head_dim 2;
 # keys = arange(12) / 4, values = -keys, key "old-doc", model "model-a", cost 0.5), zlib + base64.
@@ -165,6 +165,17 @@ def test_a_codec_this_reader_does_not_know_is_a_miss(tmp_path: Path, monkeypatch
         ChunkKV.from_bytes(data)
     assert disk.get("doc") is None and not disk.path("doc").exists()
     assert disk.stats()["corrupt"] == 1
+
+
+def test_a_codec_named_in_place_of_another_of_the_same_size_fails_the_header_checksum(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A fake: no two real codecs store layers of one size, so the stored shape alone catches a real swap.
+    monkeypatch.setitem(codecs.CODECS, "int8b", Quantiser("int8b", 8, 128))
+    data = model_shaped().to_bytes("int8")
+    assert ChunkKV.from_bytes(data).keys.shape == model_shaped().keys.shape
+    with pytest.raises(CorruptEntry, match="^header checksum mismatch$"):
+        ChunkKV.from_bytes(rewritten(data, codec="int8b"))
 
 
 def test_the_codec_is_an_option_per_tier(tmp_path: Path, redis_url: str) -> None:
