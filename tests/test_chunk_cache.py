@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -140,6 +141,25 @@ def test_an_entry_whose_tensors_lie_in_the_other_order_reads_the_same() -> None:
     assert torch.equal(back.keys, entry.keys) and torch.equal(back.values, entry.values)
 
 
+def test_a_cost_of_any_number_type_is_stored_as_a_float() -> None:
+    e = chunk()
+    entry = ChunkKV(e.key, e.token_ids, e.keys, e.values, np.float64(0.25))  # as a numpy sum gives it
+    assert type(entry.cost) is float
+    assert ChunkKV.from_bytes(entry.to_bytes()).cost == 0.25  # its repr() is read back as a float
+
+
+def test_a_tensor_whose_byte_range_does_not_match_its_shape_is_refused() -> None:
+    data = chunk(tokens=5).to_bytes()
+    size = Header.size_of(data)
+    for tensor in ("kv", "token_ids"):
+        header = json.loads(data[8:size])
+        start, stop = header[tensor]["data_offsets"]
+        header[tensor]["data_offsets"] = [start, stop - 8]
+        head = json.dumps(header).encode()
+        with pytest.raises(CorruptEntry, match="^tensor byte ranges do not match their shapes$"):
+            Header.parse(len(head).to_bytes(8, "little") + head)
+
+
 def test_a_header_declares_at_most_16_mib() -> None:
     limit = 1 << 24
     assert Header.size_of(limit.to_bytes(8, "little")) == 8 + limit
@@ -181,7 +201,7 @@ def test_entry_checks_its_own_shapes() -> None:
     k = torch.randn(2, 2, 4, 8)
     with pytest.raises(ValueError, match="differ"):
         ChunkKV("doc", [1, 2, 3, 4], k, torch.randn(2, 2, 5, 8))
-    with pytest.raises(ValueError, match="token ids"):
+    with pytest.raises(ValueError, match="^3 token ids for 4 cached tokens$"):
         ChunkKV("doc", [1, 2, 3], k, k.clone())
     with pytest.raises(ValueError, match="layers"):
         ChunkKV("doc", [1, 2, 3, 4], k[0], k[0].clone())
