@@ -102,14 +102,27 @@ def let_go(response: aiohttp.ClientResponse) -> None:
 
 
 async def chunks_of(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """The body's bytes as they arrive; its failures as UpstreamFailed (or UpstreamTimeout)."""
+    """The body's bytes as they arrive; its failures as UpstreamFailed (or UpstreamTimeout). A body cut
+    short still yields every byte that arrived before the cut."""
     try:
         while chunk := await response.content.readany():
             yield chunk
     except TimeoutError as exc:
         raise UpstreamTimeout("the upstream stopped sending") from exc
     except aiohttp.ClientError as exc:
+        if rest := received(response.content):
+            yield rest
         raise UpstreamFailed(type(exc).__name__) from exc
+
+
+def received(content: aiohttp.StreamReader) -> bytes:
+    """What the reader holds unread. aiohttp raises a cut body's error before the bytes it had already
+    received (readany checks the error first), so a stream's last whole events would be lost; its
+    private read bypasses that check (b"" if a later aiohttp lacks it)."""
+    try:
+        return content._read_nowait(-1)
+    except Exception:
+        return b""
 
 
 def retry_after(value: str | None) -> float | None:
