@@ -117,7 +117,9 @@ def within_rules(case: Case) -> None:
     body = case.body
     if case.meta is None or case.meta.generation.mode != GenerationMode.POSITIVE or not isinstance(body, dict):
         return
-    for message in body.get("messages") or ():
+    # Bodies allow fields they do not name (as OpenAI's do): an admin body may carry "messages": 0.5.
+    messages = body.get("messages")
+    for message in messages if isinstance(messages, list) else ():
         if isinstance(message, dict) and message.get("content") is None:
             message["content"] = "hi"
     stop = body.get("stop")
