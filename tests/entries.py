@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -29,11 +31,13 @@ def same(got: ChunkKV | None, entry: ChunkKV) -> bool:
     )
 
 
-def priced(key: str = "doc", tokens: int = 4, cost: float = 1.0, dtype: torch.dtype = torch.float32) -> ChunkKV:
+def priced(
+    key: str = "doc", tokens: int = 4, cost: float = 1.0, dtype: torch.dtype = torch.float32, model: str = ""
+) -> ChunkKV:
     """A small random entry: 2 layers, 2 kv heads, head_dim 8 (1 KiB of float32 KV at 4 tokens)."""
     shape = (2, 2, tokens, 8)
     ids = [random.randrange(50_000) for _ in range(tokens)]
-    return ChunkKV(key, ids, torch.randn(shape).to(dtype), torch.randn(shape).to(dtype), cost)
+    return ChunkKV(key, ids, torch.randn(shape).to(dtype), torch.randn(shape).to(dtype), cost, model)
 
 
 class Clock:
@@ -46,10 +50,16 @@ class Clock:
         return self.now
 
 
-def rewritten(data: bytes, **metadata: str) -> bytes:
-    """An entry's bytes with these metadata fields replaced (its checksums left as they were)."""
+def reheadered(data: bytes, edit: Callable[[dict[str, Any]], None], body: bytes | None = None) -> bytes:
+    """An entry's bytes with its safetensors header (the parsed JSON) changed by `edit`, followed by
+    `body` (None: the entry's own tensor bytes); its checksums are left as they were."""
     size = Header.size_of(data)
     header = json.loads(data[8:size])
-    header["__metadata__"].update(metadata)
+    edit(header)
     head = json.dumps(header).encode()
-    return len(head).to_bytes(8, "little") + head + data[size:]
+    return len(head).to_bytes(8, "little") + head + (data[size:] if body is None else body)
+
+
+def rewritten(data: bytes, **metadata: str) -> bytes:
+    """An entry's bytes with these metadata fields replaced."""
+    return reheadered(data, lambda header: header["__metadata__"].update(metadata))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ from kvgate.chunk_cache import (
     register_tier,
     tier_names,
 )
-from tests.entries import Clock, rewritten
+from tests.entries import Clock, reheadered, rewritten
 from tests.entries import priced as chunk
 
 # --- keys ---------------------------------------------------------------------------------------
@@ -116,8 +117,7 @@ def test_trailing_bytes_are_a_corrupt_entry() -> None:
 
 
 def test_an_entry_moves_to_a_device_whole() -> None:
-    e = chunk()
-    entry = ChunkKV(e.key, e.token_ids, e.keys, e.values, e.cost, model="model-fp")  # moved, still that model's
+    entry = chunk(model="model-fp")  # moved, still that model's
     assert entry.to("cpu") is entry  # already there: not copied
     moved = entry.to("meta")  # a device every torch build has: the copy path a GPU takes
     fields = ("key", "token_ids", "cost", "model")
@@ -134,30 +134,31 @@ def test_an_entry_whose_tensors_lie_in_the_other_order_reads_the_same() -> None:
     header = json.loads(data[8:size])
     (k0, k1), (i0, i1) = header["kv"]["data_offsets"], header["token_ids"]["data_offsets"]
     kv, ids = data[size + k0 : size + k1], data[size + i0 : size + i1]
-    header["kv"]["data_offsets"], header["token_ids"]["data_offsets"] = [0, len(kv)], [len(kv), len(kv) + len(ids)]
-    head = json.dumps(header).encode()
-    back = ChunkKV.from_bytes(len(head).to_bytes(8, "little") + head + kv + ids)
+
+    def swap(h: dict[str, Any]) -> None:
+        h["kv"]["data_offsets"], h["token_ids"]["data_offsets"] = [0, len(kv)], [len(kv), len(kv) + len(ids)]
+
+    back = ChunkKV.from_bytes(reheadered(data, swap, body=kv + ids))
     assert back.token_ids == entry.token_ids
     assert torch.equal(back.keys, entry.keys) and torch.equal(back.values, entry.values)
 
 
 def test_a_cost_of_any_number_type_is_stored_as_a_float() -> None:
-    e = chunk()
-    entry = ChunkKV(e.key, e.token_ids, e.keys, e.values, np.float64(0.25))  # as a numpy sum gives it
+    entry = chunk(cost=np.float64(0.25))  # as a numpy sum gives it
     assert type(entry.cost) is float
     assert ChunkKV.from_bytes(entry.to_bytes()).cost == 0.25  # its repr() is read back as a float
 
 
 def test_a_tensor_whose_byte_range_does_not_match_its_shape_is_refused() -> None:
     data = chunk(tokens=5).to_bytes()
-    size = Header.size_of(data)
     for tensor in ("kv", "token_ids"):
-        header = json.loads(data[8:size])
-        start, stop = header[tensor]["data_offsets"]
-        header[tensor]["data_offsets"] = [start, stop - 8]
-        head = json.dumps(header).encode()
+
+        def shorten(h: dict[str, Any], tensor: str = tensor) -> None:
+            start, stop = h[tensor]["data_offsets"]
+            h[tensor]["data_offsets"] = [start, stop - 8]
+
         with pytest.raises(CorruptEntry, match="^tensor byte ranges do not match their shapes$"):
-            Header.parse(len(head).to_bytes(8, "little") + head)
+            ChunkKV.from_bytes(reheadered(data, shorten))
 
 
 def test_a_header_declares_at_most_16_mib() -> None:
@@ -169,8 +170,7 @@ def test_a_header_declares_at_most_16_mib() -> None:
 
 def test_each_kind_of_damage_is_named() -> None:
     """What a miss logs says why the entry was refused."""
-    e = chunk()
-    data = ChunkKV(e.key, e.token_ids, e.keys, e.values, e.cost, model="model-a").to_bytes()
+    data = chunk(model="model-a").to_bytes()
     size = Header.size_of(data)
     header = Header.parse(data[:size])
     damaged = {
