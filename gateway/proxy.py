@@ -327,12 +327,12 @@ class Relay:
             chunk: bytes | None = self.opened.first
             while chunk is not None:
                 for event in events.feed(chunk):
-                    if self.read(event):
-                        yield event + b"\n\n"
+                    if (passed := self.read(event)) is not None:
+                        yield passed + b"\n\n"
                 chunk = await anext(self.opened.chunks, None)
             for event in events.rest():
-                if self.read(event):
-                    yield event + b"\n\n"
+                if (passed := self.read(event)) is not None:
+                    yield passed + b"\n\n"
         except (UpstreamFailed, OverflowError) as exc:
             self.outcome.done = False
             if isinstance(exc, UpstreamFailed):
@@ -344,32 +344,35 @@ class Relay:
         finally:
             await self.opened.close()
 
-    def read(self, event: bytes) -> bool:
-        """Note what an event says; whether to pass it on."""
+    def read(self, event: bytes) -> bytes | None:
+        """Note what an event says; what of it to pass on (None: nothing)."""
         outcome = self.outcome
         data = event_data(event)
-        if data is None:  # comments, or fields with no data
-            return bool(event.strip())
+        if data is None:
+            # SSE dispatches no event without data; the openai SDK reads one with an `id:` as an empty
+            # chunk and fails on it. Its comments (keep-alives) still keep the client's connection open.
+            comments = [line for line in event.splitlines() if line.startswith(b":")]
+            return b"\n".join(comments) or None
         if data.strip() == b"[DONE]":
             outcome.done, outcome.text = not self.cut, "".join(self.text)
-            return True
+            return event
         if not self.keep_text and b'"usage"' not in data:
-            return True
+            return event
         try:
             chunk = json.loads(data)
         except ValueError:
-            return True
+            return event
         if not isinstance(chunk, dict):
-            return True
+            return event
         if isinstance(chunk.get("usage"), dict):
             outcome.usage = chunk["usage"]
             if not chunk.get("choices"):
-                return self.keep_usage
+                return event if self.keep_usage else None
         for choice in chunk.get("choices") or ():
             if isinstance(choice, dict) and choice.get("index", 0) == 0:
                 self.keep((choice.get("delta") or {}).get("content") or "")
                 outcome.finish_reason = choice.get("finish_reason") or outcome.finish_reason
-        return True
+        return event
 
     def keep(self, text: str) -> None:
         self.text.append(text)

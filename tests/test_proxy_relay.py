@@ -5,8 +5,8 @@ event cut mid-`data:` line, mid-UTF-8 character and mid-terminator, several even
 endings and `: keep-alive` comments; pauses between events; a 429 with a `Retry-After`. A real server would
 rarely frame its stream that badly, which is the point: kvgate must re-frame whatever arrives. What it sends
 on is fixed here: each event as the upstream wrote it, up to its terminator, ended with `\\n\\n`; comment events
-passed on (they keep the client's connection alive too); the usage chunk kvgate asked for dropped; then
-`data: [DONE]`.
+passed on (they keep the client's connection alive too), of an event without data only its comments; the usage
+chunk kvgate asked for dropped; then `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -344,3 +344,16 @@ def test_events_with_id_fields_are_read_by_their_data(tmp_path: Path) -> None:
         assert again.headers.get("x-kvgate-cache") == "hit"
         replay = "".join(c.choices[0].delta.content or "" for c in again.parse() if c.choices)
     assert replay == "Paris is the capital."
+
+
+def test_events_without_data_pass_on_only_their_comments(tmp_path: Path) -> None:
+    """SSE dispatches no event without data, but the openai SDK reads one that carries an `id:` as an
+    empty chunk and fails to parse it. kvgate passes on such an event's comment lines (a keep-alive still
+    keeps the client's connection open) and nothing else of it."""
+    events = [chunk({"role": "assistant", "content": PIECES[0]}), chunk({"content": PIECES[1]})]
+    framed = [b"data: " + e + b"\n\n" for e in events]
+    writes = [(0.0, framed[0]), (0.0, b"id: 7\n: keep-alive\n\n"), (0.0, b"id: 8\nevent: ping\n\n")]
+    writes += [(0.0, framed[1]), (0.0, b"data: [DONE]\n\n")]
+    texts, wire = relayed(tmp_path, [piece for _, piece in writes])
+    assert texts == PIECES[:2]
+    assert wire == framed[0] + b": keep-alive\n\n" + framed[1] + b"data: [DONE]\n\n"
