@@ -50,6 +50,7 @@ class Answer:
     headers: dict[str, str] = field(default_factory=dict)
     writes: Sequence[tuple[float, bytes]] = ()
     chunked: bool = True
+    cut: bool = False  # the connection closes before the body's end (a chunked body without its last chunk)
 
 
 class RawUpstream:
@@ -84,6 +85,11 @@ class RawUpstream:
         self._ready.set()
         await self._stop.wait()
         server.close()
+        # Answers still being written (an upstream scripted to stall) end with the server, not after its loop.
+        handlers = asyncio.all_tasks() - {asyncio.current_task()}
+        for task in handlers:
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One request a connection (answered with `connection: close`)."""
@@ -106,7 +112,7 @@ class RawUpstream:
                 writer.write(b"%x\r\n%s\r\n" % (len(data), data) if answer.chunked else data)
                 await writer.drain()
                 self.written.append(time.monotonic())
-            if answer.chunked:
+            if answer.chunked and not answer.cut:
                 writer.write(b"0\r\n\r\n")
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -357,3 +363,35 @@ def test_events_without_data_pass_on_only_their_comments(tmp_path: Path) -> None
     texts, wire = relayed(tmp_path, [piece for _, piece in writes])
     assert texts == PIECES[:2]
     assert wire == framed[0] + b": keep-alive\n\n" + framed[1] + b"data: [DONE]\n\n"
+
+
+# ---- an upstream failing after its first bytes: the client is told, in the OpenAI format --------------
+
+
+def failing(tmp_path: Path, answer: Answer, stream: bool) -> httpx.Response:
+    """What a raw client gets from kvgate when the upstream answers so (a read timeout of 0.5 s)."""
+    upstream = RawUpstream(lambda seen: answer)
+    with upstream, serving(front(tmp_path, upstream.url, proxy_read_timeout_s=0.5, proxy_retries=0), None) as url:
+        body = {"model": "stub-a", "messages": HELLO, "stream": stream}
+        return httpx.post(url + "/v1/chat/completions", json=body, timeout=10)
+
+
+def test_a_whole_answer_cut_short_is_a_502_and_one_stalled_a_504(tmp_path: Path) -> None:
+    data = json.dumps(completion("Bonjour")).encode()
+    halves = [(0.0, data[:20]), (0.0, data[20:])]
+    cut = failing(tmp_path, Answer(200, {"content-type": "application/json"}, halves[:1], cut=True), stream=False)
+    stalled = failing(tmp_path, Answer(200, {"content-type": "application/json"}, [halves[0], (2.0, data[20:])]), False)
+    for r, status in ((cut, 502), (stalled, 504)):
+        error = r.json()["error"]
+        assert r.status_code == status and error["code"] == "upstream_error" and error["type"] == "server_error"
+        assert "failed mid-answer" in error["message"]
+
+
+def test_a_stream_stalled_after_its_first_event_ends_with_a_server_error_event(tmp_path: Path) -> None:
+    first = b"data: " + chunk({"role": "assistant", "content": PIECES[0]}) + b"\n\n"
+    r = failing(tmp_path, sse_stream((0.0, first), (2.0, b"data: [DONE]\n\n")), stream=True)
+    events = [e for e in r.content.split(b"\n\n") if e]
+    assert r.status_code == 200 and events[0] + b"\n\n" == first and events[-1] == b"data: [DONE]"
+    error = json.loads(events[-2].removeprefix(b"data: "))["error"]
+    assert error["code"] == "upstream_error" and error["type"] == "server_error"
+    assert "failed mid-stream" in error["message"] and "stopped sending" in error["message"]
