@@ -106,7 +106,14 @@ def test_model_aliases_and_upstream_keys(tmp_path):
             answer = client(url).chat.completions.create(model="public", messages=HELLO)
             assert answer.choices[0].message.content == ANSWER
             assert httpx.get(up + "/_stats").json()["last_body"]["model"] == "real-name"
-            assert [m.id for m in client(url).models.list()] == ["public"]
+            (listed,) = client(url).models.list().data  # OpenAI's model object, every field of it
+            assert listed.model_dump(exclude_unset=True) == {
+                "id": "public",
+                "object": "model",
+                "created": listed.created,
+                "owned_by": "kvgate-proxy",
+            }
+            assert isinstance(listed.created, int) and listed.created > 1_700_000_000
             with pytest.raises(openai.NotFoundError):
                 client(url).chat.completions.create(model="real-name", messages=HELLO)
 

@@ -79,14 +79,24 @@ def test_a_program_stays_on_one_worker(front, model_name):
 
 
 def test_stored_documents_are_found_where_they_were_stored(front, model_name):
+    """A document's id does not hash to the worker its text does: the front remembers where it went."""
     url, _ = front
-    stored = httpx.post(url + "/v1/documents", json={"text": passage(7)}, headers=AUTH, timeout=60)
-    assert stored.status_code == 200 and stored.headers["x-kvgate-upstream"] == owner(passage(7))
-    cited = chat(url, model_name, [{"id": stored.json()["id"]}])
-    assert cited.headers["x-kvgate-upstream"] == owner(passage(7))
+    for n in range(7, 60):  # one whose id alone would name the other worker
+        stored = httpx.post(url + "/v1/documents", json={"text": passage(n)}, headers=AUTH, timeout=60)
+        assert stored.status_code == 200 and stored.headers["x-kvgate-upstream"] == owner(passage(n))
+        document_id = stored.json()["id"]
+        if Ring(["worker-0", "worker-1"]).owner(document_id) != owner(passage(n)):
+            break
+    else:
+        pytest.fail("every document id hashed to its text's worker")
+    cited = chat(url, model_name, [{"id": document_id}])
+    assert cited.headers["x-kvgate-upstream"] == owner(passage(n))
     assert int(cited.headers["x-kvgate-reused-tokens"]) > 0
-    shown = httpx.get(url + f"/v1/documents/{stored.json()['id']}", headers=AUTH)
-    assert shown.status_code == 200 and shown.json()["id"] == stored.json()["id"]
+    shown = httpx.get(url + f"/v1/documents/{document_id}", headers=AUTH)
+    assert shown.status_code == 200 and shown.json()["id"] == document_id
+    assert shown.headers["x-kvgate-upstream"] == owner(passage(n))
+    assert httpx.delete(url + f"/v1/documents/{document_id}", headers=AUTH).status_code == 200
+    assert httpx.get(url + f"/v1/documents/{document_id}", headers=AUTH).status_code == 404
 
 
 def long_stream(url: str, model: str, text: str, opened: threading.Event, stop: threading.Event) -> None:
