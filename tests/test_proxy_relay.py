@@ -310,6 +310,8 @@ def test_documents_never_reach_an_upstream_kvgate_does_not_own(tmp_path: Path) -
             dropped = httpx.delete(url + "/v1/documents/doc-hosted", timeout=10)
         for answer in (added, shown, dropped):
             assert answer.status_code == 404 and answer.json()["error"]["code"] == "no_workers"
+            said = answer.json()["error"]["message"]
+            assert said == "documents are kept by kvgate's runtime workers; this gateway has none"
         worker = Upstream("worker-0", worker_up.url, {"stub-a": "stub-a"}, worker=True, secret="front-secret")
         with serving(front(tmp_path, hosted.url), None, workers=(worker,)) as url:
             added = httpx.post(url + "/v1/documents", json={"text": SECRET_TEXT}, timeout=10)
@@ -319,7 +321,7 @@ def test_documents_never_reach_an_upstream_kvgate_does_not_own(tmp_path: Path) -
     assert [(s.method, s.path) for s in worker_up.seen] == [("POST", "/v1/documents")] * 3 + [
         ("GET", "/v1/documents/doc-1")
     ] * 3  # retried there, as any 503 is
-    assert SECRET_TEXT.encode() in worker_up.seen[0].body
+    assert SECRET_TEXT.encode() in worker_up.seen[0].body and worker_up.seen[3].body == b""
     assert hosted.seen == []
 
 
