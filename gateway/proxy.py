@@ -298,8 +298,8 @@ class Events:
 def event_data(event: bytes) -> bytes | None:
     """An SSE event's data: its `data:` fields' values joined by newlines (SSE's rule), whatever other
     fields (`id:`, `event:`) or comment lines come with them; None when it has none."""
-    if event.startswith(b"data:") and b"\n" not in event and b"\r" not in event:
-        return event[5:]  # the usual event: one data line
+    if event.startswith(b"data:") and b"\n" not in event and b"\r" not in event:  # the usual event: one data line
+        return event[6:] if event.startswith(b"data: ") else event[5:]
     values = []
     for line in event.splitlines():
         name, _, value = line.partition(b":")

@@ -157,7 +157,9 @@ def test_an_unreachable_upstream_is_skipped_and_none_reachable_is_a_502(tmp_path
             client(url).chat.completions.create(model="stub-a", messages=HELLO)
         assert caught.value.status_code == 502
         assert caught.value.body["code"] == "upstream_unreachable"
-        assert httpx.get(url + "/ready").status_code == 503
+        down = httpx.get(url + "/ready")
+        assert down.status_code == 503 and down.json()["error"]["code"] == "upstreams_down"
+        assert down.json()["error"]["message"] == "no upstream is reachable: ['up-0']"
         assert httpx.get(url + "/health").status_code == 200
 
 

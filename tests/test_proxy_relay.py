@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import openai
 
+from kvgate.gateway.proxy import Events, event_data
 from kvgate.gateway.settings import Settings
 from kvgate.gateway.upstreams import Upstream
 from tests.servers import serving
@@ -397,3 +398,46 @@ def test_a_stream_stalled_after_its_first_event_ends_with_a_server_error_event(t
     error = json.loads(events[-2].removeprefix(b"data: "))["error"]
     assert error["code"] == "upstream_error" and error["type"] == "server_error"
     assert "failed mid-stream" in error["message"] and "stopped sending" in error["message"]
+
+
+def test_an_events_data_is_its_data_fields_joined_whatever_comes_with_them(tmp_path: Path) -> None:
+    """Data first or after other fields, no space after `data:`, LF or CR line ends, data over two lines:
+    each event is read by its data (the usage chunk dropped, the text kept for the semantic cache), and
+    data that is not a JSON object passes on as it came."""
+    ask = [{"role": "user", "content": "Where is the lighthouse?"}]
+    usage = {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}
+    first, second = chunk({"role": "assistant", "content": "On the"}), chunk({"content": " cliff."})
+    odd = [b'data: "usage" is not JSON', b'data: ["usage"]']  # passed on whole, read as nothing
+    half = second.index(b", ") + 1  # data over two lines: JSON split between two of its values
+    events = [b"data:" + first + b"\nid: 1", b"data: " + second[:half] + b"\rdata: " + second[half:] + b"\rid: 2"]
+    events += [*odd, b"data:" + chunk({}, finish="stop") + b"\n: end of the answer", b"data: " + chunk({}, usage=usage)]
+    writes = [(0.0, e + b"\n\n") for e in [*events, b"data: [DONE]"]]
+    upstream = RawUpstream(lambda seen: sse_stream(*writes))
+    with upstream, serving(front(tmp_path, upstream.url, semantic_cache=True), None) as url:
+        body = {"model": "stub-a", "messages": ask, "stream": True, "temperature": 0}
+        wire = httpx.post(url + "/v1/chat/completions", json=body, timeout=10).content
+        for _ in range(50):  # kept after it went out: the whole text, read from every event's data
+            again = httpx.post(url + "/v1/chat/completions", json={**body, "stream": False}, timeout=10)
+            if again.headers.get("x-kvgate-cache") == "hit":
+                break
+            time.sleep(0.1)
+    assert wire == b"".join(e + b"\n\n" for e in [*events[:-1], b"data: [DONE]"])  # usage dropped, the rest as sent
+    assert again.headers.get("x-kvgate-cache") == "hit"
+    assert again.json()["choices"][0]["message"]["content"] == "On the cliff."
+
+
+def test_sse_fields_are_read_as_sse_says() -> None:
+    assert event_data(b"data:{}") == b"{}" and event_data(b"data: {}") == b"{}"
+    assert event_data(b"id: 1\ndata:{}") == b"{}" and event_data(b"data:  x") == b" x"  # one space is the separator
+    assert event_data(b"data: a\r\ndata: b") == b"a\nb" and event_data(b"data: a\rid: 2") == b"a"
+    assert event_data(b": only a comment\nid: 3") is None and event_data(b"data:") == b""
+
+
+def test_a_stream_ends_its_last_event_at_its_end() -> None:
+    """What a stream ends with, unterminated, is its last event, less only its trailing line ends."""
+    events = Events(limit=1 << 10)
+    assert events.feed(b"data: 1\n\n: last, X \r\n") == [b"data: 1"] and events.rest() == [b": last, X "]
+    events = Events(limit=1 << 10)
+    assert events.feed(b"data: [DONE]X\r\n") == [] and events.rest() == [b"data: [DONE]X"]
+    events = Events(limit=1 << 10)
+    assert events.feed(b"data: 1\n\n\r\n") == [b"data: 1"] and events.rest() == []

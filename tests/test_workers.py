@@ -152,9 +152,10 @@ def ready_model(workers: dict[str, Upstream]) -> str:
 def test_the_front_reports_its_workers(front):
     url, workers = front
     ready = httpx.get(url + "/ready").json()
-    assert ready["upstreams"] == dict.fromkeys(workers, True)
+    assert ready == {"status": "ready", "upstreams": dict.fromkeys(workers, True)}
     text = httpx.get(url + "/metrics").text
     assert 'kvgate_upstream_in_flight{upstream="worker-0"}' in text
+    assert 'kvgate_upstream_waiting{upstream="worker-1"} 0.0' in text
     # The workers' own metrics, labelled: document KV found in each worker's memory tier.
     assert 'kvgate_document_kv_hits_total{tier="memory",worker="worker-0"}' in text
     assert 'kvgate_requests_running{worker="worker-1"}' in text
