@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import openai
 
-from kvgate.gateway.proxy import Events, event_data
+from kvgate.gateway.proxy import Events, Relay, event_data
 from kvgate.gateway.settings import Settings
 from kvgate.gateway.upstreams import Upstream
 from tests.servers import serving
@@ -410,7 +410,13 @@ def test_an_events_data_is_its_data_fields_joined_whatever_comes_with_them(tmp_p
     odd = [b'data: "usage" is not JSON', b'data: ["usage"]']  # passed on whole, read as nothing
     half = second.index(b", ") + 1  # data over two lines: JSON split between two of its values
     events = [b"data:" + first + b"\nid: 1", b"data: " + second[:half] + b"\rdata: " + second[half:] + b"\rid: 2"]
-    events += [*odd, b"data:" + chunk({}, finish="stop") + b"\n: end of the answer", b"data: " + chunk({}, usage=usage)]
+    # Choices no client asked for (index 1, from an upstream that misbehaves) are passed on, not kept; a choice
+    # without an index is the first; a chunk with choices and usage passes on (its usage is read).
+    stray = chunk({"content": " (stray)"}).replace(b'"index": 0', b'"index": 1')
+    final = json.loads(chunk({"content": ""}, finish="stop"))
+    del final["choices"][0]["index"]
+    final = json.dumps({**final, "usage": usage}).encode()
+    events += [*odd, b"data: " + stray, b"data:" + final + b"\n: end of the answer", b"data: " + chunk({}, usage=usage)]
     writes = [(0.0, e + b"\n\n") for e in [*events, b"data: [DONE]"]]
     upstream = RawUpstream(lambda seen: sse_stream(*writes))
     with upstream, serving(front(tmp_path, upstream.url, semantic_cache=True), None) as url:
@@ -421,7 +427,9 @@ def test_an_events_data_is_its_data_fields_joined_whatever_comes_with_them(tmp_p
             if again.headers.get("x-kvgate-cache") == "hit":
                 break
             time.sleep(0.1)
-    assert wire == b"".join(e + b"\n\n" for e in [*events[:-1], b"data: [DONE]"])  # usage dropped, the rest as sent
+    assert wire == b"".join(
+        e + b"\n\n" for e in [*events[:-1], b"data: [DONE]"]
+    )  # usage alone dropped, the rest as sent
     assert again.headers.get("x-kvgate-cache") == "hit"
     assert again.json()["choices"][0]["message"]["content"] == "On the cliff."
 
@@ -441,3 +449,14 @@ def test_a_stream_ends_its_last_event_at_its_end() -> None:
     assert events.feed(b"data: [DONE]X\r\n") == [] and events.rest() == [b"data: [DONE]X"]
     events = Events(limit=1 << 10)
     assert events.feed(b"data: 1\n\n\r\n") == [b"data: 1"] and events.rest() == []
+
+
+def test_an_event_or_a_text_of_exactly_the_limit_is_held() -> None:
+    events = Events(limit=len(b"data: 12"))
+    assert events.feed(b"data: 12") == [] and events.feed(b"\n\ndata: 34\n\n") == [b"data: 12", b"data: 34"]
+    relay = Relay(None, keep_usage=False, keep_text=True, limit=5)  # type: ignore[arg-type]  # keep reads no answer
+    relay.keep("abc")
+    relay.keep("de")
+    assert relay.text == ["abc", "de"] and not relay.cut
+    relay.keep("f")
+    assert relay.cut and relay.text == [] and not relay.keep_text
