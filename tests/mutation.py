@@ -59,7 +59,7 @@ TARGETS: dict[str, list[str]] = {
 }
 # Module -> the functions (as mutmut mangles them) that keep its promises, for the modules too slow to run whole:
 # tenant scoping of document and prefix KV, the blend's placement and selection, the fidelity a reply reports,
-# the stored calibration, the semantic cache's tenant scoping.
+# the stored calibration, the semantic cache's tenant scoping, the proxy's relay.
 PROMISES: dict[str, list[str]] = {
     "runtime/reuse.py": [
         "x_copy_prefix", "xǁReuserǁkey", "xǁReuserǁdocument", "xǁReuserǁmissing", "xǁReuserǁcached",
@@ -67,6 +67,13 @@ PROMISES: dict[str, list[str]] = {
     ],
     "runtime/blend.py": ["x_place", "x_choose", "x_first_tokens"],
     "runtime/caching.py": ["xǁCachesǁfidelity", "xǁCachesǁchoose", "xǁCachesǁtargets"],
+    # The relay (SSE re-framing, bounds, errors after the first byte) and documents never sent past kvgate's
+    # own workers, with the tenant's name only ever sent to them hashed.
+    "gateway/proxy.py": [
+        "xǁUpstreamsǁforward", "xǁUpstreamsǁadd_document", "xǁUpstreamsǁdocument", "xǁUpstreamsǁsend_document",
+        "x_headers_for", "x_whole", "x_failed", "xǁEventsǁfeed", "xǁEventsǁrest", "x_event_data", "xǁRelayǁevents",
+        "xǁRelayǁread", "xǁRelayǁread_whole",
+    ],
     "semantic_cache/cache.py": [
         "xǁSemanticCacheǁlookup", "xǁSemanticCacheǁfind", "xǁSemanticCacheǁinvalidate", "xǁSemanticCacheǁremember",
         "xǁSemanticCacheǁreport",
@@ -81,8 +88,9 @@ def status(code: int | None) -> str:
     return status_by_exit_code[code]
 
 
-def stage(out: Path, modules: list[str]) -> None:
-    """Copy the package in its installed layout, the tests, and a pyproject with mutmut's settings."""
+def stage(out: Path, modules: list[str], only_tests: list[str] | None = None) -> None:
+    """Copy the package in its installed layout, the tests, and a pyproject with mutmut's settings;
+    `only_tests`: these of the modules' test files, not all of them."""
     if out.exists():
         shutil.rmtree(out)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
@@ -90,7 +98,7 @@ def stage(out: Path, modules: list[str]) -> None:
     for name, folder in PACKAGES.items():
         shutil.copytree(ROOT / folder, out / "kvgate" / name, ignore=ignore)
     shutil.copytree(ROOT / "tests", out / "tests", ignore=ignore)
-    tests = sorted({f"tests/{t}" for m in modules for t in TARGETS[m]})
+    tests = sorted({f"tests/{t}" for m in modules for t in TARGETS[m] if only_tests is None or t in only_tests})
     (out / "pyproject.toml").write_text(
         "[tool.mutmut]\n"
         'source_paths = ["kvgate"]\n'
@@ -221,9 +229,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--killed-in", type=Path, help="an earlier stage whose killed mutants are not run again")
     parser.add_argument("--report-only", action="store_true", help="report on the staged run, do not run")
+    parser.add_argument(
+        "--tests", nargs="+", help="only these of TARGETS' test files (a mutant they kill, all of them kill)"
+    )
     args = parser.parse_args(argv)
     if not args.report_only:
-        stage(args.stage, args.only)
+        unknown = set(args.tests or ()) - {t for m in args.only for t in TARGETS[m]}
+        if unknown:
+            parser.error(f"not a test file of {' '.join(args.only)}: {', '.join(sorted(unknown))}")
+        stage(args.stage, args.only, args.tests)
         subprocess.run([sys.executable, "-c", GENERATE], cwd=args.stage, env=ENV, check=True, capture_output=True)
         if args.killed_in:
             carry(args.killed_in, args.stage)

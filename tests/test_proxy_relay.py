@@ -16,7 +16,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -460,3 +460,36 @@ def test_an_event_or_a_text_of_exactly_the_limit_is_held() -> None:
     assert relay.text == ["abc", "de"] and not relay.cut
     relay.keep("f")
     assert relay.cut and relay.text == [] and not relay.keep_text
+
+
+def test_a_stream_cut_midway_is_never_kept_for_the_semantic_cache(tmp_path: Path) -> None:
+    """What a failed stream said is passed on, but it is not an answer (even with its finish_reason read): asking
+    again goes upstream."""
+    cut_short = [(0.0, b"data: " + chunk({"role": "assistant", "content": "The lighthouse is"}) + b"\n\n")]
+    cut_short.append((0.0, b"data: " + chunk({}, finish="stop") + b"\n\n"))  # finished, then cut before [DONE]
+    whole = [(0.0, b"data: " + chunk({"role": "assistant", "content": "Fine."}) + b"\n\n")]
+    whole += [(0.0, b"data: " + chunk({}, finish="stop") + b"\n\n"), (0.0, b"data: [DONE]\n\n")]
+    lighthouse = [{"role": "user", "content": "Where is the lighthouse?"}]
+    weather = [{"role": "user", "content": "How is the weather?"}]
+
+    def answer(seen: Seen) -> Answer:
+        return replace(sse_stream(*cut_short), cut=True) if b"lighthouse" in seen.body else sse_stream(*whole)
+
+    upstream = RawUpstream(answer)
+    with upstream, serving(front(tmp_path, upstream.url, semantic_cache=True, proxy_retries=0), None) as url:
+
+        def ask(messages: list[dict[str, str]]) -> httpx.Response:
+            body = {"model": "stub-a", "messages": messages, "stream": True, "temperature": 0}
+            return httpx.post(url + "/v1/chat/completions", json=body, timeout=10)
+
+        failed = ask(lighthouse)
+        assert b"failed mid-stream" in failed.content and failed.content.endswith(b"data: [DONE]\n\n")
+        ask(weather)
+        for _ in range(50):  # a whole answer asked for after the cut one is kept: the cut one's turn is past
+            if ask(weather).headers.get("x-kvgate-cache") == "hit":
+                break
+            time.sleep(0.1)
+        assert ask(weather).headers.get("x-kvgate-cache") == "hit"
+        again = ask(lighthouse)
+    assert again.headers.get("x-kvgate-cache") != "hit" and b"failed mid-stream" in again.content
+    assert sum(b"lighthouse" in s.body for s in upstream.seen) == 2
