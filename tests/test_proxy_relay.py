@@ -493,3 +493,19 @@ def test_a_stream_cut_midway_is_never_kept_for_the_semantic_cache(tmp_path: Path
         again = ask(lighthouse)
     assert again.headers.get("x-kvgate-cache") != "hit" and b"failed mid-stream" in again.content
     assert sum(b"lighthouse" in s.body for s in upstream.seen) == 2
+
+
+def test_a_whole_answer_without_usage_or_text_is_passed_on_and_replayed_as_it_was(tmp_path: Path) -> None:
+    """`usage: null` and `content: null` (a model may say nothing): the answer passes on as sent, and what the
+    semantic cache keeps of it, if anything, is what it said: no text."""
+    silent = completion("")
+    silent["choices"][0]["message"]["content"] = None
+    silent["usage"] = None
+    upstream = RawUpstream(lambda seen: json_answer(silent))
+    ask = {"model": "stub-a", "messages": [{"role": "user", "content": "Say nothing."}], "temperature": 0}
+    with upstream, serving(front(tmp_path, upstream.url, semantic_cache=True), None) as url:
+        first = httpx.post(url + "/v1/chat/completions", json=ask, timeout=10)
+        replies = [httpx.post(url + "/v1/chat/completions", json=ask, timeout=10) for _ in range(5)]
+    assert first.status_code == 200 and first.json() == silent
+    for again in replies:
+        assert again.status_code == 200 and again.json()["choices"][0]["message"]["content"] in (None, "")
