@@ -51,6 +51,7 @@ TARGETS: dict[str, list[str]] = {
     "gateway/proxy.py": [
         "test_proxy.py",
         "test_proxy_relay.py",
+        "test_proxy_events.py",
         "test_proxy_kvgate.py",
         "test_workers.py",
         "test_metrics.py",
