@@ -15,6 +15,7 @@ keep its README promises (PROMISES) and `--sample N` a seeded random N of the re
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import random
@@ -152,16 +153,30 @@ def chosen(out: Path, promises: bool, sample: int, seed: int) -> list[str]:
     return [n for n in names if n not in decided]
 
 
+def mutant_sources(path: Path) -> dict[str, str]:
+    """Each mutant's function, as source, in a staged file of mutants (by its name in mutmut's meta)."""
+    text = path.read_text()
+    return {
+        node.name: ast.get_source_segment(text, node) or ""
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and "__mutmut_" in node.name
+    }
+
+
 def carry(earlier: Path, out: Path) -> None:
-    """Mark killed the mutants an earlier stage's tests killed, the source unchanged and tests only added since."""
+    """Mark killed the mutants an earlier stage's tests killed, where the mutant's function is the same
+    source in both stages (a function changed since gets its mutants run again)."""
     for meta in sorted((out / "mutants" / "kvgate").rglob("*.py.meta")):
         before = earlier / meta.relative_to(out)
         if not before.exists():
             continue
         old = json.loads(before.read_text())["exit_code_by_key"]
         data = json.loads(meta.read_text())
+        then, now = mutant_sources(before.with_suffix("")), mutant_sources(meta.with_suffix(""))
         for name, code in old.items():
-            if name in data["exit_code_by_key"] and code is not None and status(code) in KILLED:
+            function = name.rsplit(".", 1)[-1]
+            unchanged = function in now and then.get(function) == now[function]
+            if name in data["exit_code_by_key"] and unchanged and code is not None and status(code) in KILLED:
                 data["exit_code_by_key"][name] = code
         meta.write_text(json.dumps(data, indent=4))
 
