@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import openai
@@ -19,6 +19,7 @@ import openai
 from kvgate.gateway.settings import Settings
 from tests.servers import serving
 
+R = TypeVar("R")
 HELLO = [{"role": "user", "content": "hello"}]
 PIECES = ["Grüße", " aus ", "日本", " ✓", " fin"]  # multi-byte characters, to be cut mid-character
 
@@ -167,3 +168,14 @@ def relayed(tmp_path: Path, pieces: list[bytes]) -> tuple[list[str | None], byte
         raw = httpx.post(url + "/v1/chat/completions", json=body, timeout=10)
     assert raw.status_code == 200
     return [c.choices[0].delta.content for c in chunks], raw.content
+
+
+def until_hit(ask: Callable[[], R]) -> R:
+    """`ask()` again until the semantic cache answers it (an answer is kept after it went out), 5 s at most:
+    the last answer."""
+    for _ in range(50):
+        answer = ask()
+        if answer.headers.get("x-kvgate-cache") == "hit":  # type: ignore[attr-defined]
+            break
+        time.sleep(0.1)
+    return answer

@@ -6,7 +6,6 @@ The upstream is tests/raw_upstream.py's, scripted byte for byte."""
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from tests.raw_upstream import (
     relayed,
     sdk,
     sse_stream,
+    until_hit,
 )
 from tests.servers import serving
 
@@ -46,13 +46,11 @@ def test_events_with_id_fields_are_read_by_their_data(tmp_path: Path) -> None:
         first = list(sdk(url).chat.completions.create(model="stub-a", messages=ask, stream=True, temperature=0))
         assert all(c.usage is None and c.choices for c in first)  # the usage chunk kvgate asked for: dropped
         assert "".join(c.choices[0].delta.content or "" for c in first) == "Paris is the capital."
-        for _ in range(50):  # the answer is kept after it went out
-            again = sdk(url).chat.completions.with_raw_response.create(
+        again = until_hit(
+            lambda: sdk(url).chat.completions.with_raw_response.create(
                 model="stub-a", messages=ask, stream=True, temperature=0
             )
-            if again.headers.get("x-kvgate-cache") == "hit":
-                break
-            time.sleep(0.1)
+        )
         assert again.headers.get("x-kvgate-cache") == "hit"
         replay = "".join(c.choices[0].delta.content or "" for c in again.parse() if c.choices)
     assert replay == "Paris is the capital."
@@ -125,11 +123,8 @@ def test_an_events_data_is_its_data_fields_joined_whatever_comes_with_them(tmp_p
     with upstream, serving(front(tmp_path, upstream.url, semantic_cache=True), None) as url:
         body = {"model": "stub-a", "messages": ask, "stream": True, "temperature": 0}
         wire = httpx.post(url + "/v1/chat/completions", json=body, timeout=10).content
-        for _ in range(50):  # kept after it went out: the whole text, read from every event's data
-            again = httpx.post(url + "/v1/chat/completions", json={**body, "stream": False}, timeout=10)
-            if again.headers.get("x-kvgate-cache") == "hit":
-                break
-            time.sleep(0.1)
+        # Kept after it went out: the whole text, read from every event's data.
+        again = until_hit(lambda: httpx.post(url + "/v1/chat/completions", json={**body, "stream": False}, timeout=10))
     assert wire == b"".join(
         e + b"\n\n" for e in [*events[:-1], b"data: [DONE]"]
     )  # usage alone dropped, the rest as sent
@@ -188,11 +183,8 @@ def test_a_stream_cut_midway_is_never_kept_for_the_semantic_cache(tmp_path: Path
         failed = ask(lighthouse)
         assert b"failed mid-stream" in failed.content and failed.content.endswith(b"data: [DONE]\n\n")
         ask(weather)
-        for _ in range(50):  # a whole answer asked for after the cut one is kept: the cut one's turn is past
-            if ask(weather).headers.get("x-kvgate-cache") == "hit":
-                break
-            time.sleep(0.1)
-        assert ask(weather).headers.get("x-kvgate-cache") == "hit"
+        # A whole answer asked for after the cut one is kept: the cut one's turn is past.
+        assert until_hit(lambda: ask(weather)).headers.get("x-kvgate-cache") == "hit"
         again = ask(lighthouse)
     assert again.headers.get("x-kvgate-cache") != "hit" and b"failed mid-stream" in again.content
     assert sum(b"lighthouse" in s.body for s in upstream.seen) == 2
