@@ -70,7 +70,7 @@ def place(
     layer: int,
     pieces: list[Piece],
     shifts: list[tuple[torch.Tensor, torch.Tensor] | None],
-    start: int = 0,
+    start: int,
 ) -> None:
     """Write layer `layer` of every reused piece's KV at its offset in `kv` (the pieces begin at
     `start`), keys RoPE-shifted there (`shifts`: each piece's cos/sin, None for none). Called per
@@ -130,7 +130,7 @@ def choose(
         score = torch.rand(len(score), generator=g)
     score[~reused] = float("-inf")
     candidates = int(reused.sum())
-    top = score.topk(min(keep, candidates)).indices if keep > 0 else torch.empty(0, dtype=torch.long)
+    top = score.topk(min(keep, candidates)).indices
     chosen = ~reused | forced
     chosen[top] = True
     return chosen.nonzero()[:, 0]

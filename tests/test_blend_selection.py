@@ -50,7 +50,9 @@ def test_random_selection_ignores_the_deviation_and_follows_its_seed() -> None:
 
 def test_first_tokens_marks_the_first_k_of_each_reused_piece_only() -> None:
     pieces = [Piece([1] * 5, cached=object()), Piece([2] * 3), Piece([3] * 2, cached=object())]  # type: ignore[arg-type]
-    assert first_tokens(pieces, 3).tolist() == [T, T, T, F, F, F, F, F, T, T]
+    mask = first_tokens(pieces, 3)
+    assert mask.dtype == torch.bool  # a mask, or-ed with the fresh tokens and indexed by the selection
+    assert mask.tolist() == [T, T, T, F, F, F, F, F, T, T]
     assert first_tokens(pieces, 0).tolist() == [F] * 10
 
 
@@ -82,6 +84,19 @@ def test_place_writes_each_reused_piece_at_its_offset_with_its_keys_shifted_ther
     assert not kv.keys[1].any() and not kv.keys[3].any()  # one layer at a time
     place(kv, 3, pieces, [None, None, None], start)  # no shift: the cached keys as they are
     assert torch.equal(kv.keys[3][:, 11:14], second.keys[3])
+
+
+def test_place_moves_a_tier_s_keys_to_the_cache_s_device_before_shifting_them(loaded: LoadedModel) -> None:
+    # An entry read from a CPU tier into a cache on another device (CUDA on a GPU; "meta" here, where
+    # an operation mixing it with a CPU tensor fails as CUDA would) is moved before its keys are shifted.
+    model, meta = loaded.model, torch.device("meta")
+    layers, kv_heads, head_dim = model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim
+    shape = (layers, kv_heads, 4, head_dim)
+    cached = ChunkKV("k", tuple(range(4)), torch.randn(shape), torch.randn(shape), model="m")
+    kv = KVCache(layers, kv_heads, head_dim, torch.float32, meta)
+    kv.reserve(9)
+    place(kv, 0, [Piece([0] * 4, cached)], [angles(model, 5, meta)], 5)
+    assert kv.keys[0].device == meta
 
 
 def reference_attention(layer: torch.nn.Module, h, cos, sin, rows: list[int]) -> torch.Tensor:
