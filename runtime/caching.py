@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -145,8 +146,8 @@ class Caches:
         if reuse.mode == "blend" and not plan.spans and plan.reuse.ratio is None:
             tokens = sum(len(p) for p in plan.pieces)
             reused = sum(len(p) for p, d in zip(plan.pieces, plan.documents) if d)
-            config = self.reuser.config(reuse.ratio if reuse.ratio is not None else self.reuser.blend.ratio, "blend")
-            blend = cost(tokens, reused, self.reuser.kv_shape[0], config)
+            ratio = reuse.ratio if reuse.ratio is not None else self.reuser.blend.ratio
+            blend = cost(tokens, reused, self.reuser.kv_shape[0], replace(self.reuser.blend, ratio=ratio))
             if blend >= tokens:
                 slower = f"reuse would be slower than full prefill here (cost model: {blend:.0f} vs {tokens} tokens)"
                 return Reuse("full"), slower

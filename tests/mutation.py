@@ -46,7 +46,13 @@ TARGETS: dict[str, list[str]] = {
     ],
     "runtime/rope.py": ["test_rope.py", "test_rope_configs.py"],
     "runtime/blend.py": ["test_blend_selection.py", "test_blend.py"],
-    "runtime/caching.py": ["test_fidelity.py", "test_quality.py", "test_calibration.py", "test_in_context.py"],
+    "runtime/caching.py": [
+        "test_caching.py",
+        "test_fidelity.py",
+        "test_quality.py",
+        "test_calibration.py",
+        "test_in_context.py",
+    ],
     "runtime/scheduler.py": ["test_scheduler.py"],
     "agents/queue.py": ["test_programs.py", "test_scheduler.py", "test_queue.py"],
     "gateway/proxy.py": [
