@@ -175,11 +175,12 @@ class Programs:
         nbytes = tokens * c.bytes_per_token
         reload = c.reload_s(nbytes)
         prefill = c.prefill_s(tokens)
-        saved = (prefill if reload is None else min(prefill, reload)) + c.queue_s()
+        saved = prefill if reload is None else min(prefill, reload)
         waits, p_back = predictor.after(last)
         p_next = (self.returned + 1) / (self.ended + 2)  # that a tool call, not the end, comes next
         held = nbytes / max(c.memory_bytes, 1)
-        return decide(self.config.pins, waits, [p_next * p for p in p_back], saved, held, self.resident_s())
+        p_back = [p_next * p for p in p_back]
+        return decide(self.config.pins, waits, p_back, saved, held, self.resident_s(), c.queue_s())
 
     def end(self, scope: str, turn: Turn) -> None:
         """The turn's response is complete: its context (if the engine kept it) replaces the

@@ -82,8 +82,8 @@ class MemoryTier(Tier):
         return self._put(entry, None)
 
     def put_pinned(self, entry: ChunkKV, until: float) -> bool:
-        """Store and pin in one step. When only pins hold the room it needs, the pins that end
-        later than this one go, the latest first (an entry that is put without a pin never evicts one)."""
+        """Store and pin in one step. A pin is never evicted before it ends, by a pinned entry or
+        not: when only pins hold the room it needs, the entry is refused."""
         return self._put(entry, until)
 
     def _put(self, entry: ChunkKV, until: float | None) -> bool:
@@ -93,15 +93,14 @@ class MemoryTier(Tier):
         with self._lock:
             now = self.clock()
             old = self._slots.get(entry.key)
-            victims = self._victims(entry.key, self._bytes - (old.entry.nbytes if old else 0) + size, now, until)
+            victims = self._victims(entry.key, self._bytes - (old.entry.nbytes if old else 0) + size, now)
             if victims is None:
                 self._refused += 1
                 return False
             for victim in victims:
                 self._remove(victim.entry.key)
                 self._evictions += 1
-                if victim.pinned_until <= now:
-                    self._evicted(now - victim.touched, now)
+                self._evicted(now - victim.touched, now)
             if old is not None:
                 self._remove(entry.key)
                 self._use(old, now)
@@ -191,17 +190,14 @@ class MemoryTier(Tier):
         cost, size = max(slot.entry.cost, 1e-30), max(slot.entry.nbytes, 1)
         return math.log2(slot.uses) + math.log2(cost) - math.log2(size) + slot.touched / self.half_life_s
 
-    def _victims(self, key: str, needed: int, now: float, until: float | None = None) -> list[_Slot] | None:
+    def _victims(self, key: str, needed: int, now: float) -> list[_Slot] | None:
         """The entries whose removal brings `needed` bytes within budget, None if impossible: the
-        lowest-value unpinned ones; then, for a put pinned `until`, pins ending later, latest first."""
+        lowest-value unpinned ones."""
         excess = needed - self.budget_bytes
         if excess <= 0:
             return []
-        others = [s for k, s in self._slots.items() if k != key]
+        others = (s for k, s in self._slots.items() if k != key)
         candidates = sorted((s for s in others if s.pinned_until <= now), key=self._priority)
-        if until is not None:
-            later = (s for s in others if s.pinned_until > max(now, until))
-            candidates += sorted(later, key=lambda s: s.pinned_until, reverse=True)
         if sum(s.entry.nbytes for s in candidates) < excess:
             return None
         victims = []

@@ -297,24 +297,18 @@ def test_store_pins_where_the_entry_is() -> None:
     assert store.unpin("doc") and store.stats()["tiers"][0]["pinned"] == 0
 
 
-def test_a_new_pin_takes_the_room_of_the_pins_that_end_latest() -> None:
+def test_no_entry_evicts_a_pin_before_it_ends() -> None:
     clock = Clock()
     tier = MemoryTier(budget_bytes=3 * chunk().nbytes, clock=clock)
     for key, ttl in (("soon", 5), ("late", 50), ("middle", 20)):
         assert tier.put_pinned(chunk(key), until=clock.now + ttl)
-    assert not tier.put(chunk("unpinned"))  # an entry without a pin never evicts one
+    assert not tier.put(chunk("unpinned"))
+    assert not tier.put_pinned(chunk("sooner"), until=clock.now + 1)  # a pin ending first evicts none either
+    assert not tier.put_pinned(chunk("later"), until=clock.now + 90)
+    assert set(tier.keys()) == {"soon", "late", "middle"} and tier.stats()["refused"] == 3
+    clock.now += 5  # "soon" has ended: its room is any entry's
     assert tier.put_pinned(chunk("new"), until=clock.now + 10)
-    assert set(tier.keys()) == {"soon", "middle", "new"}
-    assert tier.stats()["pinned"] == 3
-
-
-def test_a_new_pin_never_evicts_a_pin_that_ends_sooner() -> None:
-    clock = Clock()
-    tier = MemoryTier(budget_bytes=2 * chunk().nbytes, clock=clock)
-    tier.put_pinned(chunk("a"), until=clock.now + 5)
-    tier.put_pinned(chunk("b"), until=clock.now + 8)
-    assert not tier.put_pinned(chunk("c"), until=clock.now + 30)
-    assert set(tier.keys()) == {"a", "b"}
+    assert set(tier.keys()) == {"late", "middle", "new"} and tier.stats()["pinned"] == 3
 
 
 def test_demote_moves_an_entry_from_memory_to_the_tier_below(tmp_path) -> None:

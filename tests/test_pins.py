@@ -33,6 +33,19 @@ def test_a_pin_covers_a_predictable_return_that_eviction_would_lose() -> None:
     assert decide(DECIDE, WAITS, BACK, saved_s=2.0, held=0.3, resident_s=1.5) == 4.2
 
 
+def test_the_queue_a_pinned_turn_passes_is_credited_to_the_pin_alone() -> None:
+    # Returns spread on both sides of the residence (2 s). On the prefill alone, memory earns more per
+    # second on fresher contexts; with the queue a pinned turn passes (program FCFS admits it first)
+    # the pin to 4 s is worth it. Memory's contexts are found by chance: their rate stays the prefill's
+    # (were the queue counted on both sides, it would cancel out and nothing would be pinned).
+    waits, back = [1.0, 2.0, 4.0, 8.0], [0.2, 0.4, 0.7, 0.8]
+    assert decide(DECIDE, waits, back, saved_s=1.0, held=0.1, resident_s=2.0) == 0.0
+    assert decide(DECIDE, waits, back, saved_s=1.0, held=0.1, resident_s=2.0, passed_s=3.0) == 4.0
+    # With no residence the memory is priced outright, against the whole saving.
+    assert decide(DECIDE, waits, back, saved_s=1.0, held=0.5, passed_s=0.0) == 0.0
+    assert decide(DECIDE, waits, back, saved_s=1.0, held=0.5, passed_s=3.0) == 4.0
+
+
 def test_no_pin_when_memory_earns_more_on_fresher_contexts() -> None:
     # Most returns come within the residence: a pin for the rest would hold memory that
     # unpinned contexts use better (the same distribution, the same saving, any share of memory).
