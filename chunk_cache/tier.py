@@ -67,7 +67,7 @@ class Tier(ABC):
         return math.inf
 
     def put_pinned(self, entry: ChunkKV, until: float) -> bool:
-        """put, then pin; a tier that pins may also make room by evicting pins that end later."""
+        """put, then pin (a tier that pins keeps a pin from eviction until it ends)."""
         return self.put(entry) and self.pin(entry.key, until)
 
     def take(self, key: str) -> ChunkKV | None:
