@@ -40,9 +40,11 @@ def engine(loaded: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Ite
     engine.shutdown()
 
 
-def chosen(engine: Engine, plan: Plan) -> tuple[Reuse, str]:
+def chosen(engine: Engine, plan: Plan, in_context: frozenset[str] = frozenset()) -> tuple[Reuse, str]:
+    """`in_context`: the keys of documents new to the cache that the prompt's full prefill would keep."""
     ids = [t for piece in plan.pieces for t in piece]
     seq = Sequence(ids, SamplingParams(), engine.reuser.new_kv(), frozenset(), 100, plan=plan)
+    seq.in_context = set(in_context)
     return engine.caches.choose(seq, plan)
 
 
@@ -93,7 +95,5 @@ def test_only_a_blend_is_priced(engine: Engine) -> None:
 
 def test_new_documents_of_a_tenants_prompt_are_prefilled_in_full_and_say_so(engine: Engine) -> None:
     plan = replace(documents(2), scope="tenant-a")
-    seq = Sequence([7] * 408, SamplingParams(), engine.reuser.new_kv(), frozenset(), 100, plan=plan)
-    seq.in_context = {"a document's key"}
     why = "documents new to the cache: prefilled in full, their KV kept as computed here"
-    assert engine.caches.choose(seq, plan) == (Reuse("full"), why)
+    assert chosen(engine, plan, frozenset({"a document's key"})) == (Reuse("full"), why)
