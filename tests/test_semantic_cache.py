@@ -67,6 +67,7 @@ def test_a_guard_refuses_a_close_question_with_another_answer(cache: SemanticCac
     assert not found.hit and found.refused == "negation"
     found = cache.lookup("s", "Is coffee good for your health in 2010?")
     assert not found.hit and found.refused == "numbers"
+    assert cache.stats()["refused"] == 2  # each refused miss counted
 
 
 def test_a_refused_candidate_is_passed_over_for_the_next(cache: SemanticCache) -> None:
@@ -74,6 +75,7 @@ def test_a_refused_candidate_is_passed_over_for_the_next(cache: SemanticCache) -
     negated = cache.put("t", "s", "Is coffee not healthy?", {"content": "it is, in moderation"})  # less similar
     found = cache.lookup("s", "Is coffee not good for your health?")  # the first candidate is refused
     assert found.hit and found.entry.id == negated.id and found.refused == "negation"
+    assert cache.stats()["refused"] == 0  # a hit is not a refusal, whatever it passed over
 
 
 def test_the_verifier_scores_the_candidate_and_without_one_the_similarity_does(
