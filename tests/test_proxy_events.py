@@ -62,11 +62,11 @@ def test_events_without_data_pass_on_only_their_comments(tmp_path: Path) -> None
     keeps the client's connection open) and nothing else of it."""
     events = [chunk({"role": "assistant", "content": PIECES[0]}), chunk({"content": PIECES[1]})]
     framed = [b"data: " + e + b"\n\n" for e in events]
-    writes = [(0.0, framed[0]), (0.0, b"id: 7\n: keep-alive\n\n"), (0.0, b"id: 8\nevent: ping\n\n")]
+    writes = [(0.0, framed[0]), (0.0, b"id: 7\n: keep-alive\n: still here\n\n"), (0.0, b"id: 8\nevent: ping\n\n")]
     writes += [(0.0, framed[1]), (0.0, b"data: [DONE]\n\n")]
     texts, wire = relayed(tmp_path, [piece for _, piece in writes])
     assert texts == PIECES[:2]
-    assert wire == framed[0] + b": keep-alive\n\n" + framed[1] + b"data: [DONE]\n\n"
+    assert wire == framed[0] + b": keep-alive\n: still here\n\n" + framed[1] + b"data: [DONE]\n\n"
 
 
 # ---- an upstream failing after its first bytes: the client is told, in the OpenAI format --------------
