@@ -58,9 +58,27 @@ async def long_stream(events: int, size: int) -> AsyncIterator[bytes]:
     yield b"data: [DONE]\n\n"
 
 
+def exactly(size: int) -> bytes:
+    """A whole answer of exactly `size` bytes."""
+    answer = {"message": {"role": "assistant", "content": ""}, "finish_reason": "stop", "index": 0}
+    empty = len(json.dumps({"object": "chat.completion", "choices": [answer]}).encode())
+    answer["message"]["content"] = "x" * (size - empty)
+    return json.dumps({"object": "chat.completion", "choices": [answer]}).encode()
+
+
+async def pieces(body: bytes) -> AsyncIterator[bytes]:
+    """In 64 KiB pieces, the last after a pause: a front holding exactly the limit by then must read on."""
+    starts = range(0, len(body), PIECE)
+    for start in starts:
+        if start == starts[-1]:
+            await asyncio.sleep(0.2)
+        yield body[start : start + PIECE]
+
+
 def upstream() -> FastAPI:
     """Answers by the model asked for: `endless` without end (JSON or one SSE event), `declared` says
-    4 MiB will come, `long` a 4 MiB stream of 1 KiB events, `short` a small answer."""
+    4 MiB will come, `long` a 4 MiB stream of 1 KiB events, `short` a small answer, `limit` and `limit+1`
+    an answer of exactly the limit and one byte more, with its length declared or (`chunked`) not."""
     app = FastAPI()
 
     @app.post("/v1/chat/completions")
@@ -73,6 +91,11 @@ def upstream() -> FastAPI:
         if model == "declared":  # then stalls: only a front that believes the length answers at once
             stalled = stall(request, b"{")
             return StreamingResponse(stalled, media_type="application/json", headers={"content-length": str(4 * LIMIT)})
+        if model.startswith("limit"):
+            body = exactly(LIMIT + model.count("+1"))
+            if model.endswith("chunked"):
+                return StreamingResponse(pieces(body), media_type="application/json")
+            return Response(body, media_type="application/json")
         if model == "long":
             return StreamingResponse(long_stream(4 * LIMIT // 1024, 1024), media_type="text/event-stream")
         if stream:
@@ -100,7 +123,7 @@ def running(app: FastAPI) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with running(upstream()) as up:
-        models = ["endless", "declared", "long", "short"]
+        models = ["endless", "declared", "long", "short", "limit", "limit+1", "limit chunked", "limit+1 chunked"]
         settings = Settings(
             upstreams=[{"name": "up", "base_url": up, "models": models}],
             proxy_max_response_bytes=LIMIT,
@@ -142,6 +165,16 @@ def test_a_declared_length_over_the_limit_is_refused_unread(front: str) -> None:
     r = ask(front, "declared")
     assert r.status_code == 502 and time.monotonic() - began < 5
     too_large(r.json()["error"])
+
+
+@pytest.mark.parametrize("framing", ["", " chunked"])
+def test_an_answer_of_exactly_the_limit_passes_and_one_byte_more_is_a_502(front: str, framing: str) -> None:
+    """With its length declared (refused unread when over) or not (counted as it is read)."""
+    r = ask(front, "limit" + framing)
+    assert r.status_code == 200 and len(r.content) == LIMIT and r.headers.get("content-length") == str(LIMIT)
+    over = ask(front, "limit+1" + framing)
+    assert over.status_code == 502
+    too_large(over.json()["error"])
 
 
 def test_one_endless_sse_event_ends_the_stream_with_an_error(front: str) -> None:
