@@ -107,6 +107,7 @@ class Upstream:
         self.requests = 0
         self.last_headers: dict[str, str] = {}
         self.last_body: Any = None
+        self.last_raw = ""  # the last body's bytes as they came (a proxy that re-serialised them shows)
 
     def app(self) -> ASGIApp:
         routes = [
@@ -161,8 +162,10 @@ class Upstream:
         self.last_headers, self.last_body = dict(request.headers), None
         if denied := self._unauthorized(request):
             return denied
+        raw = await request.body()
+        self.last_raw = raw.decode(errors="replace")
         try:
-            body = self.last_body = json.loads(await request.body())
+            body = self.last_body = json.loads(raw)
         except ValueError as exc:
             return _error(400, f"Invalid JSON body: {exc}")
         if not isinstance(body, dict):
@@ -226,11 +229,12 @@ class Upstream:
         return _json({"queued": len(self.script)})
 
     async def stats(self, request: Request) -> Response:
-        return _json({"requests": self.requests, "last_headers": self.last_headers, "last_body": self.last_body})
+        seen = {"last_headers": self.last_headers, "last_body": self.last_body, "last_raw": self.last_raw}
+        return _json({"requests": self.requests, **seen})
 
     async def reset(self, request: Request) -> Response:
         self.script.clear()
-        self.requests, self.last_headers, self.last_body = 0, {}, None
+        self.requests, self.last_headers, self.last_body, self.last_raw = 0, {}, None, ""
         return _json({"status": "ok"})
 
 

@@ -83,6 +83,10 @@ def test_forwards_the_body_as_sent(tmp_path, upstreams):
         stats = httpx.get(a + "/_stats").json()
         assert stats["last_body"] == body  # kvgate's own options stay here (a hosted API would refuse them)
         assert stats["last_headers"]["x-kvgate-program-id"] == "p-1"
+        # A body with nothing to change passes byte for byte, never parsed and written again.
+        raw = b'{"messages": [{"content": "hello", "role": "user"}] ,"model":"stub-a", "temperature": 0.30}'
+        httpx.post(url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+        assert httpx.get(a + "/_stats").json()["last_raw"] == raw.decode()
 
 
 def test_an_upstreams_400_for_a_malformed_body_is_passed_on(tmp_path, upstreams):
