@@ -295,32 +295,45 @@ def test_with_the_race_a_miss_is_kept_after_it_went_out_and_a_hit_does_not_wait_
         assert ANSWER.split()[0] in slow.text
 
 
-def test_program_order_in_front_of_a_busy_upstream(tmp_path, upstreams):
-    """One request at a time reaches the upstream; a program that started earlier goes first."""
-    a, _ = upstreams
-    script(a, {"chunk_delay_s": 0.1})  # the first request holds the only slot for ~1 s
+def finishing_order(tmp_path, a: str, asks: list[tuple[str | None, str, float]]) -> list[str]:
+    """The order in which streamed requests (program or None, tag, sent after s) finish at an upstream that
+    takes one at a time, the first holding it for ~1 s."""
+    script(a, {"chunk_delay_s": 0.1})
     upstream = {"name": "up-0", "base_url": a, "models": ["stub-a"], "max_in_flight": 1}
     settings = Settings(upstreams=[upstream], semantic_cache=False, cache_dir=tmp_path)
     finished: list[str] = []
 
-    async def ask(http: httpx.AsyncClient, url: str, program: str, tag: str, after: float) -> None:
+    async def ask(http: httpx.AsyncClient, url: str, program: str | None, tag: str, after: float) -> None:
         await asyncio.sleep(after)
         body = {"model": "stub-a", "messages": HELLO, "stream": True}
-        r = await http.post(url + "/v1/chat/completions", json=body, headers={"x-kvgate-program-id": program})
+        headers = {"x-kvgate-program-id": program} if program else {}
+        r = await http.post(url + "/v1/chat/completions", json=body, headers=headers)
         assert r.status_code == 200
         finished.append(tag)
 
     async def scenario(url: str) -> None:
         async with httpx.AsyncClient(timeout=30) as http:
-            await asyncio.gather(
-                ask(http, url, "early", "early-1", 0.0),  # takes the slot
-                ask(http, url, "late", "late-1", 0.2),  # waits
-                ask(http, url, "early", "early-2", 0.4),  # waits, but its program came first
-            )
+            await asyncio.gather(*(ask(http, url, *one) for one in asks))
 
     with serving(settings, None) as url:
         asyncio.run(scenario(url))
-    assert finished == ["early-1", "early-2", "late-1"]
+    return finished
+
+
+def test_program_order_in_front_of_a_busy_upstream(tmp_path, upstreams):
+    """One request at a time reaches the upstream; a program that started earlier goes first."""
+    asks = [
+        ("early", "early-1", 0.0),
+        ("late", "late-1", 0.2),
+        ("early", "early-2", 0.4),
+    ]  # early-2's program came first
+    assert finishing_order(tmp_path, upstreams[0], asks) == ["early-1", "early-2", "late-1"]
+
+
+def test_requests_without_a_program_wait_in_their_own_arrival_order(tmp_path, upstreams):
+    """Not as one program of their tenant's: an earlier one's arrival lends a later one no place."""
+    asks = [(None, "plain-1", 0.0), ("late", "late-1", 0.2), (None, "plain-2", 0.4)]
+    assert finishing_order(tmp_path, upstreams[0], asks) == ["plain-1", "late-1", "plain-2"]
 
 
 def test_a_client_gone_while_waiting_at_a_full_gate_is_never_sent(tmp_path, upstreams):
