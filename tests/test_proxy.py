@@ -122,6 +122,17 @@ def test_model_aliases_and_upstream_keys(tmp_path):
                 client(url).chat.completions.create(model="real-name", messages=HELLO)
 
 
+def test_a_model_goes_only_to_the_upstreams_that_serve_it(tmp_path, upstreams):
+    a, b = upstreams
+    upstreams = [{"name": "up-0", "base_url": a + "/v1", "models": ["stub-a"]}]
+    upstreams.append({"name": "up-1", "base_url": b + "/v1", "models": ["stub-b"]})
+    with serving(front(tmp_path, a, upstreams=upstreams), None) as url:
+        for model, upstream in (("stub-b", "up-1"), ("stub-a", "up-0")):
+            raw = client(url).chat.completions.with_raw_response.create(model=model, messages=HELLO)
+            assert raw.headers["x-kvgate-upstream"] == upstream
+    assert (requests_seen(a), requests_seen(b)) == (1, 1)
+
+
 def test_retries_5xx_with_backoff(tmp_path, upstreams):
     a, _ = upstreams
     script(a, {"status": 500}, {"status": 503})
