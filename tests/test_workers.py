@@ -47,9 +47,9 @@ def front(loaded, tmp_path_factory) -> Iterator[tuple[str, dict[str, Upstream]]]
             yield url, {w.name: w for w in workers}
 
 
-def chat(url: str, model: str, documents: list[dict], **body) -> httpx.Response:
+def chat(url: str, model: str, documents: list[dict], auth: dict[str, str] = AUTH, **body) -> httpx.Response:
     payload = {"model": model, "messages": QUESTION, "documents": documents, "max_tokens": 4, "temperature": 0}
-    r = httpx.post(url + "/v1/chat/completions", json={**payload, **body}, headers=AUTH, timeout=120)
+    r = httpx.post(url + "/v1/chat/completions", json={**payload, **body}, headers=auth, timeout=120)
     assert r.status_code == 200, r.text
     return r
 
@@ -60,6 +60,17 @@ def test_the_same_documents_go_to_the_same_worker_and_are_reused(front, model_na
     first, again = chat(url, model_name, docs), chat(url, model_name, docs)
     assert first.headers["x-kvgate-upstream"] == again.headers["x-kvgate-upstream"]
     assert int(again.headers["x-kvgate-reused-tokens"]) > 0  # the worker's own report, passed on
+
+
+def test_a_tenants_document_kv_is_reused_on_its_worker_by_that_tenant_only(front, model_name):
+    """The front names each tenant to the worker (a token per tenant, hashed): B citing A's text reuses
+    none of A's KV, while A's next request does."""
+    url, _ = front
+    docs = [{"text": passage(300)}]
+    a, b = {"authorization": "Bearer sk-tenant-a"}, {"authorization": "Bearer sk-tenant-b"}
+    chat(url, model_name, docs, a)
+    assert int(chat(url, model_name, docs, b).headers["x-kvgate-reused-tokens"]) == 0
+    assert int(chat(url, model_name, docs, a).headers["x-kvgate-reused-tokens"]) > 0
 
 
 def test_each_document_goes_to_the_worker_its_hash_names(front, model_name):
