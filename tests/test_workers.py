@@ -83,10 +83,15 @@ def test_each_document_goes_to_the_worker_its_hash_names(front, model_name):
         assert chat(url, model_name, [{"text": text}]).headers["x-kvgate-upstream"] == worker
 
 
-def test_a_program_stays_on_one_worker(front, model_name):
+def test_a_program_stays_on_one_worker_and_programs_spread_over_both(front, model_name):
     url, _ = front
-    seen = {chat(url, model_name, [], kvgate={"program_id": "agent-7"}).headers["x-kvgate-upstream"] for _ in range(3)}
-    assert len(seen) == 1
+    where = {}
+    for n in range(8):
+        program = {"program_id": f"agent-{n}"}
+        seen = {chat(url, model_name, [], kvgate=program).headers["x-kvgate-upstream"] for _ in range(2)}
+        assert len(seen) == 1
+        where[n] = seen.pop()
+    assert set(where.values()) == {"worker-0", "worker-1"}  # by the program's hash, not by load alone
 
 
 def test_stored_documents_are_found_where_they_were_stored(front, model_name):
