@@ -124,9 +124,11 @@ def test_model_aliases_and_upstream_keys(tmp_path):
 
 def test_a_model_goes_only_to_the_upstreams_that_serve_it(tmp_path, upstreams):
     a, b = upstreams
-    upstreams = [{"name": "up-0", "base_url": a + "/v1", "models": ["stub-a"]}]
-    upstreams.append({"name": "up-1", "base_url": b + "/v1", "models": ["stub-b"]})
-    with serving(front(tmp_path, a, upstreams=upstreams), None) as url:
+    one_model_each = [
+        {"name": "up-0", "base_url": a + "/v1", "models": ["stub-a"]},
+        {"name": "up-1", "base_url": b + "/v1", "models": ["stub-b"]},
+    ]
+    with serving(front(tmp_path, upstreams=one_model_each), None) as url:
         for model, upstream in (("stub-b", "up-1"), ("stub-a", "up-0")):
             raw = client(url).chat.completions.with_raw_response.create(model=model, messages=HELLO)
             assert raw.headers["x-kvgate-upstream"] == upstream
@@ -333,11 +335,8 @@ def finishing_order(tmp_path, a: str, asks: list[tuple[str | None, str, float]])
 
 def test_program_order_in_front_of_a_busy_upstream(tmp_path, upstreams):
     """One request at a time reaches the upstream; a program that started earlier goes first."""
-    asks = [
-        ("early", "early-1", 0.0),
-        ("late", "late-1", 0.2),
-        ("early", "early-2", 0.4),
-    ]  # early-2's program came first
+    asks = [("early", "early-1", 0.0), ("late", "late-1", 0.2), ("early", "early-2", 0.4)]
+    # early-2 waits behind late-1 but goes first: its program came first
     assert finishing_order(tmp_path, upstreams[0], asks) == ["early-1", "early-2", "late-1"]
 
 
