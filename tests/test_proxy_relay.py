@@ -10,12 +10,16 @@ too); the usage chunk kvgate asked for dropped; then `data: [DONE]`. What it rea
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
+from kvgate.gateway.app import create_app
+from kvgate.gateway.backend import make_backend
 from kvgate.gateway.upstreams import Upstream
 from tests.raw_upstream import (
     HELLO,
@@ -146,6 +150,66 @@ def test_a_429_whose_retry_after_is_2_s_is_waited_for_on_the_same_upstream(tmp_p
     assert raw.parse().choices[0].message.content == "after the wait"
     assert (len(limited.seen), len(other.seen)) == (2, 0)
     assert took >= 1.9  # Retry-After: 2 honoured whole (the backoff alone is 10 ms)
+
+
+# ---- a client gone as its stream starts --------------------------------------------------------
+
+
+def test_a_client_gone_as_its_stream_starts_hands_the_upstream_slot_on(tmp_path: Path) -> None:
+    """The upstream's first bytes are in, the answer's head is being sent, and the client leaves while its
+    connection's window is full (the server's `send` waits, as uvicorn's does on a paused transport): the
+    relay never starts, so only the reply's own `close` lets the upstream go. The next request, at an
+    upstream that takes one at a time, must get the slot.
+
+    The gateway is driven at the ASGI level (the upstream is real): a client cannot time its leaving into
+    that one await over a socket."""
+    first = b"data: " + chunk({"role": "assistant", "content": PIECES[0]}) + b"\n\n"
+    upstream = RawUpstream(
+        lambda seen: (
+            sse_stream((0.0, first), (30.0, b"data: [DONE]\n\n"))
+            if json.loads(seen.body).get("stream")
+            else json_answer(completion("next"))
+        )
+    )
+    body = json.dumps({"model": "stub-a", "messages": HELLO, "stream": True}).encode()
+    gone = asyncio.Event()
+    exchanged: list[str] = []
+
+    async def receive() -> dict[str, Any]:
+        if not exchanged:
+            exchanged.append("request")
+            return {"type": "http.request", "body": body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        exchanged.append(message["type"])
+        if message["type"] == "http.response.start":
+            gone.set()
+            await asyncio.sleep(0.05)  # a paused transport's drain
+
+    async def scenario(app: Any) -> httpx.Response:
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        path = "/v1/chat/completions"
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+                 "root_path": "", "headers": headers, "client": ("127.0.0.1", 40000), "server": ("gw", 80)}  # fmt: skip
+        try:
+            async with asyncio.timeout(10):
+                await app(scope, receive, send)
+            assert exchanged == ["request", "http.response.start"]  # gone before any event was sent
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client, asyncio.timeout(5):
+                return await client.post(path, json={"model": "stub-a", "messages": HELLO})
+        finally:
+            await app.state.backend.close()
+
+    with upstream:
+        one_at_a_time = [{"name": "up-0", "base_url": upstream.url + "/v1", "models": ["stub-a"], "max_in_flight": 1}]
+        settings = front(tmp_path, upstream.url, upstreams=one_at_a_time)
+        after = asyncio.run(scenario(create_app(settings, make_backend(settings))))
+    assert after.status_code == 200 and after.json()["choices"][0]["message"]["content"] == "next"
+    assert len(upstream.seen) == 2
 
 
 # ---- /v1/documents stays with kvgate's own workers ------------------------------------------------
