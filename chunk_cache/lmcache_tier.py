@@ -5,8 +5,8 @@ into one of its memory objects, kept in its CPU pool; `retrieve` has the connect
 LMCache keys a chunk by its token ids plus a tag, here the kvgate key, so equal tokens under another
 model or scope never meet.
 
-LMCache keeps no checksums, so this tier keeps each entry's per-layer checksums, model fingerprint and
-cost in an index of its own and checks every layer it reads back: a damaged value is a miss and is
+LMCache keeps no checksums, so this tier keeps each entry's checksum, model fingerprint and cost in an
+index of its own and checks every byte it reads back: a damaged value is a miss and is
 removed, as is an entry LMCache dropped a chunk of. The index keeps the budget (least recently used
 first) and lives in this process: an entry lives no longer than the tier. LMCache allocates its whole
 pool (budget_bytes) at the first put, whose layout (layers, kv heads, head dim, dtype) it keeps:
@@ -57,11 +57,10 @@ class ChunkConnector(GPUConnectorInterface):
 
     A memory object holds tokens [start, end) of one entry. LMCache sizes it as [2, layers, tokens,
     kv_heads * head_dim] (its KV_2LTD format) but never reads it; we lay it out as kvgate does,
-    [layers, 2, kv_heads, tokens, head_dim], so a retrieve copies each layer in long contiguous runs (a
-    whole layer in one run when the entry is one chunk), not element by element through a transpose.
-    A store reads `keys` and `values` [layers, kv_heads, T, head_dim]; a retrieve writes `kv` [layers, 2,
-    kv_heads, T, head_dim], layer by layer, and hands each layer to `layer_done(i)` once it is whole, to be
-    checked while its bytes are still in the CPU's cache. The copies are Tensor.copy_ (any device).
+    [layers, 2, kv_heads, tokens, head_dim], so a retrieve copies long contiguous runs (an entry of one
+    chunk in one run), not element by element through a transpose. A store reads `keys` and `values`
+    [layers, kv_heads, T, head_dim]; a retrieve writes `kv` [layers, 2, kv_heads, T, head_dim], one copy
+    per object (a copy per layer paid 30 calls' overhead). The copies are Tensor.copy_ (any device).
     """
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int) -> None:
@@ -84,13 +83,9 @@ class ChunkConnector(GPUConnectorInterface):
             held[:, 1].copy_(values[:, :, start:end])
 
     def batched_to_gpu(self, memory_objs=None, starts=None, ends=None, **kwargs: Any) -> None:
-        kv, layer_done = kwargs["kv"], kwargs.get("layer_done")
-        held = [(self._view(obj, end - start), start, end) for obj, start, end in zip(memory_objs, starts, ends)]
-        for i in range(self.layers):
-            for view, start, end in held:
-                kv[i, :, :, start:end].copy_(view[i])
-            if layer_done is not None:
-                layer_done(i)
+        kv = kwargs["kv"]
+        for obj, start, end in zip(memory_objs, starts, ends):
+            kv[:, :, :, start:end].copy_(self._view(obj, end - start))
 
     def _view(self, obj: MemoryObj, tokens: int) -> torch.Tensor:
         """The object's tensor as [layers, 2, kv_heads, tokens, head_dim]."""
@@ -103,7 +98,7 @@ class _Held:
 
     token_ids: tuple[int, ...]
     shape: tuple[int, int, int, int]  # [layers, kv_heads, T, head_dim]
-    digests: tuple[str, ...]  # xxh3-128 of each layer's keys then values
+    digest: str  # xxh3-128 of the entry as `get` lays it out: each layer's keys, then its values
     cost: float
     model: str
     nbytes: int  # in LMCache's pool
@@ -147,14 +142,8 @@ class LMCacheTier(Tier):
                 return None
             layers, kv_heads, tokens, head_dim = held.shape
             kv = torch.empty(layers, 2, kv_heads, tokens, head_dim, dtype=self._layout[3])
-            damaged: list[int] = []
-
-            def check(i: int) -> None:
-                if _digest(kv[i]) != held.digests[i]:
-                    damaged.append(i)
-
             try:
-                found = self._engine.retrieve(list(held.token_ids), kv=kv, layer_done=check, request_configs=_tag(key))
+                found = self._engine.retrieve(list(held.token_ids), kv=kv, request_configs=_tag(key))
             except Exception as e:
                 log.warning("chunk cache tier lmcache: reading %s failed: %r", key, e)
                 self._drop(key, "errors")
@@ -162,8 +151,8 @@ class LMCacheTier(Tier):
             if not bool(found.all()):
                 self._drop(key, "lost")  # LMCache evicted a chunk of it
                 return None
-            if damaged:
-                log.warning("chunk cache tier lmcache: dropping damaged entry %s (layers %s)", key, damaged)
+            if _digest(kv) != held.digest:  # one call: 30 per layer took twice as long
+                log.warning("chunk cache tier lmcache: dropping damaged entry %s", key)
                 self._drop(key, "corrupt")
                 return None
             self._held.move_to_end(key)
@@ -181,7 +170,7 @@ class LMCacheTier(Tier):
             keys, values = (t.detach().to("cpu").contiguous() for t in (entry.keys, entry.values))
             held = _Held(
                 entry.token_ids, (layers, kv_heads, tokens, head_dim),
-                tuple(_digest(keys[i], values[i]) for i in range(layers)), entry.cost, entry.model, size,
+                _digest(*(part for i in range(layers) for part in (keys[i], values[i]))), entry.cost, entry.model, size,
             )  # fmt: skip
             try:
                 engine = self._start(layout)
