@@ -1,11 +1,14 @@
 """`kvgate bench tiers`: how fast each chunk cache tier hands document KV back, against the limit
 of its medium measured in the same run, and the time to first token of a blend reading from it.
 
-Limits, each the medium's own at full use: memory (and LMCache, whose pool is in memory), a copy of
-the same bytes by every core at once; disk, a cold sequential read of the entry's file (its pages
+Limits, each the medium's own at full use: memory (and LMCache, whose pool is in memory), copies of
+the entries' sizes by every core at once, back to back through buffers far larger than the CPU's caches,
+as the loads from these tiers are timed: every entry in turn, so that each has left the caches since it
+was last read, as in a pool of many documents; disk, a cold sequential read of the entry's file (its pages
 dropped from the page cache first), with a second row from the page cache; Redis, the best GET rate of
-values of the entry's size that redis-benchmark (a C client) reaches over loopback. A load is what a
-blend waits for: the entry read layer by layer, every checksum checked, into tensors.
+values of the entry's size that redis-benchmark (a C client) reaches over loopback, or the entry's own pieces
+asked for all at once over one connection, whichever is faster. A load is what a
+blend waits for: the entry read (from disk and Redis layer by layer), every checksum checked, into tensors.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 from kvgate.bench.fidelity import Item, load_items, start
 from kvgate.bench.report import table, write_section
 from kvgate.chunk_cache import ByteTier, ChunkKV, ChunkStore, DiskTier, Loading, MemoryTier, Tier, make_tier
+from kvgate.chunk_cache.redis_tier import PIECE, RedisTier
 from kvgate.runtime.blend import BlendConfig
 from kvgate.runtime.calibration import model_fingerprint
 from kvgate.runtime.config import EngineConfig
@@ -39,6 +43,9 @@ from kvgate.runtime.loader import load
 from kvgate.runtime.reuse import Reuse, Reuser
 
 TARGET_BANDWIDTH = 0.70  # of the medium's limit
+# A load or limit in memory takes milliseconds and this machine's memory speed wanders between runs and
+# within one: at least this many timings of each, the fastest kept (TTFT, seconds a try, keeps `repeats`).
+BANDWIDTH_REPEATS = 10
 TARGET_SPEEDUP = 3.0  # blend from disk against full prefill
 PAGE_CACHE = "page cache"  # a disk row read from memory: shown, but the target is on the disk's own row
 
@@ -111,39 +118,95 @@ def sequential_read(path: Path) -> Callable[[], None]:
     return read
 
 
-def memory_limit(size: int, repeats: int) -> float:
-    """Seconds a copy of `size` bytes takes with every core copying its share at once (the
-    machine's memory bandwidth, not one memmove's)."""
+RING_BYTES = 512 << 20  # far beyond any CPU's last-level cache: a copy through it reads and writes memory
+
+
+@contextmanager
+def memory_copies(sizes: list[int]) -> Iterator[list[Callable[[], None]]]:
+    """Passes that copy blocks of `sizes` bytes one after another, each from and to the next place in a
+    ring of RING_BYTES, by every core at once (the machine's memory bandwidth at these sizes, not one
+    memmove's, nor the caches'), with two copy engines: memmove, each core its share of every block
+    with no wait between blocks; and torch's own parallel copy of float32."""
     threads = os.cpu_count() or 1
-    src, dst = bytearray(size), bytearray(size)
-    a, b = (ctypes.c_char * size).from_buffer(src), (ctypes.c_char * size).from_buffer(dst)
-    step = -(-size // threads)
-    shares = [(ctypes.addressof(b) + i, ctypes.addressof(a) + i, min(step, size - i)) for i in range(0, size, step)]
-    with ThreadPoolExecutor(threads) as pool:  # ctypes calls release the GIL
-        return best(lambda: list(pool.map(lambda s: ctypes.memmove(*s), shares)), repeats)
+    src, dst = torch.ones(RING_BYTES // 4), torch.ones(RING_BYTES // 4)  # touched: no shared zero pages
+    blocks, at = [], 0
+    for size in sizes:
+        n = -(-size // 4)
+        at = 0 if at + n > src.numel() else at
+        blocks.append((at, n))
+        at += n
+    shares: list[list[tuple[int, int, int]]] = [[] for _ in range(threads)]
+    for at, n in blocks:
+        step = -(-4 * n // threads)
+        for core, i in enumerate(range(0, 4 * n, step)):
+            shares[core].append((dst.data_ptr() + 4 * at + i, src.data_ptr() + 4 * at + i, min(step, 4 * n - i)))
+
+    def copy(mine: list[tuple[int, int, int]]) -> None:  # ctypes calls release the GIL
+        for share in mine:
+            ctypes.memmove(*share)
+
+    def torch_copy() -> None:
+        for at, n in blocks:
+            dst[at : at + n].copy_(src[at : at + n])
+
+    with ThreadPoolExecutor(threads) as pool:
+        yield [lambda: list(pool.map(copy, shares)), torch_copy]
 
 
-def redis_limit(url: str, size: int, repeats: int) -> float:
-    """Seconds per value of `size` bytes that Redis and loopback hand over at best: redis-benchmark (a C
-    client, so no Python parsing bounds it) GETting such values, over 1 or 2 connections, pipelined or
-    not; the best of those."""
+def fastest_in_turn(passes: list[Callable[[], object]], repeats: int) -> list[float]:
+    """Seconds of each pass, the fastest of `repeats`, the passes run in turn so that a machine whose
+    memory speed wanders gives each the same conditions."""
+    times = [float("inf")] * len(passes)
+    for _ in range(repeats):
+        for i, f in enumerate(passes):
+            began = time.perf_counter()
+            f()
+            times[i] = min(times[i], time.perf_counter() - began)
+    return times
+
+
+def redis_limit(tier: RedisTier, key: str, size: int, repeats: int) -> float:
+    """Seconds per value of `size` bytes that Redis and loopback hand over at best: the faster of
+    redis-benchmark (a C client, so no Python parsing bounds it) GETting such values over 1 or 2
+    connections, pipelined or not, and the entry itself asked for in the pieces the tier reads, all at
+    once over one connection, the replies read straight into a reused buffer (redis-benchmark's own
+    reading is slower than that at tens of MB)."""
     binary = shutil.which("redis-benchmark")
     if binary is None:
         raise FileNotFoundError("redis-benchmark is not installed (it comes with redis-server)")
-    address = urlparse(url)
+    address = urlparse(tier.url)
+    host, port = address.hostname or "127.0.0.1", address.port or 6379
+    gets = str(max(20, min(200, (1 << 30) // size)))  # about 1 GB a run, however large the value
     rates = []
     for clients, pipeline in ((1, 1), (2, 1), (1, 4)):
-        args = [binary, "-h", address.hostname or "127.0.0.1", "-p", str(address.port or 6379), "-t", "set,get"]
-        args += ["-d", str(size), "-n", str(20 * repeats), "-c", str(clients), "-P", str(pipeline), "--csv"]
-        out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
-        rates += [float(row[1]) for row in csv.reader(out.splitlines()) if row and row[0] == "GET"]
-    return 1.0 / max(rates)
+        args = [binary, "-h", host, "-p", str(port), "-t", "set,get", "-d", str(size), "-n", gets]
+        args += ["-c", str(clients), "-P", str(pipeline), "--csv"]
+        run = subprocess.run(args, capture_output=True, text=True)
+        if run.returncode:  # one way failing leaves the others (and the plain GET below) to set the limit
+            print(f"kvgate bench tiers: redis-benchmark {clients} client(s), pipeline {pipeline}: {run.stderr.strip()}")
+        rates += [float(row[1]) for row in csv.reader(run.stdout.splitlines()) if row and row[0] == "GET"]
+    name = tier.value_key(key).encode()
+    pieces = [(lo, min(lo + PIECE, size)) for lo in range(0, size, PIECE)]
+    commands = b"".join(resp(b"GETRANGE", name, b"%d" % lo, b"%d" % (hi - 1)) for lo, hi in pieces)
+    replies = memoryview(bytearray(sum(len(b"$%d\r\n" % (hi - lo)) + hi - lo + 2 for lo, hi in pieces)))
+    with socket.create_connection((host, port)) as connection:
+
+        def get() -> None:  # every piece asked at once, every reply read straight into one buffer
+            connection.sendall(commands)
+            got = 0
+            while got < len(replies):
+                got += connection.recv_into(replies[got:])
+
+        return min([1.0 / rate for rate in rates] + [best(get, repeats)])
 
 
-def limit_of(tier: Tier | None, key: str, size: int, repeats: int) -> float:
-    """Seconds the medium itself needs to hand over `size` bytes (for disk, from the page cache)."""
-    if not isinstance(tier, ByteTier):  # memory, or LMCache's pool in memory
-        return memory_limit(size, repeats)
+def resp(*words: bytes) -> bytes:
+    """A Redis command as it goes on the wire."""
+    return b"*%d\r\n" % len(words) + b"".join(b"$%d\r\n%s\r\n" % (len(w), w) for w in words)
+
+
+def limit_of(tier: ByteTier, key: str, size: int, repeats: int) -> float:
+    """Seconds a byte tier's medium itself needs to hand over `size` bytes (for disk, from the page cache)."""
     if isinstance(tier, DiskTier):
         buf = bytearray(size)
 
@@ -152,12 +215,13 @@ def limit_of(tier: Tier | None, key: str, size: int, repeats: int) -> float:
                 f.readinto(buf)
 
         return best(read, repeats)
-    return redis_limit(tier.url, size, repeats)
+    assert isinstance(tier, RedisTier)
+    return redis_limit(tier, key, size, repeats)
 
 
-def load_of(store: ChunkStore, key: str, kv: list[torch.Tensor], repeats: int) -> float:
-    """Seconds until the entry is whole, checked, in tensors of this process. From the memory tier,
-    where it already is, a load is the copy into the request's KV (what a blend does with any entry)."""
+def loader(store: ChunkStore, key: str, kv: list[torch.Tensor]) -> Callable[[], None]:
+    """A load: the entry whole, checked, in tensors of this process. From the memory tier, where it
+    already is, a load is the copy into the request's KV (what a blend does with any entry)."""
     in_memory = isinstance(store.tiers[-1], MemoryTier)
 
     def once() -> None:
@@ -168,7 +232,7 @@ def load_of(store: ChunkStore, key: str, kv: list[torch.Tensor], repeats: int) -
             kv[0].copy_(found.keys)
             kv[1].copy_(found.values)
 
-    return best(once, repeats)
+    return once
 
 
 def whole(store: ChunkStore, key: str) -> None:
@@ -178,14 +242,19 @@ def whole(store: ChunkStore, key: str) -> None:
     found.result()
 
 
-def tier_stores(tmp: Path, redis_url: str | None) -> dict[str, ChunkStore]:
-    """One store per tier; below memory, a memory tier that holds nothing, so every read is the tier's."""
+LMCACHE_BYTES_PER_DOCUMENT = 64 << 20  # a MuSiQue passage's KV is about 28 MB
+
+
+def tier_stores(tmp: Path, redis_url: str | None, documents: int) -> dict[str, ChunkStore]:
+    """One store per tier; below memory, a memory tier that holds nothing, so every read is the tier's.
+    LMCache's pool is sized for the run's `documents`: it takes all its memory at once, and a pool of
+    most of the machine's would leave the other tiers' timings to a kernel reclaiming pages."""
     stores = {"memory": ChunkStore([MemoryTier(64 << 30)])}
     lower: dict[str, Tier] = {"disk": DiskTier(tmp / "chunks", 64 << 30)}
     if redis_url:
         lower["redis"] = make_tier("redis", url=redis_url, budget_bytes=64 << 30)
     try:
-        lower["lmcache"] = make_tier("lmcache", budget_bytes=16 << 30)
+        lower["lmcache"] = make_tier("lmcache", budget_bytes=max(1 << 30, documents * LMCACHE_BYTES_PER_DOCUMENT))
     except ImportError as e:
         print(f"kvgate bench tiers: no LMCache tier ({e})")
     for name, tier in lower.items():
@@ -207,7 +276,7 @@ def bench_tiers(
     loaded = load(config)
     data_items = load_items(loaded, data, docs, limit, True, 0, 0)
     with tempfile.TemporaryDirectory() as tmp, redis_server() if redis_url is None else nullcontext(redis_url) as url:
-        stores = tier_stores(Path(tmp), url)
+        stores = tier_stores(Path(tmp), url, docs * limit)
         model, tokenizer, fp = loaded.model, loaded.tokenizer, model_fingerprint(loaded)
         reusers = {name: Reuser(model, tokenizer, store, fp, BlendConfig()) for name, store in stores.items()}
         entries: list[ChunkKV] = []
@@ -230,23 +299,27 @@ def measure_bandwidth(
 ) -> dict[str, tuple[float, float]]:
     """Per tier: GB/s of a load and GB/s of the medium's limit, summed over the entries."""
     out = {}
+    repeats = max(repeats, BANDWIDTH_REPEATS)
     for name, store in stores.items():
         tier = store.tiers[-1] if name != "memory" else None
-        loads = limits = 0.0
-        nbytes = 0
-        for entry in entries:
-            size = len(entry.to_bytes()) if isinstance(tier, ByteTier) else entry.nbytes
-            kv = [torch.empty_like(entry.keys), torch.empty_like(entry.values)]
-            loads += load_of(store, entry.key, kv, repeats)
-            limits += limit_of(tier, entry.key, size, repeats)
-            nbytes += size
+        loads = [loader(store, e.key, [torch.empty_like(e.keys), torch.empty_like(e.values)]) for e in entries]
+        if isinstance(tier, ByteTier):
+            sizes = [len(e.to_bytes()) for e in entries]
+            seconds = sum(best(once, repeats) for once in loads)
+            limit = sum(limit_of(tier, e.key, size, repeats) for e, size in zip(entries, sizes, strict=True))
+        else:  # memory, or LMCache's pool in memory: every entry in turn, so each has left the caches
+            sizes = [e.nbytes for e in entries]
+            with memory_copies(sizes) as copies:
+                seconds, *limits = fastest_in_turn([lambda loads=loads: [once() for once in loads], *copies], repeats)
+            limit = min(limits)
+        nbytes = sum(sizes)
         if isinstance(tier, DiskTier):  # the medium itself: every read from the disk, not the page cache
             paths = [tier.path(e.key) for e in entries]
-            load = sum(cold(partial(whole, store, e.key), p, repeats) for e, p in zip(entries, paths, strict=True))
-            limit = sum(cold(sequential_read(p), p, repeats) for p in paths)
-            out[name] = (nbytes / load / 1e9, nbytes / limit / 1e9)
+            read = sum(cold(partial(whole, store, e.key), p, repeats) for e, p in zip(entries, paths, strict=True))
+            sequential = sum(cold(sequential_read(p), p, repeats) for p in paths)
+            out[name] = (nbytes / read / 1e9, nbytes / sequential / 1e9)
             name = f"{name}, {PAGE_CACHE}"
-        out[name] = (nbytes / loads / 1e9, nbytes / limits / 1e9)
+        out[name] = (nbytes / seconds / 1e9, nbytes / limit / 1e9)
     for name, (load_gbs, limit_gbs) in out.items():
         print(f"{name}: load {load_gbs:.2f} GB/s, limit {limit_gbs:.2f} GB/s", flush=True)
     return out
@@ -303,14 +376,19 @@ def write(
     body = (
         f"{items} MuSiQue items, {docs} passages each as documents (shuffled), blend at {ratio:.0%}; full prefill "
         f"mean {full:.2f} s. A load from memory is the copy into the request's KV; from any other tier, the "
-        "entry read whole, layer by layer, every checksum checked, into freshly allocated tensors (from disk: "
+        "entry read whole, every checksum checked, into freshly allocated tensors (from disk: "
         "read straight into them). Limits, each the medium's own at full use: memory and LMCache (its pool is "
-        f"in memory), a copy of the entry's size by all {os.cpu_count()} cores at once; disk, a cold sequential read "
+        f"in memory), copies of the entries' sizes by all {os.cpu_count()} cores at once (the faster of memmove "
+        f"and torch's copy), back to back through {RING_BYTES >> 20} MiB, far beyond the CPU's caches, as loads "
+        "from these two are timed: every entry in turn "
+        "(so that each has left the caches since its last read, as in a pool of many documents), the fastest "
+        "pass, load and limit passes taken in turn; disk, a cold sequential read "
         "of the entry's file in 1 MiB blocks, its pages dropped from the page cache first (before each load "
         f"too); disk, {PAGE_CACHE}: the same file read whole from the page cache into a reused buffer, load "
-        "and limit alike (shown, not the target: the medium there is memory); Redis, the best GET rate of "
-        "values of the entry's size redis-benchmark (a C client) reaches, over 1 or 2 connections, pipelined "
-        "or not. The blend's TTFT includes its loads, "
+        "and limit alike (shown, not the target: the medium there is memory); Redis, the faster of the best GET "
+        "rate of values of the entry's size redis-benchmark (a C client) reaches, over 1 or 2 connections, "
+        "pipelined or not, and the entry itself asked for in the tier's 1 MiB pieces all at once over one "
+        "connection, read straight into a reused buffer. The blend's TTFT includes its loads, "
         "pipelined with the recompute (layer i+1 loads while layer i runs). "
         "Every store below memory has a memory tier of 0 bytes, so every read comes from the tier itself.\n\n"
         + table(header, rows)
