@@ -51,12 +51,7 @@ PAGE_CACHE = "page cache"  # a disk row read from memory: shown, but the target 
 
 
 def best(f: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - began)
-    return min(times)
+    return fastest_in_turn([f], repeats)[0]
 
 
 @contextmanager
@@ -128,7 +123,8 @@ def memory_copies(sizes: list[int]) -> Iterator[list[Callable[[], None]]]:
     memmove's, nor the caches'), with two copy engines: memmove, each core its share of every block
     with no wait between blocks; and torch's own parallel copy of float32."""
     threads = os.cpu_count() or 1
-    src, dst = torch.ones(RING_BYTES // 4), torch.ones(RING_BYTES // 4)  # touched: no shared zero pages
+    elements = max(RING_BYTES // 4, *(-(-size // 4) for size in sizes))  # a block larger than the ring: a ring of it
+    src, dst = torch.ones(elements), torch.ones(elements)  # touched: no shared zero pages
     blocks, at = [], 0
     for size in sizes:
         n = -(-size // 4)
@@ -182,10 +178,12 @@ def redis_limit(tier: RedisTier, key: str, size: int, repeats: int) -> float:
         args = [binary, "-h", host, "-p", str(port), "-t", "set,get", "-d", str(size), "-n", gets]
         args += ["-c", str(clients), "-P", str(pipeline), "--csv"]
         run = subprocess.run(args, capture_output=True, text=True)
-        if run.returncode:  # one way failing leaves the others (and the plain GET below) to set the limit
+        if run.returncode:  # one way failing leaves the others (and the pieces below) to set the limit
             print(f"kvgate bench tiers: redis-benchmark {clients} client(s), pipeline {pipeline}: {run.stderr.strip()}")
         rates += [float(row[1]) for row in csv.reader(run.stdout.splitlines()) if row and row[0] == "GET"]
     name = tier.value_key(key).encode()
+    stored = redis.Redis.from_url(tier.url).strlen(name)
+    assert stored == size, f"Redis holds {stored} bytes under {name!r}, not the entry's {size}"  # else a read hangs
     pieces = [(lo, min(lo + PIECE, size)) for lo in range(0, size, PIECE)]
     commands = b"".join(resp(b"GETRANGE", name, b"%d" % lo, b"%d" % (hi - 1)) for lo, hi in pieces)
     replies = memoryview(bytearray(sum(len(b"$%d\r\n" % (hi - lo)) + hi - lo + 2 for lo, hi in pieces)))
