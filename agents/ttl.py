@@ -4,21 +4,25 @@ unpinned.
 Unpinned, a context stays in memory for about `resident_s` = R seconds after its last use: the idle
 age at which memory evicts what is not pinned, as measured lately (an LRU's characteristic time).
 What a pin of TTL T adds is the returns in (R, T]; what it takes is memory for T - R more seconds,
-which unpinned contexts (the next ones stored, most likely to be needed) would have used. Memory earns
-P(back within R) x prefill saved per R seconds holding this context unpinned; a pin must earn at
-least that rate (times `memory_weight`):
+which the contexts stored after it would have used. Memory earns `memory_rate` on what it keeps
+unpinned: the prefill its returns skip, per second and per whole memory tier (each context it keeps
+earns P(back within R) x saved per R seconds); a pin must earn at least that on its share `held`
+(times `memory_weight`):
 
-    gain(T) = P(back in (R, T]) x (saved + passed)  -  weight x P(back within R) x saved x (T - R) / R
+    gain(T) = P(back in (R, T]) x (saved + passed)  -  weight x memory_rate x held x (T - R)
 
-So the program must be likelier to come back per second of the pin than per second memory held it
+So the program must be likelier to come back per second of the pin than the contexts memory keeps
 for free: no exchange rate between seconds and memory to guess, and no pin when memory keeps every
 context anyway (R past the longest TTL) or when displacing fresher contexts costs more than the pin
-wins. `saved` is the prefill (or reload from a lower tier) a turn skips when its KV is still in
-memory; `passed` the queueing a pinned turn skips, as program FCFS admits pinned turns first. Only
-the pin is credited with it: the contexts memory keeps in its place are found by chance, and a turn
-found there passes the queue only when held, late. (With the queue on both sides, the simulator's
-decided pins lost up to 7.6% to a fixed TTL under overload, where the queue is most of a turn's
-wait.) With no residence (R = 0) the memory is priced outright:
+wins. The rate is memory's, not the pinned context's own: a context whose returns come late earns
+memory little unpinned, but the memory its pin takes would serve others at their rate (priced at the
+context's own, pins went to exactly those and lost 4% to no pins where memory held four contexts).
+`saved` is the prefill (or reload from a lower tier) a turn skips when its KV is still in memory;
+`passed` the queueing a pinned turn skips, as program FCFS admits pinned turns first. Only the pin is
+credited with it: the contexts memory keeps in its place are found by chance, and a turn found there
+passes the queue only when held, late. (With the queue on both sides, the simulator's decided pins
+lost up to 7.6% to a fixed TTL under overload, where the queue is most of a turn's wait.) With no
+residence (R = 0) the memory is priced outright:
 
     gain(T) = P(back within T) x (saved + passed)  -  memory_weight x share of memory held x T
 """
@@ -67,12 +71,14 @@ def decide(
     held: float,
     resident_s: float = 0.0,
     passed_s: float = 0.0,
+    memory_rate: float | None = None,
 ) -> float:
     """The TTL in seconds (0: do not pin). `waits` ascending, `p_back[i]` = P(back within waits[i]),
     already weighted by the chance that a next turn comes at all; `saved_s`: the prefill a turn
     skips when its KV is in memory; `held`: the share of memory the context takes; `resident_s`: how
     long memory keeps it unpinned, on average (0: not at all); `passed_s`: the queueing a pinned
-    turn skips."""
+    turn skips; `memory_rate`: what memory earns per second on the contexts it keeps unpinned, per
+    whole tier (None: as if every context were this one)."""
     if policy.mode == "off" or held > 1:
         return 0.0
     if policy.mode == "fixed":
@@ -84,7 +90,9 @@ def decide(
         gains = [benefit(p, pinned, held, policy.memory_weight, wait) for wait, p in zip(waits, p_back)]
         return best_ttl(policy, waits, gains)
     base = cdf(waits, p_back, resident_s)
-    rate = policy.memory_weight * base * saved_s / resident_s  # what memory earns on it unpinned, per second
+    # What memory earns per second on the pin's share: by default, on this context as it does unpinned.
+    share_rate = base * saved_s / resident_s if memory_rate is None else memory_rate * held
+    rate = policy.memory_weight * share_rate
     # Eviction takes unpinned contexts at ages spread around R (the simulator measures a fraction of
     # R to twice it): a pin that ends before 2R mostly guards returns that memory keeps anyway.
     gains = [

@@ -55,6 +55,17 @@ def test_no_pin_when_memory_earns_more_on_fresher_contexts() -> None:
         assert decide(DECIDE, early, back, saved_s=50.0, held=held, resident_s=2.0) == 0.0
 
 
+def test_a_pin_is_priced_at_what_memory_earns_on_the_contexts_it_keeps() -> None:
+    # This program comes back after 4 s, past the residence (1.5 s): memory earns nothing on it
+    # unpinned, so priced at its own rate the pin would look free. Memory's other contexts come back
+    # within the residence: 1 s of prefill per 1.5 s for each quarter of memory. The pin's quarter
+    # would earn more there than the pin wins; at a fifth of that rate, the pin wins.
+    assert decide(DECIDE, WAITS, BACK, saved_s=1.0, held=0.25, resident_s=1.5) == 4.2
+    memory = 1.0 / (1.5 * 0.25)
+    assert decide(DECIDE, WAITS, BACK, saved_s=1.0, held=0.25, resident_s=1.5, memory_rate=memory) == 0.0
+    assert decide(DECIDE, WAITS, BACK, saved_s=1.0, held=0.25, resident_s=1.5, memory_rate=memory / 5) == 4.2
+
+
 def make(memory_bytes: int) -> tuple[Programs, ChunkStore, Clock]:
     clock = Clock()
     store = ChunkStore([MemoryTier(budget_bytes=memory_bytes, clock=clock, policy="lru")])
@@ -90,6 +101,47 @@ def test_decided_pins_cover_the_tool_when_memory_turns_over_faster_than_it_retur
     ttls = rounds(programs, store, clock, 100)
     assert programs.resident_s() < 1.0
     assert ttls[-1] == pytest.approx(4.0)  # the tool, and not the prior's tail past it
+
+
+def busy_with_quick_tools(others_find: float, slow_finds: float) -> tuple[Programs, list[float]]:
+    """A tenant's programs whose tool ("quick") returns in 0.2 s, found in memory (it keeps a context
+    about 1.4 s: four of 800 bytes in 3,200, one stored every 0.2 s), and among them one whose tool
+    ("slow") takes 5 s; turns arriving find queues that long. The slow program's TTLs."""
+    programs, store, clock = make(memory_bytes=3_200)
+    ttls = []
+
+    def turn(name: str, tool: str, first: bool) -> float:
+        programs.costs.waiting_s = slow_finds if name == "slow" else others_find
+        call = {"role": "assistant", "tool_calls": [{"function": {"name": tool, "arguments": {}}}]}
+        t = programs.begin(name, "t", [] if first else [call, RESULT], 100)
+        keep(store, t, 100, clock.now)
+        programs.end("t", t)
+        clock.now += 0.2
+        return t.pin_s
+
+    for i in range(64):
+        for k in range(3):
+            turn(f"q{i}", "quick", k == 0)
+        if i % 8 == 0:  # the slow program's turn; it comes back 5 s (24 quick turns) later
+            ttls.append(turn("slow", "slow", i == 0))
+    assert 1.0 < programs.resident_s() < 2.0
+    return programs, ttls
+
+
+def test_no_pin_for_a_slow_tool_when_memory_earns_more_on_quick_ones() -> None:
+    # Unpinned, the slow program's context is always gone when it returns: memory earns nothing on it.
+    # Priced at that, a 5 s pin looks free and every one of its turns would pin.
+    _, ttls = busy_with_quick_tools(0.0, 0.0)
+    assert ttls[-5:] == [0.0] * 5
+
+
+def test_a_pin_passes_the_queue_turns_find_not_the_queue_of_the_moment() -> None:
+    # Every turn finds a 10 s queue: a pinned return passes it, which is worth the memory.
+    _, ttls = busy_with_quick_tools(10.0, 10.0)
+    assert ttls[-5:] == pytest.approx([5.0] * 5)
+    # Only the slow program's turns find it, one in 25: its return most likely will not.
+    _, ttls = busy_with_quick_tools(0.0, 10.0)
+    assert ttls[-5:] == [0.0] * 5
 
 
 def returning(names: list[str]) -> tuple[Programs, ChunkStore, list[str]]:
