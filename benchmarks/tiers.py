@@ -1,14 +1,12 @@
 """`kvgate bench tiers`: how fast each chunk cache tier hands document KV back, against the limit
 of its medium measured in the same run, and the time to first token of a blend reading from it.
 
-Limits, each the medium's own at full use: memory (and LMCache, whose pool is in memory), copies of
-the entries' sizes by every core at once, back to back through buffers far larger than the CPU's caches,
-as the loads from these tiers are timed: every entry in turn, so that each has left the caches since it
-was last read, as in a pool of many documents; disk, a cold sequential read of the entry's file (its pages
-dropped from the page cache first), with a second row from the page cache; Redis, the best GET rate of
-values of the entry's size that redis-benchmark (a C client) reaches over loopback, or the entry's own pieces
-asked for all at once over one connection, whichever is faster. A load is what a
-blend waits for: the entry read (from disk and Redis layer by layer), every checksum checked, into tensors.
+Limits, each the medium's own at full use: memory (and LMCache, whose pool is in memory: one limit,
+timed in turn with both loads), copies of the entries' sizes by every core at once through buffers far
+beyond the CPU's caches, every entry in turn as loads are (each has left the caches since its last read);
+disk, a cold sequential read of the entry's file, with a second row from the page cache; Redis, the best
+GET rate of values of the entry's size redis-benchmark (a C client) reaches, or the entry's own pieces
+asked for at once. A load is what a blend waits for: the entry read, every checksum checked, into tensors.
 """
 
 from __future__ import annotations
@@ -298,18 +296,17 @@ def measure_bandwidth(
     """Per tier: GB/s of a load and GB/s of the medium's limit, summed over the entries."""
     out = {}
     repeats = max(repeats, BANDWIDTH_REPEATS)
+    in_memory = {}  # memory, or LMCache's pool in memory: one limit, timed in turn with both
     for name, store in stores.items():
         tier = store.tiers[-1] if name != "memory" else None
         loads = [loader(store, e.key, [torch.empty_like(e.keys), torch.empty_like(e.values)]) for e in entries]
-        if isinstance(tier, ByteTier):
-            sizes = [len(e.to_bytes()) for e in entries]
-            seconds = sum(best(once, repeats) for once in loads)
-            limit = sum(limit_of(tier, e.key, size, repeats) for e, size in zip(entries, sizes, strict=True))
-        else:  # memory, or LMCache's pool in memory: every entry in turn, so each has left the caches
-            sizes = [e.nbytes for e in entries]
-            with memory_copies(sizes) as copies:
-                seconds, *limits = fastest_in_turn([lambda loads=loads: [once() for once in loads], *copies], repeats)
-            limit = min(limits)
+        if not isinstance(tier, ByteTier):
+            in_memory[name] = lambda loads=loads: [once() for once in loads]
+            out[name] = (0.0, 0.0)  # its row's place; timed below
+            continue
+        sizes = [len(e.to_bytes()) for e in entries]
+        seconds = sum(best(once, repeats) for once in loads)
+        limit = sum(limit_of(tier, e.key, size, repeats) for e, size in zip(entries, sizes, strict=True))
         nbytes = sum(sizes)
         if isinstance(tier, DiskTier):  # the medium itself: every read from the disk, not the page cache
             paths = [tier.path(e.key) for e in entries]
@@ -318,6 +315,11 @@ def measure_bandwidth(
             out[name] = (nbytes / read / 1e9, nbytes / sequential / 1e9)
             name = f"{name}, {PAGE_CACHE}"
         out[name] = (nbytes / seconds / 1e9, nbytes / limit / 1e9)
+    if in_memory:  # every entry in turn, so each has left the caches since its last read
+        with memory_copies([e.nbytes for e in entries]) as copies:
+            times = fastest_in_turn([*in_memory.values(), *copies], repeats)
+        nbytes, limit = sum(e.nbytes for e in entries), min(times[len(in_memory) :])
+        out |= {name: (nbytes / t / 1e9, nbytes / limit / 1e9) for name, t in zip(in_memory, times, strict=False)}
     for name, (load_gbs, limit_gbs) in out.items():
         print(f"{name}: load {load_gbs:.2f} GB/s, limit {limit_gbs:.2f} GB/s", flush=True)
     return out
@@ -378,9 +380,9 @@ def write(
         "read straight into them). Limits, each the medium's own at full use: memory and LMCache (its pool is "
         f"in memory), copies of the entries' sizes by all {os.cpu_count()} cores at once (the faster of memmove "
         f"and torch's copy), back to back through {RING_BYTES >> 20} MiB, far beyond the CPU's caches, as loads "
-        "from these two are timed: every entry in turn "
+        "from these two are timed, one limit for both: every entry in turn "
         "(so that each has left the caches since its last read, as in a pool of many documents), the fastest "
-        "pass, load and limit passes taken in turn; disk, a cold sequential read "
+        "pass, the two loads and the limit passes taken in turn; disk, a cold sequential read "
         "of the entry's file in 1 MiB blocks, its pages dropped from the page cache first (before each load "
         f"too); disk, {PAGE_CACHE}: the same file read whole from the page cache into a reused buffer, load "
         "and limit alike (shown, not the target: the medium there is memory); Redis, the faster of the best GET "
