@@ -22,7 +22,7 @@ from tests.entries import same
 pytest.importorskip("lmcache", reason="LMCache is not installed: pip install 'kvgate[lmcache]'")
 
 from kvgate.chunk_cache import ChunkKV, ChunkStore, MemoryTier, make_tier  # noqa: E402
-from kvgate.chunk_cache.lmcache_tier import LMCacheTier  # noqa: E402
+from kvgate.chunk_cache.lmcache_tier import Digests, LMCacheTier  # noqa: E402
 
 CHUNK = 16  # tokens per LMCache memory object: small, so entries span several, the last one short
 
@@ -115,6 +115,19 @@ def test_a_flipped_byte_in_what_lmcache_holds_is_a_miss_and_is_removed(tier: LMC
     assert objects == {}  # removed from LMCache too
     assert tier.stats()["corrupt"] == 1
     assert tier.put(entry) and same(tier.get("doc"), entry)  # and it can be stored again
+
+
+def test_an_entrys_checksum_is_its_objects_by_first_token_whatever_order_they_are_copied_in() -> None:
+    # A retrieve may copy an entry's memory objects in another order than its store did.
+    objects = {start: torch.full((2, 3), float(start)) for start in (0, 16, 32)}
+    stored, read, swapped = Digests(), Digests(), Digests()
+    for start in (0, 16, 32):
+        stored.add(start, objects[start])
+    for start in (32, 0, 16):
+        read.add(start, objects[start])
+    for start, held in zip((0, 16, 32), (objects[0], objects[32], objects[16])):
+        swapped.add(start, held)  # the right bytes under the wrong tokens
+    assert read.hexdigest() == stored.hexdigest() != swapped.hexdigest()
 
 
 def test_a_chunk_lmcache_dropped_on_its_own_is_a_miss(tier: LMCacheTier) -> None:
