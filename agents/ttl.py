@@ -16,7 +16,7 @@ for free: no exchange rate between seconds and memory to guess, and no pin when 
 context anyway (R past the longest TTL) or when displacing fresher contexts costs more than the pin
 wins. The rate is memory's, not the pinned context's own: a context whose returns come late earns
 memory little unpinned, but the memory its pin takes would serve others at their rate (priced at the
-context's own, pins went to exactly those and lost 4% to no pins where memory held four contexts).
+context's own, pins went to exactly those and lost up to 5% to no pins where memory held four contexts).
 `saved` is the prefill (or reload from a lower tier) a turn skips when its KV is still in memory;
 `passed` the queueing a pinned turn skips, as program FCFS admits pinned turns first. Only the pin is
 credited with it: the contexts memory keeps in its place are found by chance, and a turn found there
