@@ -103,9 +103,9 @@ class Programs:
         self.deadlines: list[tuple[float, str, str]] = []  # (pinned until, scope, program id)
         self.ended = self.returned = 0  # turns ended; turns that came back with tool results
         # The queue program turns find when they arrive: what a pinned turn's return passes, a tool's
-        # time after the decision (priced at the queue of the moment, which drains at moderate load,
-        # the sweep's pins lost 2.5% to none at load 0.95). And of the contexts kept: P(back within
-        # the residence) x saved, and the share of memory each holds (memory's earning rate).
+        # time after the decision (priced at the queue of the moment, which at moderate load has
+        # drained by then, the sweep's pins lost 2% more at load 0.95). And of the contexts kept:
+        # P(back within the residence) x saved, and the share of memory each holds (memory's rate).
         self.queue_found: float | None = None
         self.kept_earns: float | None = None
         self.kept_holds: float | None = None

@@ -8,9 +8,9 @@ model or scope never meet.
 LMCache keeps no checksums, so this tier keeps each entry's checksum, model fingerprint and cost in an
 index of its own and checks every byte it reads back: a damaged value is a miss and is
 removed, as is an entry LMCache dropped a chunk of. The checksum is taken of each memory object just
-after its copy, while the copy has brought it into the CPU's cache, not in a pass of its own over the
-entry (which read it again from memory: a third of a load's time). The index keeps the budget (least recently used
-first) and lives in this process: an entry lives no longer than the tier. LMCache allocates its whole
+after its copy, while the copy has brought it into the CPU's cache, not in a pass of its own that reads
+the entry from memory again. The index keeps the budget (least recently used first) and lives in this
+process: an entry lives no longer than the tier. LMCache allocates its whole
 pool (budget_bytes) at the first put, whose layout (layers, kv heads, head dim, dtype) it keeps:
 entries of another layout are refused.
 """
