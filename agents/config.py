@@ -41,6 +41,10 @@ class AgentConfig:
     max_programs: int = 65536
     max_tenants: int = 1024
     max_tools: int = 256
+    # Programs in flight, per context memory holds (agents/flight.py): a new program waits for room
+    # past that many (0: no limit); one waiting on a tool counts until the tool is this late.
+    in_flight: float = 0.0
+    in_flight_linger_s: float = 60.0
     # How fast KV reads back from the tier below memory, when there is one.
     reload_bytes_per_s: float = 1e9
     # KVCOMM: agents reuse the KV of messages other agents read or wrote, offset by anchors.
@@ -50,3 +54,7 @@ class AgentConfig:
     # history continue its program; so many answered turns are remembered for it.
     implicit_programs: bool = True
     conversations: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.in_flight < 0 or self.in_flight_linger_s <= 0:
+            raise ValueError("in_flight must not be negative and in_flight_linger_s must be positive")

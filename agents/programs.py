@@ -22,12 +22,16 @@ from typing import Any
 
 from kvgate.agents.config import AgentConfig
 from kvgate.agents.costs import Costs
+from kvgate.agents.flight import Flight
 from kvgate.agents.predictor import Predictor
 from kvgate.agents.ttl import cdf, decide
 from kvgate.chunk_cache import ChunkStore
 
 # Of each new sample in the running means below: the queue turns find, what memory keeps earns.
 RECENT = 1 / 16
+# A program whose tools have not returned by the time this share of such returns have is counted
+# out of the programs in flight (its client may have ended it without another request).
+LATE = 0.95
 
 
 def running(mean: float | None, sample: float) -> float:
@@ -41,6 +45,8 @@ class Turn:
 
     program: str
     arrival: float  # the program's first arrival (time.monotonic)
+    scope: str = ""
+    first: bool = False  # the program's first turn: it may wait for room among the programs in flight
     pinned: bool = False  # the context it continues is pinned in memory: program FCFS admits it first
     resume: str = ""
     keep: str = ""
@@ -58,6 +64,7 @@ class Program:
     ended: float | None = None  # when the latest turn ended
     tools: tuple[str, ...] = ()  # the tools of its latest tool call (): none yet
     pinned_until: float = -math.inf
+    late_s: float = math.inf  # its tools' results are late this long after its latest turn ended
 
 
 def tool_return(messages: list[dict[str, Any]]) -> tuple[str, ...] | None:
@@ -109,6 +116,7 @@ class Programs:
         self.queue_found: float | None = None
         self.kept_earns: float | None = None
         self.kept_holds: float | None = None
+        self.flight = Flight(costs.memory_bytes, config.in_flight, config.in_flight_linger_s, clock)
         self.lock = threading.Lock()
         self.wake = threading.Event()  # a new deadline: the expiry thread looks again
 
@@ -133,14 +141,19 @@ class Programs:
             p.seen = now
             self.programs.move_to_end((scope, program_id))
             p.turns += 1
+            self.flight.back(scope, p.id)
             # Program FCFS admits a pinned program's turn first; so too one that holds the context memory
             # kept unpinned until admitted (under overload program order is most of what pins win: a
             # held turn behind new programs loses it; under less, turns that memory serves anyway should
             # not pass others: the sweep lost 4% at load 0.95 when every returning turn went first).
             resident = p.context in self.store.tiers[0]
             pinned = resident and (p.pinned_until > now or self.hold(p, now))
-            ttl = self.ttl(p.tools, prompt_tokens, predictor, now)
-            return Turn(p.id, p.arrival, pinned, p.context, context_key(scope, p.id, p.turns), ttl)
+            waits, p_back = predictor.after(p.tools)
+            # Back within this, or gone: the wait by which most returns after such calls have come.
+            p.late_s = next((w for w, q in zip(waits, p_back) if q >= LATE), math.inf)
+            ttl = self.ttl(waits, p_back, prompt_tokens)
+            keep = context_key(scope, p.id, p.turns)
+            return Turn(p.id, p.arrival, scope, p.turns == 1, pinned, p.context, keep, ttl)
 
     def resident_s(self) -> float:
         """How long memory keeps an unpinned context: the idle age at which the first tier evicts,
@@ -179,20 +192,21 @@ class Programs:
         """Forget the least recently seen programs past `max_programs`; their pins go with them."""
         while len(self.programs) > self.config.max_programs:
             key, p = self.programs.popitem(last=False)
+            self.flight.land(*key)
             if p.pinned_until > now:
                 self.evicted.append(p.context)
                 self.wake.set()
 
-    def ttl(self, last: tuple[str, ...], tokens: int, predictor: Predictor, now: float) -> float:
+    def ttl(self, waits: list[float], p_back: list[float], tokens: int) -> float:
         """The pin for the context this turn leaves (`tokens` long): which tool the turn will call
-        is not known until the next request shows it, so the wait is predicted from the calls seen
-        to follow the program's last one (`last`)."""
+        is not known until the next request shows it, so the wait (`waits`, P(back within) each) is
+        predicted from the calls seen to follow the program's last one."""
         c = self.costs
         nbytes = tokens * c.bytes_per_token
+        self.flight.measure(nbytes, RECENT)
         reload = c.reload_s(nbytes)
         prefill = c.prefill_s(tokens)
         saved = prefill if reload is None else min(prefill, reload)
-        waits, p_back = predictor.after(last)
         p_next = (self.returned + 1) / (self.ended + 2)  # that a tool call, not the end, comes next
         held = nbytes / max(c.memory_bytes, 1)
         p_back = [p_next * p for p in p_back]
@@ -205,15 +219,20 @@ class Programs:
         passed = self.queue_found or 0.0
         return decide(self.config.pins, waits, p_back, saved, held, resident, passed, rate)
 
-    def end(self, scope: str, turn: Turn) -> None:
+    def end(self, scope: str, turn: Turn, more: bool = True) -> None:
         """The turn's response is complete: its context (if the engine kept it) replaces the
-        program's previous one, and stays pinned for the turn's TTL."""
+        program's previous one, and stays pinned for the turn's TTL. `more`: the turn called tools
+        (or failed), so the program may go on; else it has ended."""
         now = self.clock()
+        if not more:
+            self.flight.land(scope, turn.program)
         kept = bool(turn.keep) and turn.keep in self.store
         stale = ""
         with self.lock:
             self.ended += 1
             p = self.programs.get((scope, turn.program))
+            if p is not None and more:
+                self.flight.wait(scope, p.id, p.late_s)
             if p is None or not turn.keep:
                 return
             p.ended, p.seen = now, now
@@ -244,6 +263,7 @@ class Programs:
             for key, p in list(self.programs.items()):
                 if now - p.seen > self.config.idle_s:
                     del self.programs[key]
+                    self.flight.land(*key)
             following = self.deadlines[0][0] if self.deadlines else None
         for key in due:
             self.store.demote(key)
@@ -258,6 +278,8 @@ class Programs:
                 "turns_ended": self.ended,
                 "tool_returns": self.returned,
                 "tenants_predicted": len(self.predictors),
+                "in_flight": len(self.flight),
+                "in_flight_limit": self.flight.limit(),
             }
 
 

@@ -202,6 +202,7 @@ def simulate(
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 2048,
     prior: Prior = PRIOR,
+    in_flight: float = 0.0,
 ) -> SimResult:
     """Run every turn of every program to its end. A turn arrives (its program's first: at the
     program's arrival; a later one: its tool's duration after the previous turn ended), is queued
@@ -211,9 +212,10 @@ def simulate(
     scheduler = Scheduler(max_num_seqs, max(max_num_batched_tokens, max_num_seqs), queue_order)
     tier = MemoryTier(2 * (memory_bytes // costs.bytes_per_token), clock=clock, policy="lru")
     store = ChunkStore([tier])
-    programs = Programs(
-        AgentConfig(pins=pins, prior=prior), store, SimCosts(costs, memory_bytes, scheduler), clock=clock
-    )
+    config = AgentConfig(pins=pins, prior=prior, in_flight=in_flight)
+    programs = Programs(config, store, SimCosts(costs, memory_bytes, scheduler), clock=clock)
+    if in_flight > 0:
+        scheduler.gate = programs.flight
     arrivals = [(s.arrival_s, i, 0) for i, s in enumerate(specs)]
     heapq.heapify(arrivals)
     ends: dict[str, float] = {}
@@ -236,7 +238,7 @@ def simulate(
         # Engine.keep: the whole context (the last sampled token has no KV yet), pinned for the TTL.
         entry = context(turn.keep, seq.computed, costs.prefill_s_per_token * seq.computed)
         store.put(entry, until=now + turn.pin_s if turn.pin_s > 0 else None)
-        programs.end(SCOPE, turn)
+        programs.end(SCOPE, turn, more=seq.index < len(spec.calls))
         if turn.pin_s > 0:
             due = now + turn.pin_s if due is None else min(due, now + turn.pin_s)
         out.turns += 1
@@ -257,9 +259,9 @@ def simulate(
         return seq.next_run(len(tokens))
 
     try:
-        while arrivals or scheduler:
-            if not scheduler:
-                clock.now = max(clock.now, arrivals[0][0])
+        while arrivals or scheduler or scheduler.held:
+            if not scheduler:  # idle, or only first turns held: until the next arrival (or a tool's lateness)
+                clock.now = max(clock.now, arrivals[0][0]) if arrivals else clock.now + 1.0
             while arrivals and arrivals[0][0] <= clock.now:
                 arrive(*heapq.heappop(arrivals))
             if due is not None and due <= clock.now:

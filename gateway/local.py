@@ -65,6 +65,9 @@ class Local(Backend):
         config = self.agent_config = settings.agent_config()
         self.programs = Programs(config, engine.reuser.store, EngineCosts(engine, config.reload_bytes_per_s))
         self.expirer = Expirer(self.programs)
+        if config.in_flight > 0:  # new programs wait at the engine's door for room (agents/flight.py)
+            self.programs.flight.wake = engine.wake.set
+            engine.scheduler.gate = self.programs.flight
         self.conversations = Conversations(config.conversations)
         self.anchors = AnchorPool(config.anchors) if config.kvcomm else None
         engine.spans.offsets = self.anchors
@@ -247,9 +250,12 @@ class Local(Backend):
             it failed); off the event loop, as a lower tier may be remote."""
             if turn is None:
                 return
-            await asyncio.to_thread(self.programs.end, tenant, turn)
-            if text is not None and turn.keep:
+            answer: dict[str, Any] | None = None
+            if text is not None:
                 answer = message(calls(), text) if calls is not None else {"role": "assistant", "content": text}
+            more = answer is None or bool(answer.get("tool_calls"))  # a failed turn may be retried
+            await asyncio.to_thread(self.programs.end, tenant, turn, more)
+            if answer is not None and turn.keep:
                 self.conversations.remember(tenant, tools, messages, answer, turn.program)
 
         return end
@@ -358,6 +364,9 @@ class Local(Backend):
         yield gauge("kvgate_pinned_programs", "agent programs whose context is pinned", programs["pinned"])
         yield counter("kvgate_program_turns", "agent turns ended", programs["turns_ended"])
         yield counter("kvgate_tool_returns", "agent turns that followed a tool call", programs["tool_returns"])
+        yield gauge("kvgate_programs_in_flight", "agent programs admitted and not ended", programs["in_flight"])
+        if (limit := programs["in_flight_limit"]) is not None:
+            yield gauge("kvgate_programs_in_flight_limit", "programs in flight a new one waits behind", limit)
         if self.anchors is not None:
             anchors = self.anchors.stats()
             yield gauge("kvgate_kvcomm_anchors", "KVCOMM anchors held", anchors["anchors"])
@@ -368,3 +377,5 @@ class Local(Backend):
 
     async def close(self) -> None:
         self.expirer.close()
+        if self.engine.scheduler.gate is self.programs.flight:
+            self.engine.scheduler.gate = None

@@ -80,6 +80,10 @@ class Settings(BaseSettings):
     agent_max_ttl_s: float = Field(300.0, ge=0.0)
     agent_memory_weight: float = Field(1.0, ge=0.0)  # seconds of compute one second of all memory is worth
     agent_tool_prior_s: float = Field(2.0, gt=0.0)  # median tool duration before any is observed
+    # Programs in flight per context memory holds (0: no limit): past that, a new program's first turn
+    # waits for one to end, or for a tool's return to be agent_in_flight_linger_s late.
+    agent_in_flight: float = Field(0.0, ge=0.0)
+    agent_in_flight_linger_s: float = Field(60.0, gt=0.0)
     # Programs without markup: a request resending an answered turn's history continues its program.
     agent_implicit_programs: bool = True
     agent_conversations: int = Field(4096, ge=1)  # answered turns remembered for that, newest first
@@ -229,6 +233,8 @@ class Settings(BaseSettings):
             prior=prior,
             kvcomm=self.kvcomm,
             anchors=anchors,
+            in_flight=self.agent_in_flight,
+            in_flight_linger_s=self.agent_in_flight_linger_s,
             implicit_programs=self.agent_implicit_programs,
             conversations=self.agent_conversations,
         )

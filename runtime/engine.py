@@ -201,7 +201,8 @@ class Engine:
 
     @property
     def load_stats(self) -> dict[str, int]:
-        return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running)}
+        scheduler = self.scheduler
+        return {"waiting": len(scheduler.waiting) + len(scheduler.held), "running": len(scheduler.running)}
 
     def prefill_s(self, tokens: int) -> float:
         """Seconds to prefill `tokens`, as measured so far (before any measurement: a CPU's rate)."""
@@ -221,8 +222,8 @@ class Engine:
             if not self.scheduler:
                 if self.shadow.busy:  # spare capacity: one part of a quality check, then look again
                     self.shadow.step()
-                else:
-                    self.wake.wait()
+                else:  # held first turns: the gate wakes it when a program ends, a late tool's end unseen
+                    self.wake.wait(1.0 if self.scheduler.held else None)
                 continue
             self.step()
 
@@ -240,7 +241,7 @@ class Engine:
                     except Exception as exc:
                         item.set_exception(exc)
             else:
-                seq = next((s for s in [*self.scheduler.running, *self.scheduler.waiting] if s.id == item), None)
+                seq = next((s for s in list(self.scheduler) if s.id == item), None)
                 if seq is not None:
                     self.finish(seq)
 

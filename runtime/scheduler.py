@@ -9,12 +9,26 @@ the fewest running sequences goes next, ties broken by `order`; within a tenant,
 Fairness alone lets a tenant that floods an idle server fill every slot, and then another tenant's
 short request waits for one of those generations to end (seconds). So once the server has seen more
 than one tenant, the last `reserve` slots are kept for tenants with nothing running: a newcomer
-starts at the next step."""
+starts at the next step.
+
+With a `gate` (agents/flight.py), a new program's first turn is held outside the queue until the
+gate has room among the programs in flight; the held are let through fairly between tenants too
+(fewest released first turns still running), then queue like any turn."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
+from typing import Protocol
+
 from kvgate.agents.queue import FairQueue
 from kvgate.runtime.sequence import Sequence, Status
+
+
+class Gate(Protocol):
+    def room(self) -> bool: ...
+
+    def start(self, scope: str, program: str) -> None: ...
 
 
 def default_reserve(max_num_seqs: int) -> int:
@@ -28,7 +42,12 @@ def tenant_of(seq: Sequence) -> str:
 
 class Scheduler:
     def __init__(
-        self, max_num_seqs: int, max_num_batched_tokens: int, order: str = "fcfs", reserve: int | None = None
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        order: str = "fcfs",
+        reserve: int | None = None,
+        gate: Gate | None = None,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -39,23 +58,50 @@ class Scheduler:
         self.reserve = default_reserve(max_num_seqs) if reserve is None else min(reserve, max_num_seqs - 1)
         self.first_tenant: str | None = None
         self.shared = False  # a second tenant has been seen: the reserve applies
+        self.gate = gate
+        self.held: FairQueue[Sequence] = FairQueue("fcfs")  # first turns waiting for the gate
+        self.released: set[int] = set()  # ids of first turns let through, until they finish
 
     def __bool__(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether there is work for a step (held first turns only once the gate has room)."""
+        return bool(self.waiting or self.running or (self.held and self.gate is not None and self.gate.room()))
+
+    def __iter__(self) -> Iterator[Sequence]:
+        """Every sequence it holds: running, waiting, held."""
+        return itertools.chain(self.running, self.waiting, self.held)
 
     def add(self, seq: Sequence) -> None:
-        turn = seq.turn  # None: a program of its own
-        program_arrival, pinned = (None, False) if turn is None else (turn.arrival, turn.pinned)
         tenant = tenant_of(seq)
         if self.first_tenant is None:
             self.first_tenant = tenant
         elif tenant != self.first_tenant:
             self.shared = True
-        self.waiting.push(seq, tenant, program_arrival, pinned, seq.arrival)
+        if self.gate is not None and seq.turn is not None and seq.turn.first:
+            self.held.push(seq, tenant, arrival=seq.arrival)
+        else:
+            self.queue(seq)
+
+    def queue(self, seq: Sequence) -> None:
+        turn = seq.turn  # None: a program of its own
+        program_arrival, pinned = (None, False) if turn is None else (turn.arrival, turn.pinned)
+        self.waiting.push(seq, tenant_of(seq), program_arrival, pinned, seq.arrival)
         self.waiting_tokens += len(seq.prompt_ids)
 
+    def release(self) -> None:
+        """Let held first turns into the queue while the gate has room."""
+        while self.held and self.gate is not None and self.gate.room():
+            seq = self.held.pop()
+            self.released.add(id(seq))
+            self.gate.start(seq.turn.scope, seq.turn.program)
+            self.queue(seq)
+
     def remove(self, seq: Sequence) -> None:
-        if seq.status is Status.RUNNING and seq in self.running:
+        if id(seq) in self.released:
+            self.released.discard(id(seq))
+            self.held.done(tenant_of(seq))
+        if self.held.remove(seq):  # withdrawn before the gate let it through
+            pass
+        elif seq.status is Status.RUNNING and seq in self.running:
             self.running.remove(seq)
             self.waiting.done(tenant_of(seq))
         elif self.waiting.remove(seq):
@@ -86,6 +132,7 @@ class Scheduler:
         """One step's work: every decoding sequence's next token first (so decodes never starve
         behind a long prompt), then prompt chunks within the token budget; waiting sequences
         join the running batch while there is room, fairly between tenants."""
+        self.release()
         budget = self.max_num_batched_tokens
         batch = []
         decoding = [s for s in self.running if not s.prefilling]

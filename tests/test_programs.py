@@ -134,3 +134,43 @@ def test_idle_programs_are_forgotten() -> None:
     clock.now += programs.config.idle_s + 1
     programs.expire()
     assert programs.stats()["programs"] == 0
+
+
+def in_flight(per_context: float = 1.0, max_programs: int = 65536) -> tuple[Programs, Clock]:
+    clock = Clock()
+    store = ChunkStore([MemoryTier(budget_bytes=1 << 20, clock=clock)])
+    config = AgentConfig(pins=FIXED, in_flight=per_context, max_programs=max_programs)
+    return Programs(config, store, FixedCosts(), clock=clock), clock
+
+
+def test_only_a_programs_first_turn_is_first_and_each_turn_measures_its_context() -> None:
+    programs, _ = in_flight()
+    one = programs.begin("p", "t", [], 250)
+    assert one.first and one.scope == "t"
+    programs.end("t", one)
+    assert not programs.begin("p", "t", [CALL, RESULT], 500).first
+    assert programs.flight.context_bytes == 25_000 + (50_000 - 25_000) / 16  # 100 bytes a token, a running mean
+    assert programs.flight.limit() == 3  # 100 kB of memory over ~26.6 kB
+
+
+def test_a_program_stays_in_flight_through_its_tool_calls_and_lands_with_its_last_turn() -> None:
+    programs, _ = in_flight()
+    one = programs.begin("p", "t", [], 500)  # 50 of 100 kB: room for two
+    programs.flight.start("t", "p")  # the scheduler let its first turn through
+    programs.end("t", one, more=True)  # it called a tool
+    assert programs.stats()["in_flight"] == 1
+    two = programs.begin("p", "t", [CALL, RESULT], 500)
+    programs.end("t", two, more=False)  # it answered: the program is over
+    assert programs.stats()["in_flight"] == 0
+
+
+def test_programs_forgotten_for_room_or_idleness_leave_the_flight() -> None:
+    programs, clock = in_flight(max_programs=1)
+    programs.begin("a", "t", [], 100)
+    programs.flight.start("t", "a")
+    programs.begin("b", "t", [], 100)  # past max_programs: a is forgotten
+    assert len(programs.flight) == 0
+    programs.flight.start("t", "b")
+    clock.now += programs.config.idle_s + 1
+    programs.expire()
+    assert len(programs.flight) == 0

@@ -11,12 +11,13 @@ from hypothesis import given
 from hypothesis import settings as hyp_settings
 from hypothesis import strategies as st
 
+from kvgate.agents.flight import Flight
 from kvgate.agents.programs import Turn
 from kvgate.agents.queue import FairQueue
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.sampling import SamplingParams
 from kvgate.runtime.scheduler import Scheduler
-from kvgate.runtime.sequence import Sequence
+from kvgate.runtime.sequence import Sequence, Status
 
 
 def request(name: str, arrival: float, turn: Turn | None = None) -> Sequence:
@@ -294,3 +295,62 @@ def test_the_simulators_sequences_without_a_tenant_are_the_anonymous_tenant() ->
     scheduler.add(tenants_request("", "keyless", 0.0))
     scheduler.add(SimpleNamespace(turn=None, arrival=1.0, prompt_ids=[1]))  # like benchmarks/agents_sim.py's
     assert not scheduler.shared  # one tenant: no slot is held back
+
+
+# ---- the gate: a new program's first turn waits for room among the programs in flight
+
+
+def gated(limit: int) -> tuple[Scheduler, Flight]:
+    flight = Flight(limit << 20, per_context=1.0)
+    flight.measure(1 << 20, recent=1.0)  # memory holds `limit` contexts
+    return Scheduler(max_num_seqs=8, max_num_batched_tokens=64, order="program", gate=flight), flight
+
+
+def first(name: str, arrival: float, tenant: str = "") -> Sequence:
+    seq = request(name, arrival, Turn(name, arrival=arrival, scope=tenant, first=True))
+    seq.tenant = tenant
+    return seq
+
+
+def test_a_first_turn_waits_while_the_programs_in_flight_fill_memory() -> None:
+    scheduler, flight = gated(1)
+    scheduler.add(first("a", 1.0))
+    scheduler.add(first("b", 2.0))
+    assert [s.text for s, _ in scheduler.schedule()] == ["a"]
+    scheduler.remove(scheduler.running[0])  # a's turn ends calling a tool: a is still in flight
+    flight.wait("", "a")
+    assert not scheduler and scheduler.schedule() == []  # b waits, and there is no work for a step
+    scheduler.add(request("a, after its tool", 3.0, Turn("a", arrival=1.0)))  # a later turn: never held
+    scheduler.add(request("plain", 4.0))  # a request of no program: never held
+    assert [s.text for s, _ in scheduler.schedule()] == ["a, after its tool", "plain"]
+    for seq in list(scheduler.running):
+        scheduler.remove(seq)
+    flight.land("", "a")  # a's last turn ended
+    assert scheduler
+    assert [s.text for s, _ in scheduler.schedule()] == ["b"]
+    assert len(flight) == 1  # b's program now counts
+
+
+def test_a_held_first_turn_can_be_withdrawn() -> None:
+    scheduler, flight = gated(1)
+    scheduler.add(first("a", 1.0))
+    scheduler.schedule()
+    gone = first("b", 2.0)
+    scheduler.add(gone)
+    scheduler.remove(gone)  # its client went away while it waited
+    flight.land("", "a")
+    assert not scheduler.held and gone.status is Status.FINISHED
+    assert len(flight) == 0  # b never started
+
+
+def test_held_first_turns_go_to_the_tenant_with_fewest_let_through_still_running() -> None:
+    scheduler, flight = gated(1)
+    for i in range(3):
+        scheduler.add(first(f"flood-{i}", float(i), tenant="flood"))
+    scheduler.add(first("quiet-0", 10.0, tenant="quiet"))
+    order = []
+    for _ in range(3):
+        *_, (seq, _) = scheduler.schedule()  # the one let through joins the batch last
+        order.append(seq.text)
+        flight.land(seq.turn.scope, seq.turn.program)  # its program ends; the sequence still runs
+    assert order == ["flood-0", "quiet-0", "flood-1"]
