@@ -31,7 +31,20 @@ DRIVERS = {
     "field: programs are found by their messages; the last turn is the last tool call's)",
     "openai": "a hand-written loop on the openai SDK with kvgate's program header",
 }
-POLICIES = [(pins, queue) for pins in ("off", "fixed", "decide") for queue in ("fcfs", "program")]
+
+
+@dataclass(frozen=True)
+class Policy:
+    pins: str
+    queue: str
+    in_flight: float = 0.0  # programs in flight per context memory holds (agents/flight.py); 0: no limit
+
+    def __str__(self) -> str:
+        return f"{self.pins} + {self.queue}" + (f" + {self.in_flight:g} in flight" if self.in_flight else "")
+
+
+BASELINE = Policy("off", "fcfs")
+POLICIES = [Policy(pins, queue) for pins in ("off", "fixed", "decide") for queue in ("fcfs", "program")]
 
 
 @dataclass
@@ -164,14 +177,14 @@ def passages(path: Path | None) -> list[str]:
         return [p for line in f for p in json.loads(line)["passages"]]
 
 
-def rows(runs: dict[tuple[str, str], Run]) -> list[list[str]]:
-    base = statistics.mean(runs[("off", "fcfs")].jct)
+def rows(runs: dict[Policy, Run]) -> list[list[str]]:
+    base = statistics.mean(runs[BASELINE].jct)
     out = []
-    for (pins, queue), r in runs.items():
+    for policy, r in runs.items():
         mean = statistics.mean(r.jct)
         out.append(
             [
-                f"{pins} + {queue}",
+                str(policy),
                 f"{mean:.1f}",
                 f"{p95(r.jct):.1f}",
                 f"{r.makespan:.1f}",
@@ -202,37 +215,40 @@ def bench_agents(
     command: str,
     client_kind: str = "agents-sdk",
     sweep_programs: int = 0,
-    policies: list[tuple[str, str]] | None = None,
-) -> dict[tuple[str, str], Run]:
+    policies: list[tuple[str, str, float]] | None = None,
+) -> dict[Policy, Run]:
     """Every policy live on one workload, then (`sim_programs`) the simulator on SIMULATED and
     (`sweep_programs`) its sweep; the section written to `output`. off + fcfs is the baseline."""
-    policies = [("off", "fcfs"), *(p for p in policies or POLICIES if p != ("off", "fcfs"))]
+    chosen = [Policy(*p) for p in policies] if policies else POLICIES
     specs = generate(programs, rate_per_s, seed=seed, text_source=passages(data))
     loaded: LoadedModel = load(base.engine_config())
     runs = {}
-    for pins, queue in policies:
+    for policy in [BASELINE, *(p for p in chosen if p != BASELINE)]:
         settings = base.model_copy(
             update={
                 "chunk_cache_bytes": memory_mb << 20,
                 "chunk_cache_disk_bytes": 0,  # an evicted context is computed again
                 "redis_url": None,
                 "chunk_cache_policy": "lru",
-                "agent_pins": pins,
+                "agent_pins": policy.pins,
                 "agent_fixed_ttl_s": fixed_ttl_s,
-                "queue_order": queue,
+                "agent_in_flight": policy.in_flight,
+                "queue_order": policy.queue,
                 "semantic_cache": False,
             }
         )
         with gateway(settings, loaded) as (url, model):
-            runs[(pins, queue)] = asyncio.run(drive(url, model, specs, output_tokens, client_kind))
-        print(f"{pins} + {queue}: mean JCT {statistics.mean(runs[(pins, queue)].jct):.1f} s", flush=True)
+            runs[policy] = asyncio.run(drive(url, model, specs, output_tokens, client_kind))
+        print(f"{policy}: mean JCT {statistics.mean(runs[policy].jct):.1f} s", flush=True)
     turns = sum(s.turns for s in specs)
     body = (
         f"{programs} programs ({turns} turns), Poisson arrivals at {rate_per_s}/s, driven by {DRIVERS[client_kind]}, "
         f"{output_tokens} output tokens a turn, "
         f"KV memory {memory_mb} MiB (LRU, no disk tier), fixed TTL {fixed_ttl_s} s. Tool durations lognormal per tool "
         f"(benchmarks/agent_workload.py). JCT: a program's last answer minus its arrival; memory evictions: entries "
-        "the memory tier evicted for room (pressure: contexts that did not all fit).\n\n" + table(HEADER, rows(runs))
+        "the memory tier evicted for room (pressure: contexts that did not all fit); in flight: a new program waits "
+        "while that many times the contexts memory holds are in flight (agents/flight.py).\n\n"
+        + table(HEADER, rows(runs))
     )
     if sim_programs or sweep_programs:
         from kvgate.bench.agents_sim import bench_sim, measure, report

@@ -294,6 +294,8 @@ HEADER += ["prompt tokens prefilled", "engine busy"]
 
 
 PROGRAMS, RATE_PER_S, MEMORY_BYTES, FIXED_TTL_S = 200, 0.2, 192 << 20, 10.0
+# Programs in flight per context memory holds, for the policies that limit them (agents/flight.py).
+IN_FLIGHT = 2.0
 
 
 def bench_sim(
@@ -308,15 +310,16 @@ def bench_sim(
     """Every pin policy (off: plain LRU; fixed; decided) with each queue order, on one workload."""
     specs = generate(programs, rate_per_s, seed=seed)
     rows, base = [], None
-    for mode in ("off", "fixed", "decide"):
-        for order in ("fcfs", "program"):
-            pins = PinPolicy(mode=mode, fixed_ttl_s=fixed_ttl_s)
-            r = simulate(specs, costs, order, pins, memory_bytes, output_tokens)
-            base = base or r.mean_jct_s
-            rows.append([mode, order, f"{r.mean_jct_s:.1f}", f"{r.p95_jct_s:.1f}", f"{r.makespan_s:.0f}"])
-            resumed = r.turns - len(specs)
-            rows[-1] += [f"{base / r.mean_jct_s:.2f}x", f"{r.found / max(resumed, 1):.0%}", f"{r.prefilled:,}"]
-            rows[-1].append(f"{r.busy_s / r.makespan_s:.0%}")
+    policies = [(mode, order, 0.0) for mode in ("off", "fixed", "decide") for order in ("fcfs", "program")]
+    for mode, order, in_flight in [*policies, ("decide", "program", IN_FLIGHT)]:
+        pins = PinPolicy(mode=mode, fixed_ttl_s=fixed_ttl_s)
+        r = simulate(specs, costs, order, pins, memory_bytes, output_tokens, in_flight=in_flight)
+        base = base or r.mean_jct_s
+        order += f" + {in_flight:g} in flight" if in_flight else ""
+        rows.append([mode, order, f"{r.mean_jct_s:.1f}", f"{r.p95_jct_s:.1f}", f"{r.makespan_s:.0f}"])
+        resumed = r.turns - len(specs)
+        rows[-1] += [f"{base / r.mean_jct_s:.2f}x", f"{r.found / max(resumed, 1):.0%}", f"{r.prefilled:,}"]
+        rows[-1].append(f"{r.busy_s / r.makespan_s:.0%}")
     return rows
 
 

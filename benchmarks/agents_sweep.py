@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from kvgate.agents.ttl import PinPolicy
 from kvgate.bench.agent_workload import generate
-from kvgate.bench.agents_sim import FIXED_TTL_S, StepCosts, prompt_tokens, simulate
+from kvgate.bench.agents_sim import FIXED_TTL_S, IN_FLIGHT, StepCosts, prompt_tokens, simulate
 from kvgate.bench.report import table
 
 
@@ -29,6 +29,7 @@ class Regime:
 LOADS, MEMORIES, SPREADS = (0.7, 0.95, 1.2), (128, 192, 384), (0.5, 1.0, 2.0)
 SWEEP = [Regime(x, m, s) for x in LOADS for m in MEMORIES for s in SPREADS]
 MODES, ORDERS = ("off", "fixed", "decide"), ("fcfs", "program")
+FLIGHT = ("decide", "program+flight")  # decided pins, program FCFS, IN_FLIGHT programs per context memory holds
 TOLERANCE = 0.03  # decide may trail the best of off and fixed by this much (noise between policies)
 # Workloads per regime: with 2, one policy against another moved by up to 7% between runs of the overloaded
 # regimes; with 8, by 3-4% between seed sets where memory holds only a few contexts.
@@ -39,13 +40,16 @@ def regime_jct(
     costs: StepCosts, regime: Regime, programs: int, fixed_ttl_s: float, seeds: int, output_tokens: int
 ) -> dict[tuple[str, str], float]:
     """Mean JCT of every pin mode and queue order on one regime, averaged over `seeds` workloads."""
-    out = dict.fromkeys(((m, o) for m in MODES for o in ORDERS), 0.0)
+    out = dict.fromkeys([*((m, o) for m in MODES for o in ORDERS), FLIGHT], 0.0)
     for seed in range(seeds):
         specs = generate(programs, regime.rate_per_s(costs), seed=seed, spread=regime.spread)
-        for mode, order in out:
-            pins = PinPolicy(mode=mode, fixed_ttl_s=fixed_ttl_s)
-            jct = simulate(specs, costs, order, pins, regime.memory_mib << 20, output_tokens).mean_jct_s
-            out[(mode, order)] += jct / seeds
+        for key in out:
+            mode, order = key
+            pins, memory = PinPolicy(mode=mode, fixed_ttl_s=fixed_ttl_s), regime.memory_mib << 20
+            in_flight = IN_FLIGHT if key == FLIGHT else 0.0
+            order = order.removesuffix("+flight")
+            run = simulate(specs, costs, order, pins, memory, output_tokens, in_flight=in_flight)
+            out[key] += run.mean_jct_s / seeds
     return out
 
 
@@ -76,6 +80,7 @@ def verdict(jct: dict[tuple[str, str], float]) -> tuple[dict[str, float], float]
 
 SWEEP_HEADER = ["load", "rate /s", "memory MiB", "spread", *(f"{m} + {o}" for m in MODES for o in ORDERS)]
 SWEEP_HEADER += ["off best", "fixed best", "decide best", "decide / best(off, fixed)", "within 3%"]
+SWEEP_HEADER += [f"decide + program + {IN_FLIGHT:g} in flight", "in flight / decide + program"]
 
 
 def sweep_rows(results: list[tuple[Regime, dict[tuple[str, str], float]]], costs: StepCosts) -> list[list[str]]:
@@ -86,6 +91,7 @@ def sweep_rows(results: list[tuple[Regime, dict[tuple[str, str], float]]], costs
         row = [f"{regime.load}", f"{regime.rate_per_s(costs):.3f}", f"{regime.memory_mib}", f"{regime.spread}"]
         row += [f"{base / jct[(m, o)]:.2f}x" for m in MODES for o in ORDERS]
         row += [f"{best[m]:.2f}x" for m in MODES] + [f"{ratio:.3f}", "yes" if ratio >= 1 - TOLERANCE else "NO"]
+        row += [f"{base / jct[FLIGHT]:.2f}x", f"{jct[('decide', 'program')] / jct[FLIGHT]:.3f}"]
         rows.append(row)
     return rows
 
@@ -101,6 +107,7 @@ def sweep_report(
     worst = min(range(len(ratios)), key=ratios.__getitem__)
     r = results[worst][0]
     passed = sum(x >= 1 - TOLERANCE for x in ratios)
+    flight = [jct[("decide", "program")] / jct[FLIGHT] for _, jct in results]
     return (
         f"### Simulated sweep: {len(results)} regimes, {programs} programs each\n\n"
         "The simulator above (same step costs) over load x KV memory x tool-duration spread. Load: the prompt "
@@ -111,5 +118,7 @@ def sweep_report(
         "Cells: mean JCT speedup against off + fcfs of the "
         'same regime; "best": each pin mode with its better queue order. Decided pins reach the best of off and '
         f"fixed within {TOLERANCE:.0%} in {passed} of {len(results)} regimes; the worst ratio is {ratios[worst]:.3f} "
-        f"(load {r.load}, {r.memory_mib} MiB, spread {r.spread}).\n\n" + table(SWEEP_HEADER, sweep_rows(results, costs))
+        f"(load {r.load}, {r.memory_mib} MiB, spread {r.spread}). With at most {IN_FLIGHT:g} programs in flight per "
+        f"context memory holds, decide + program's mean JCT changes by {min(flight):.3f}x to {max(flight):.3f}x "
+        "(last column).\n\n" + table(SWEEP_HEADER, sweep_rows(results, costs))
     )

@@ -39,14 +39,22 @@ def layers(text: str) -> tuple[int, ...]:
     return tuple(sorted({int(x) for x in parts}))
 
 
-def policies(text: str) -> list[tuple[str, str]]:
-    """Pin and queue policies: "off+fcfs,decide+program" -> [("off", "fcfs"), ("decide", "program")]."""
+def policies(text: str) -> list[tuple[str, str, float]]:
+    """Pin and queue policies, and programs in flight per context memory holds:
+    "off+fcfs,decide+program+2" -> [("off", "fcfs", 0.0), ("decide", "program", 2.0)]."""
     out = []
     for part in (x.strip() for x in text.split(",") if x.strip()):
-        pins, _, queue = part.partition("+")
-        if pins not in ("off", "fixed", "decide") or queue not in ("fcfs", "program"):
-            raise argparse.ArgumentTypeError(f"{part!r}: PINS+QUEUE, PINS off, fixed or decide, QUEUE fcfs or program")
-        out.append((pins, queue))
+        pins, _, rest = part.partition("+")
+        queue, _, in_flight = rest.partition("+")
+        try:
+            flight = float(in_flight or 0)
+        except ValueError:
+            flight = -1.0
+        if pins not in ("off", "fixed", "decide") or queue not in ("fcfs", "program") or flight < 0:
+            raise argparse.ArgumentTypeError(
+                f"{part!r}: PINS+QUEUE[+IN_FLIGHT], PINS off, fixed or decide, QUEUE fcfs or program, IN_FLIGHT >= 0"
+            )
+        out.append((pins, queue, flight))
     return out
 
 
@@ -190,7 +198,8 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
         "--policies",
         type=policies,
         default=None,
-        help="the live policies, comma-separated pins+queue (e.g. off+program,decide+program; default: all six; "
+        help="the live policies, comma-separated pins+queue[+in flight per context memory holds] "
+        "(e.g. off+program,decide+program+2; default: all six without a limit; "
         "off+fcfs, the baseline, always runs)",
     )
 

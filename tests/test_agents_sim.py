@@ -95,6 +95,17 @@ def test_the_simulation_is_deterministic_for_a_seed() -> None:
 
 def test_the_bench_runs_every_policy_on_one_workload() -> None:
     rows = bench_sim(COSTS, programs=40, rate_per_s=0.2)
-    assert [r[:2] for r in rows] == [[p, q] for p in ("off", "fixed", "decide") for q in ("fcfs", "program")]
+    policies = [[p, q] for p in ("off", "fixed", "decide") for q in ("fcfs", "program")]
+    assert [r[:2] for r in rows] == [*policies, ["decide", "program + 2 in flight"]]
     assert rows[0][HEADER.index("mean JCT speedup vs off+fcfs")] == "1.00x"
     assert report(rows, COSTS, programs=40).endswith("\n".join("| " + " | ".join(r) + " |" for r in rows))
+
+
+def test_with_programs_in_flight_limited_memory_recomputes_less_and_programs_end_sooner() -> None:
+    """An overloaded engine whose memory holds about two contexts: new programs wait at the door."""
+    specs = generate(30, 0.5, seed=0)
+    free = simulate(specs, COSTS, "program", DECIDE, memory_bytes=96 * MIB)
+    limited = simulate(specs, COSTS, "program", DECIDE, memory_bytes=96 * MIB, in_flight=2.0)
+    assert limited.prefilled < 0.9 * free.prefilled
+    assert limited.mean_jct_s < 0.9 * free.mean_jct_s
+    assert limited.turns == free.turns  # every turn of every program still ran
