@@ -6,9 +6,10 @@ next turn then prefills it again: more programs in flight add work, not throughp
 waits longer. Held at the door instead, a new program waits once, for a program to end.
 
 A program is in flight from the admission of its first turn (the scheduler asks `room` and calls
-`start`, runtime/scheduler.py) until its last turn ends (one that calls no tool), or until a tool's
-return is `linger_s` late (its client may have gone). Thread-safe: the engine's thread admits, the
-gateway's begins and ends turns."""
+`start`, runtime/scheduler.py) until its last turn ends (one that calls no tool), or until its tools
+are late: past the wait by which most returns after such calls have come (agents/programs.py), at
+most `linger_s` (its client may have ended it after a tool call, or gone). Thread-safe: the engine's
+thread admits, the gateway's begins and ends turns."""
 
 from __future__ import annotations
 

@@ -154,14 +154,34 @@ def test_only_a_programs_first_turn_is_first_and_each_turn_measures_its_context(
 
 
 def test_a_program_stays_in_flight_through_its_tool_calls_and_lands_with_its_last_turn() -> None:
-    programs, _ = in_flight()
+    programs, clock = in_flight()
     one = programs.begin("p", "t", [], 500)  # 50 of 100 kB: room for two
     programs.flight.start("t", "p")  # the scheduler let its first turn through
     programs.end("t", one, more=True)  # it called a tool
     assert programs.stats()["in_flight"] == 1
+    clock.now += 1.0
     two = programs.begin("p", "t", [CALL, RESULT], 500)
+    clock.now += programs.config.in_flight_linger_s + 1  # a long turn: it counts until it ends
+    assert programs.stats()["in_flight"] == 1
+    programs.flight.start("t", "q")
+    assert not programs.flight.room()
     programs.end("t", two, more=False)  # it answered: the program is over
-    assert programs.stats()["in_flight"] == 0
+    assert programs.stats()["in_flight"] == 1 and programs.flight.room()
+
+
+def test_a_program_whose_tools_are_late_leaves_the_flight() -> None:
+    """Its client may have ended it after a tool call (an Agents SDK run does): counted out once 95%
+    of the predicted returns would have come, long before the linger."""
+    programs, clock = in_flight()
+    one = programs.begin("p", "t", [], 1000)  # all of memory: room for one
+    programs.flight.start("t", "p")
+    programs.end("t", one, more=True)
+    late = programs.programs[("t", "p")].late_s
+    assert 0 < late < programs.config.in_flight_linger_s
+    clock.now += late - 0.01
+    assert not programs.flight.room()
+    clock.now += 0.02
+    assert programs.flight.room()
 
 
 def test_programs_forgotten_for_room_or_idleness_leave_the_flight() -> None:
