@@ -99,13 +99,13 @@ class Scheduler:
         if id(seq) in self.released:
             self.released.discard(id(seq))
             self.held.done(tenant_of(seq))
-        if self.held.remove(seq):  # withdrawn before the gate let it through
-            pass
-        elif seq.status is Status.RUNNING and seq in self.running:
+        if seq.status is Status.RUNNING and seq in self.running:
             self.running.remove(seq)
             self.waiting.done(tenant_of(seq))
         elif self.waiting.remove(seq):
             self.waiting_tokens -= len(seq.prompt_ids)
+        else:
+            self.held.remove(seq)  # withdrawn before the gate let it through, if it was held
         seq.status = Status.FINISHED
 
     @property
