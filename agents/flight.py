@@ -32,7 +32,6 @@ class Flight:
         self.memory_bytes, self.per_context, self.linger_s, self.clock = memory_bytes, per_context, linger_s, clock
         self.flying: dict[Key, float] = {}  # -> until when it counts: inf while a turn of it is out
         self.context_bytes: float | None = None  # running mean of a turn's context
-        self.wake: Callable[[], None] | None = None  # called when room opens (the engine's wake-up)
         self.lock = threading.Lock()
 
     def measure(self, nbytes: int, recent: float) -> None:
@@ -81,9 +80,7 @@ class Flight:
     def land(self, scope: str, program: str) -> None:
         """The program ended (or was forgotten): its place goes to the next."""
         with self.lock:
-            landed = self.flying.pop((scope, program), None) is not None
-        if landed and self.wake is not None:
-            self.wake()
+            self.flying.pop((scope, program), None)
 
     def __len__(self) -> int:
         return len(self.flying)

@@ -66,7 +66,6 @@ class Local(Backend):
         self.programs = Programs(config, engine.reuser.store, EngineCosts(engine, config.reload_bytes_per_s))
         self.expirer = Expirer(self.programs)
         if config.in_flight > 0:  # new programs wait at the engine's door for room (agents/flight.py)
-            self.programs.flight.wake = engine.wake.set
             engine.scheduler.gate = self.programs.flight
         self.conversations = Conversations(config.conversations)
         self.anchors = AnchorPool(config.anchors) if config.kvcomm else None

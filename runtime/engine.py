@@ -222,8 +222,8 @@ class Engine:
             if not self.scheduler:
                 if self.shadow.busy:  # spare capacity: one part of a quality check, then look again
                     self.shadow.step()
-                else:  # held first turns: the gate wakes it when a program ends, a late tool's end unseen
-                    self.wake.wait(1.0 if self.scheduler.held else None)
+                else:
+                    self.wake.wait()
                 continue
             self.step()
 

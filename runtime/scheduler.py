@@ -12,8 +12,9 @@ than one tenant, the last `reserve` slots are kept for tenants with nothing runn
 starts at the next step.
 
 With a `gate` (agents/flight.py), a new program's first turn is held outside the queue until the
-gate has room among the programs in flight; the held are let through fairly between tenants too
-(fewest released first turns still running), then queue like any turn."""
+gate has room among the programs in flight, or until nothing else would run (work-conserving); the
+held are let through fairly between tenants too (fewest released first turns still running), then
+queue like any turn."""
 
 from __future__ import annotations
 
@@ -63,8 +64,8 @@ class Scheduler:
         self.released: set[int] = set()  # ids of first turns let through, until they finish
 
     def __bool__(self) -> bool:
-        """Whether there is work for a step (held first turns only once the gate has room)."""
-        return bool(self.waiting or self.running or (self.held and self.gate is not None and self.gate.room()))
+        """Whether there is work for a step (a held first turn is: the gate lets one through when idle)."""
+        return bool(self.waiting or self.running or self.held)
 
     def __iter__(self) -> Iterator[Sequence]:
         """Every sequence it holds: running, waiting, held."""
@@ -88,8 +89,10 @@ class Scheduler:
         self.waiting_tokens += len(seq.prompt_ids)
 
     def release(self) -> None:
-        """Let held first turns into the queue while the gate has room."""
-        while self.held and self.gate is not None and self.gate.room():
+        """Let held first turns into the queue while the gate has room, and one whenever nothing else
+        would run: the gate counts programs whose end it cannot see until their tools are late (a
+        client may end a program after a tool call), and an idle engine serves no program sooner."""
+        while self.held and self.gate is not None and (self.gate.room() or not (self.waiting or self.running)):
             seq = self.held.pop()
             self.released.add(id(seq))
             self.gate.start(seq.turn.scope, seq.turn.program)

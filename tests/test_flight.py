@@ -33,18 +33,17 @@ def test_off_means_no_limit() -> None:
 
 
 def test_a_new_program_waits_until_one_ends() -> None:
-    flight, woken = Flight(100 * MIB, per_context=1.0), []
-    flight.wake = lambda: woken.append(True)
+    flight = Flight(100 * MIB, per_context=1.0)
     flight.measure(50 * MIB, recent=1.0)  # room for two
     flight.start("t", "a")
     flight.start("t", "b")
     assert not flight.room()
     flight.wait("t", "a")  # a calls a tool: still in flight
-    assert not flight.room() and not woken
+    assert not flight.room()
     flight.land("t", "a")
-    assert flight.room() and woken == [True]
-    flight.land("t", "a")  # twice: nothing more lands, nobody is woken
-    assert woken == [True]
+    assert flight.room() and len(flight) == 1
+    flight.land("t", "a")  # twice: nothing more lands
+    assert len(flight) == 1
 
 
 def test_a_tool_that_never_returns_stops_counting_after_the_linger() -> None:

@@ -317,18 +317,32 @@ def test_a_first_turn_waits_while_the_programs_in_flight_fill_memory() -> None:
     scheduler.add(first("a", 1.0))
     scheduler.add(first("b", 2.0))
     assert [s.text for s, _ in scheduler.schedule()] == ["a"]
+    assert [s.text for s in scheduler.held] == ["b"]
     scheduler.remove(scheduler.running[0])  # a's turn ends calling a tool: a is still in flight
     flight.wait("", "a")
-    assert not scheduler and scheduler.schedule() == []  # b waits, and there is no work for a step
     scheduler.add(request("a, after its tool", 3.0, Turn("a", arrival=1.0)))  # a later turn: never held
     scheduler.add(request("plain", 4.0))  # a request of no program: never held
     assert [s.text for s, _ in scheduler.schedule()] == ["a, after its tool", "plain"]
+    assert [s.text for s in scheduler.held] == ["b"]  # the engine is busy: b still waits
     for seq in list(scheduler.running):
         scheduler.remove(seq)
     flight.land("", "a")  # a's last turn ended
-    assert scheduler
-    assert [s.text for s, _ in scheduler.schedule()] == ["b"]
+    scheduler.add(request("plain 2", 5.0))
+    assert [s.text for s, _ in scheduler.schedule()] == ["b", "plain 2"]  # room: b goes first, as it came first
     assert len(flight) == 1  # b's program now counts
+
+
+def test_an_idle_engine_lets_one_held_first_turn_through_over_the_limit() -> None:
+    scheduler, flight = gated(1)
+    scheduler.add(first("a", 1.0))
+    scheduler.schedule()
+    scheduler.remove(scheduler.running[0])
+    flight.wait("", "a")  # a waits on its tool (or its client ended it after one: unseen until late)
+    scheduler.add(first("b", 2.0))
+    scheduler.add(first("c", 3.0))
+    assert scheduler  # work for a step: nothing else would run
+    assert [s.text for s, _ in scheduler.schedule()] == ["b"]  # one, not every held turn
+    assert [s.text for s in scheduler.held] == ["c"] and len(flight) == 2
 
 
 def test_a_held_first_turn_can_be_withdrawn() -> None:
