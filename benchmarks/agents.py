@@ -1,11 +1,17 @@
 """`kvgate bench agents`: multi-turn agent programs against the real runtime through the gateway on
-loopback (the openai SDK as client), with a KV memory small enough to force eviction. Job
+loopback (the Agents SDK or the openai SDK as client), with a KV memory small enough to force eviction. Job
 completion time (JCT) and makespan for pins off (LRU) / fixed TTL / decided TTL, each with FCFS
-and program FCFS, on one workload, in one run; then the discrete-event simulator at scale."""
+and program FCFS, on one or more workloads (every policy on each), in one run; then the
+discrete-event simulator at scale.
+
+Near saturation a live run under LRU is unstable (memory thrashing feeds on the queue it makes, and
+a run may tip into it or not), far more than the policies that keep contexts: the live table can pool
+several workloads, and shows each one's ratio."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 import statistics
@@ -177,28 +183,32 @@ def passages(path: Path | None) -> list[str]:
         return [p for line in f for p in json.loads(line)["passages"]]
 
 
-def rows(runs: dict[Policy, Run]) -> list[list[str]]:
-    base = statistics.mean(runs[BASELINE].jct)
+def rows(runs: dict[Policy, list[Run]]) -> list[list[str]]:
+    """A row per policy, its workloads pooled (makespan: their mean; the ratio: of pooled mean JCTs),
+    then each workload's own ratio."""
+    base = [statistics.mean(r.jct) for r in runs[BASELINE]]
     out = []
-    for policy, r in runs.items():
-        mean = statistics.mean(r.jct)
+    for policy, rs in runs.items():
+        jct = [t for r in rs for t in r.jct]
+        evictions = [r.evictions for r in rs]
         out.append(
             [
                 str(policy),
-                f"{mean:.1f}",
-                f"{p95(r.jct):.1f}",
-                f"{r.makespan:.1f}",
-                f"{base / mean:.2f}x",
-                f"{r.reused_tokens / max(r.prompt_tokens, 1):.0%}",
-                f"{r.pinned_turns}/{r.turns}",
-                f"{r.evictions}" if r.evictions >= 0 else "?",
+                f"{statistics.mean(jct):.1f}",
+                f"{p95(jct):.1f}",
+                f"{statistics.mean(r.makespan for r in rs):.1f}",
+                f"{statistics.mean(t for b in runs[BASELINE] for t in b.jct) / statistics.mean(jct):.2f}x",
+                " / ".join(f"{b / statistics.mean(r.jct):.2f}x" for b, r in zip(base, rs, strict=True)),
+                f"{sum(r.reused_tokens for r in rs) / max(sum(r.prompt_tokens for r in rs), 1):.0%}",
+                f"{sum(r.pinned_turns for r in rs)}/{sum(r.turns for r in rs)}",
+                str(sum(evictions)) if min(evictions) >= 0 else "?",
             ]
         )
     return out
 
 
-HEADER = ["policy", "mean JCT (s)", "p95 JCT (s)", "makespan (s)", "mean JCT vs off + fcfs", "prompt reused", "pinned"]
-HEADER += ["memory evictions"]
+HEADER = ["policy", "mean JCT (s)", "p95 JCT (s)", "makespan (s)", "mean JCT vs off + fcfs", "each workload's"]
+HEADER += ["prompt reused", "pinned", "memory evictions"]
 
 
 def bench_agents(
@@ -216,14 +226,18 @@ def bench_agents(
     client_kind: str = "agents-sdk",
     sweep_programs: int = 0,
     policies: list[tuple[str, str, float]] | None = None,
-) -> dict[Policy, Run]:
-    """Every policy live on one workload, then (`sim_programs`) the simulator on SIMULATED and
-    (`sweep_programs`) its sweep; the section written to `output`. off + fcfs is the baseline."""
+    workloads: int = 1,
+) -> dict[Policy, list[Run]]:
+    """Every policy live on each of `workloads` workloads (seeds from `seed`), then (`sim_programs`)
+    the simulator on SIMULATED and (`sweep_programs`) its sweep; the section written to `output`.
+    off + fcfs is the baseline."""
     chosen = [Policy(*p) for p in policies] if policies else POLICIES
-    specs = generate(programs, rate_per_s, seed=seed, text_source=passages(data))
     loaded: LoadedModel = load(base.engine_config())
-    runs = {}
-    for policy in [BASELINE, *(p for p in chosen if p != BASELINE)]:
+    runs: dict[Policy, list[Run]] = {}
+    text = passages(data)
+    workload = {w: generate(programs, rate_per_s, seed=w, text_source=text) for w in range(seed, seed + workloads)}
+    order = [BASELINE, *(p for p in chosen if p != BASELINE)]
+    for (w, specs), policy in itertools.product(workload.items(), order):  # every policy on a workload, in turn
         settings = base.model_copy(
             update={
                 "chunk_cache_bytes": memory_mb << 20,
@@ -238,17 +252,24 @@ def bench_agents(
             }
         )
         with gateway(settings, loaded) as (url, model):
-            runs[policy] = asyncio.run(drive(url, model, specs, output_tokens, client_kind))
-        print(f"{policy}: mean JCT {statistics.mean(runs[policy].jct):.1f} s", flush=True)
-    turns = sum(s.turns for s in specs)
-    body = (
-        f"{programs} programs ({turns} turns), Poisson arrivals at {rate_per_s}/s, driven by {DRIVERS[client_kind]}, "
-        f"{output_tokens} output tokens a turn, "
-        f"KV memory {memory_mb} MiB (LRU, no disk tier), fixed TTL {fixed_ttl_s} s. Tool durations lognormal per tool "
-        f"(benchmarks/agent_workload.py). JCT: a program's last answer minus its arrival; memory evictions: entries "
-        "the memory tier evicted for room (pressure: contexts that did not all fit); in flight: a new program waits "
-        "while that many times the contexts memory holds are in flight (agents/flight.py).\n\n"
-        + table(HEADER, rows(runs))
+            run = asyncio.run(drive(url, model, specs, output_tokens, client_kind))
+        runs.setdefault(policy, []).append(run)
+        print(f"workload {w}, {policy}: mean JCT {statistics.mean(run.jct):.1f} s", flush=True)
+    turns = [sum(s.turns for s in specs) for specs in workload.values()]
+    parts = (
+        []
+        if not runs
+        else [
+            f"{workloads} workload(s) (seeds {', '.join(map(str, workload))}), "
+            f"each {programs} programs ({' / '.join(map(str, turns))} turns), Poisson arrivals at {rate_per_s}/s, "
+            f"driven by {DRIVERS[client_kind]}, "
+            f"{output_tokens} output tokens a turn, "
+            f"KV memory {memory_mb} MiB (LRU, no disk tier), fixed TTL {fixed_ttl_s} s. Tool durations lognormal per tool "
+            f"(benchmarks/agent_workload.py). JCT: a program's last answer minus its arrival; memory evictions: entries "
+            "the memory tier evicted for room (pressure: contexts that did not all fit); in flight: a new program waits "
+            "while that many times the contexts memory holds are in flight (agents/flight.py).\n\n"
+            + table(HEADER, rows(runs))
+        ]
     )
     if sim_programs or sweep_programs:
         from kvgate.bench.agents_sim import bench_sim, measure, report
@@ -261,10 +282,11 @@ def bench_agents(
             engine.shutdown()
         for rate, mib in SIMULATED if sim_programs else ():
             simulated = bench_sim(costs, sim_programs, rate, mib << 20, fixed_ttl_s, seed, output_tokens)
-            body += "\n\n" + report(simulated, costs, sim_programs, rate, mib << 20, fixed_ttl_s)
+            parts.append(report(simulated, costs, sim_programs, rate, mib << 20, fixed_ttl_s))
         if sweep_programs:
             results = sweep(costs, programs=sweep_programs, fixed_ttl_s=fixed_ttl_s, output_tokens=output_tokens)
-            body += "\n\n" + sweep_report(results, costs, sweep_programs, fixed_ttl_s)
+            parts.append(sweep_report(results, costs, sweep_programs, fixed_ttl_s))
+    body = "\n\n".join(parts)
     write_section(output, "agents", "Agent programs: TTL pins and program FCFS", command, body)
     print(body)
     return runs

@@ -176,6 +176,12 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
     agents.add_argument("--output-tokens", type=int, default=16, help="tokens each turn generates")
     agents.add_argument("--seed", type=int, default=0)
     agents.add_argument(
+        "--workloads",
+        type=count,
+        default=1,
+        help="live workloads (seeds from --seed), every policy on each, pooled (0: simulation only)",
+    )
+    agents.add_argument(
         "--client",
         choices=["agents-sdk", "openai"],
         default="agents-sdk",

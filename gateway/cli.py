@@ -286,6 +286,7 @@ def run_agents(args: argparse.Namespace, settings: Settings, command: str) -> in
         args.client,
         args.sweep,
         args.policies,
+        args.workloads,
     )
     return 0
 
