@@ -91,11 +91,14 @@ class Scheduler:
     def release(self) -> None:
         """Let held first turns into the queue while the gate has room, and one whenever nothing else
         would run: the gate counts programs whose end it cannot see until their tools are late (a
-        client may end a program after a tool call), and an idle engine serves no program sooner."""
-        while self.held and self.gate is not None and (self.gate.room() or not (self.waiting or self.running)):
+        client may end a program after a tool call), and an idle engine serves no program sooner. A gate
+        taken away (its backend closed) holds nothing."""
+        gate = self.gate  # read once: another thread may take it away
+        while self.held and (gate is None or gate.room() or not (self.waiting or self.running)):
             seq = self.held.pop()
             self.released.add(id(seq))
-            self.gate.start(seq.turn.scope, seq.turn.program)
+            if gate is not None:
+                gate.start(seq.turn.scope, seq.turn.program)
             self.queue(seq)
 
     def remove(self, seq: Sequence) -> None:
