@@ -255,22 +255,19 @@ def bench_agents(
             run = asyncio.run(drive(url, model, specs, output_tokens, client_kind))
         runs.setdefault(policy, []).append(run)
         print(f"workload {w}, {policy}: mean JCT {statistics.mean(run.jct):.1f} s", flush=True)
-    turns = [sum(s.turns for s in specs) for specs in workload.values()]
-    parts = (
-        []
-        if not runs
-        else [
-            f"{workloads} workload(s) (seeds {', '.join(map(str, workload))}), "
-            f"each {programs} programs ({' / '.join(map(str, turns))} turns), Poisson arrivals at {rate_per_s}/s, "
-            f"driven by {DRIVERS[client_kind]}, "
-            f"{output_tokens} output tokens a turn, "
-            f"KV memory {memory_mb} MiB (LRU, no disk tier), fixed TTL {fixed_ttl_s} s. Tool durations lognormal per tool "
-            f"(benchmarks/agent_workload.py). JCT: a program's last answer minus its arrival; memory evictions: entries "
-            "the memory tier evicted for room (pressure: contexts that did not all fit); in flight: a new program waits "
-            "while that many times the contexts memory holds are in flight (agents/flight.py).\n\n"
-            + table(HEADER, rows(runs))
-        ]
-    )
+    parts: list[str] = []
+    if runs:
+        turns = " / ".join(str(sum(s.turns for s in specs)) for specs in workload.values())
+        parts.append(
+            f"{workloads} workload(s) (seeds {', '.join(map(str, workload))}), each {programs} programs "
+            f"({turns} turns), Poisson arrivals at {rate_per_s}/s, driven by {DRIVERS[client_kind]}, "
+            f"{output_tokens} output tokens a turn, KV memory {memory_mb} MiB (LRU, no disk tier), fixed TTL "
+            f"{fixed_ttl_s} s. Tool durations lognormal per tool (benchmarks/agent_workload.py). JCT: a program's "
+            "last answer minus its arrival; each workload's: that workload's ratio alone (under LRU near saturation "
+            "a run may tip into thrashing or not); memory evictions: entries the memory tier evicted for room "
+            "(pressure: contexts that did not all fit); in flight: a new program waits while that many times the "
+            "contexts memory holds are in flight (agents/flight.py).\n\n" + table(HEADER, rows(runs))
+        )
     if sim_programs or sweep_programs:
         from kvgate.bench.agents_sim import bench_sim, measure, report
         from kvgate.bench.agents_sweep import sweep, sweep_report
