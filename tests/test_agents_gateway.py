@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -208,20 +208,28 @@ def test_spans_stay_within_a_tenant_even_where_documents_are_shared(engine: Engi
 
 
 def test_a_new_program_waits_while_the_programs_in_flight_fill_memory(engine: Engine) -> None:
-    """A server of its own that lets one program fly at a time (any context fills a billionth of memory)."""
+    """A server of its own that lets one program fly at a time (any context fills a billionth of memory).
+    The engine is kept busy by a long request of no program: an idle engine would let b through anyway."""
     settings = Settings(max_num_seqs=4, semantic_cache=False, agent_in_flight=1e-9)
     closed = {"type": "object", "properties": {}, "additionalProperties": False}  # a short call: no arguments
     forced = {"tools": [{"type": "function", "function": {"name": "search", "parameters": closed}}]}
     forced |= {"tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 48}
+    long = {"tools": openai.NOT_GIVEN, "max_tokens": 512, "extra_body": {"ignore_eos": True}}  # of no program
+
+    def wait_for(done: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 30
+        while not done() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
     with serving(settings, engine) as base:
         first = [{"role": "user", "content": TASK}]
         one = turn(base, first, "flight-a", key="flight-key", **forced).parse()
         assert one.choices[0].finish_reason == "tool_calls"  # a is waiting on its tool: still in flight
-        with ThreadPoolExecutor(1) as pool:
+        with ThreadPoolExecutor(2) as pool:
+            busy = pool.submit(turn, base, [{"role": "user", "content": "Count."}], None, "flight-key", **long)
+            wait_for(lambda: bool(engine.scheduler.running))
             other = pool.submit(turn, base, [{"role": "user", "content": "List the files."}], "flight-b", "flight-key")
-            deadline = time.monotonic() + 30
-            while len(engine.scheduler.held) != 1 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_for(lambda: len(engine.scheduler.held) == 1)
             assert len(engine.scheduler.held) == 1  # b's first turn is held at the door
             metrics = httpx.get(f"{base}/metrics", timeout=10).text
             assert "kvgate_programs_in_flight 1" in metrics and "kvgate_programs_in_flight_limit 1" in metrics
@@ -231,4 +239,6 @@ def test_a_new_program_waits_while_the_programs_in_flight_fill_memory(engine: En
             last = turn(base, messages, "flight-a", key="flight-key", tool_choice="none").parse()
             assert last.choices[0].finish_reason in ("stop", "length")  # a answered: its program ended
             assert other.result(timeout=120).parse().choices[0].message.content is not None
+            assert not busy.done()  # b went when a landed, not when the engine ran out of work
+            assert busy.result(timeout=300).parse().usage.completion_tokens == 512
     assert engine.scheduler.gate is None  # the server's gate leaves the shared engine with it
