@@ -186,7 +186,8 @@ def passages(path: Path | None) -> list[str]:
 def rows(runs: dict[Policy, list[Run]]) -> list[list[str]]:
     """A row per policy, its workloads pooled (makespan: their mean; the ratio: of pooled mean JCTs),
     then each workload's own ratio."""
-    base = [statistics.mean(r.jct) for r in runs[BASELINE]]
+    each_base = [statistics.mean(r.jct) for r in runs[BASELINE]]
+    pooled_base = statistics.mean(t for r in runs[BASELINE] for t in r.jct)
     out = []
     for policy, rs in runs.items():
         jct = [t for r in rs for t in r.jct]
@@ -197,8 +198,8 @@ def rows(runs: dict[Policy, list[Run]]) -> list[list[str]]:
                 f"{statistics.mean(jct):.1f}",
                 f"{p95(jct):.1f}",
                 f"{statistics.mean(r.makespan for r in rs):.1f}",
-                f"{statistics.mean(t for b in runs[BASELINE] for t in b.jct) / statistics.mean(jct):.2f}x",
-                " / ".join(f"{b / statistics.mean(r.jct):.2f}x" for b, r in zip(base, rs, strict=True)),
+                f"{pooled_base / statistics.mean(jct):.2f}x",
+                " / ".join(f"{b / statistics.mean(r.jct):.2f}x" for b, r in zip(each_base, rs, strict=True)),
                 f"{sum(r.reused_tokens for r in rs) / max(sum(r.prompt_tokens for r in rs), 1):.0%}",
                 f"{sum(r.pinned_turns for r in rs)}/{sum(r.turns for r in rs)}",
                 str(sum(evictions)) if min(evictions) >= 0 else "?",
