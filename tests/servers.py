@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -16,6 +15,7 @@ from kvgate.gateway.serve import http_protocol
 from kvgate.gateway.settings import Settings
 from kvgate.gateway.upstreams import Upstream
 from kvgate.runtime.engine import Engine
+from tests.waiting import wait_until
 
 
 def free_port(cluster: bool = False) -> int:
@@ -52,10 +52,7 @@ def serving(
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
+    wait_until(lambda: server.started, 30, "uvicorn did not start")
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -15,6 +15,7 @@ from kvgate.chunk_cache import ChunkCacheConfig, ChunkStore, DiskTier, MemoryTie
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
 from tests.servers import serving
+from tests.waiting import wait_until
 
 SYSTEM = "You are a coding agent. Use the tools you are given, one call at a time."
 TASK = "Find where the configuration file is read and report its path."
@@ -122,13 +123,11 @@ def test_a_pin_holds_until_its_ttl_then_the_context_moves_to_disk(engine: Engine
             assert isinstance(memory, MemoryTier) and isinstance(disk, DiskTier)
             kept = memory.keys()  # the store is new: the turn's context is all it holds
             assert len(kept) == 1 and memory.stats()["pinned"] == 1
-            deadline = time.monotonic() + 1.5
+            expiry = time.monotonic() + 1.5
             time.sleep(1.0)
             assert kept[0] in memory and memory.stats()["pinned"] == 1  # still pinned, still in memory
-            while kept[0] in memory:
-                assert time.monotonic() < deadline + 3, "the pin was not demoted after its TTL"
-                time.sleep(0.05)
-            assert time.monotonic() >= deadline - 0.1
+            wait_until(lambda: kept[0] not in memory, 3.5, "the pin was not demoted after its TTL")
+            assert time.monotonic() >= expiry - 0.1
             store.flush()
             assert kept[0] in disk
             assert raw.headers["x-kvgate-pin-ttl"] == "1.500"
@@ -216,21 +215,15 @@ def test_a_new_program_waits_while_the_programs_in_flight_fill_memory(engine: En
     forced |= {"tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 48}
     long = {"tools": openai.NOT_GIVEN, "max_tokens": 512, "extra_body": {"ignore_eos": True}}  # of no program
 
-    def wait_for(done: Callable[[], bool]) -> None:
-        deadline = time.monotonic() + 30
-        while not done() and time.monotonic() < deadline:
-            time.sleep(0.02)
-
     with serving(settings, engine) as base:
         first = [{"role": "user", "content": TASK}]
         one = turn(base, first, "flight-a", key="flight-key", **forced).parse()
         assert one.choices[0].finish_reason == "tool_calls"  # a is waiting on its tool: still in flight
         with ThreadPoolExecutor(2) as pool:
             busy = pool.submit(turn, base, [{"role": "user", "content": "Count."}], None, "flight-key", **long)
-            wait_for(lambda: bool(engine.scheduler.running))
+            wait_until(lambda: engine.scheduler.running, 30, "the long request never ran")
             other = pool.submit(turn, base, [{"role": "user", "content": "List the files."}], "flight-b", "flight-key")
-            wait_for(lambda: len(engine.scheduler.held) == 1)
-            assert len(engine.scheduler.held) == 1  # b's first turn is held at the door
+            wait_until(lambda: len(engine.scheduler.held) == 1, 30, "b's first turn was not held at the door")
             metrics = httpx.get(f"{base}/metrics", timeout=10).text
             assert "kvgate_programs_in_flight 1" in metrics and "kvgate_programs_in_flight_limit 1" in metrics
             time.sleep(1.0)

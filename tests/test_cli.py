@@ -8,10 +8,8 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import openai
 
 from kvgate.runtime.calibration import load as load_calibration
@@ -19,6 +17,7 @@ from kvgate.runtime.calibration import model_fingerprint
 from kvgate.runtime.calibration import path as calibration_path
 from kvgate.runtime.loader import converted_dir, default_gguf, resolve
 from tests.servers import free_port
+from tests.waiting import wait_healthy
 
 KVGATE = str(Path(sys.executable).parent / "kvgate")  # the installed console script
 
@@ -38,16 +37,7 @@ def test_serve_answers_the_openai_sdk(tmp_path: Path, model_name, settings) -> N
         [KVGATE, "serve", "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "kvgate serve did not come up"
-            time.sleep(0.2)
+        wait_healthy(proc, f"http://127.0.0.1:{port}", 120)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         r = client.chat.completions.create(
             model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0

@@ -13,6 +13,7 @@ from kvgate.runtime.engine import Engine, PromptTooLong
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.sampling import SamplingParams
 from tests.conftest import QUESTIONS
+from tests.waiting import wait_until
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
 
@@ -125,10 +126,7 @@ def test_abandoned_stream_frees_its_slot(engine: Engine, chat_ids) -> None:
         await stream.aclose()
 
     asyncio.run(read_two())
-    deadline = time.monotonic() + 10
-    while engine.load_stats["running"] or engine.load_stats["waiting"]:
-        assert time.monotonic() < deadline, "aborted sequence still scheduled"
-        time.sleep(0.02)
+    wait_until(lambda: not any(engine.load_stats.values()), 10, "aborted sequence still scheduled")
 
 
 def test_a_client_that_cannot_take_output_only_loses_its_own_request(engine: Engine, chat_ids) -> None:
@@ -139,7 +137,4 @@ def test_a_client_that_cannot_take_output_only_loses_its_own_request(engine: Eng
     engine.submit(chat_ids(QUESTIONS[0]), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True), closed_loop)
     survivor = engine.generate_sync(chat_ids(QUESTIONS[1]), GREEDY)
     assert survivor.token_ids == engine.generate_sync(chat_ids(QUESTIONS[1]), GREEDY).token_ids
-    deadline = time.monotonic() + 10
-    while engine.load_stats["running"] or engine.load_stats["waiting"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_until(lambda: not any(engine.load_stats.values()), 10, "the failed request still scheduled")

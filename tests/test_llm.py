@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
 
 import kvgate
 from kvgate.gateway.settings import Settings
+from tests.waiting import wait_until
 
 FACTS = [
     "The town of Varnholt lies on the river Esk and is known for its glass bells.",
@@ -59,9 +59,8 @@ def test_a_stream_left_early_frees_the_engine(llm: kvgate.LLM) -> None:
     stream = llm.chat("Count to one hundred.", max_tokens=1000, ignore_eos=True, temperature=0, stream=True)
     next(iter(stream))
     stream.close()
-    deadline = time.monotonic() + 10  # the abort reaches the engine thread between two steps
-    while llm.engine.load_stats["running"] and time.monotonic() < deadline:
-        time.sleep(0.05)
+    # the abort reaches the engine thread between two steps
+    wait_until(lambda: not llm.engine.load_stats["running"], 10, "the engine kept decoding for a stream left early")
     assert llm.engine.load_stats == {"waiting": 0, "running": 0}
 
 

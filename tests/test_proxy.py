@@ -17,6 +17,7 @@ import pytest
 from kvgate.bench.upstream import serve_upstream
 from kvgate.gateway.settings import Settings
 from tests.servers import free_port, serving
+from tests.waiting import wait_until
 
 HELLO = [{"role": "user", "content": "hello"}]
 ANSWER = "w0 w1 w2 w3 w4 w5 w6 w7 "
@@ -297,10 +298,8 @@ def test_with_the_race_a_miss_is_kept_after_it_went_out_and_a_hit_does_not_wait_
         first = httpx.post(url + "/v1/chat/completions", json={**ask, "temperature": 0})
         assert first.status_code == 200 and first.json()["choices"][0]["message"]["content"] == ANSWER
         assert first.headers["x-kvgate-cache"] == "miss"  # the upstream answered before the lookup did
-        deadline = time.monotonic() + 20
-        while httpx.get(url + "/admin/semantic-cache", headers=admin).json()["entries"] == 0:
-            assert time.monotonic() < deadline, "the answer was never kept"
-            time.sleep(0.05)
+        kept = lambda: httpx.get(url + "/admin/semantic-cache", headers=admin).json()["entries"] > 0  # noqa: E731
+        wait_until(kept, 20, "the answer was never kept", every_s=0.05)
         script(a, {"delay_s": 5})
         began = time.monotonic()
         slow = httpx.post(url + "/v1/chat/completions", json={**ask, "temperature": 0, "stream": True}, timeout=30)

@@ -22,6 +22,7 @@ from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
 from kvgate.semantic_cache.config import DEFAULT_CATEGORIES
 from tests.servers import serving
+from tests.waiting import wait_until
 
 KEYS = {"key-alice": "alice", "key-bob": "bob"}
 ADMIN = "admin-secret"
@@ -124,10 +125,8 @@ def test_beside_a_checked_hit_is_served_and_the_model_answers_it_in_the_backgrou
             assert ask_(paraphrase).headers["x-kvgate-cache"] == "miss"
         served = ask_(paraphrase)
         assert served.headers["x-kvgate-cache"] == "hit" and served.headers["x-kvgate-cache-check"] == "beside"
-        deadline = time.monotonic() + 60
-        while bound(base)["verdicts"]["right"] + bound(base)["verdicts"]["wrong"] < 4:
-            assert time.monotonic() < deadline, "the check beside the hit never ran"
-            time.sleep(0.2)
+        checked = lambda: sum(bound(base)["verdicts"][v] for v in ("right", "wrong")) >= 4  # noqa: E731
+        wait_until(checked, 60, "the check beside the hit never ran", every_s=0.2)
         checks = httpx.get(f"{base}/admin/semantic-cache", headers={"authorization": f"Bearer {ADMIN}"}).json()
         assert checks["checks"]["checked"] == 1 and checks["checks"]["dropped"] == 0
 

@@ -22,6 +22,7 @@ from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel
 from tests.redis_server import RedisServer
 from tests.servers import free_port, serving
+from tests.waiting import wait_healthy
 
 DOCS = [
     "The Harbor Line opened in 1911 and runs from Pier Street to the Old Mill, stopping at Elm Square.",
@@ -194,15 +195,7 @@ def test_a_document_stored_through_one_process_is_a_hit_in_another_through_redis
         )
         try:
             url_b = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 120
-            while True:
-                assert process.poll() is None, process.stderr.read().decode()[-2000:]
-                assert time.monotonic() < deadline, "process B did not start"
-                try:
-                    if httpx.get(f"{url_b}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(0.25)
+            wait_healthy(process, url_b, 120)
             assert httpx.get(f"{url_b}/v1/documents/{ids[0]}").status_code == 200
             assert ask(url_b)[2] > 0
         finally:

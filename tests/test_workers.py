@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import threading
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -18,6 +17,7 @@ from kvgate.gateway.settings import Settings
 from kvgate.gateway.upstreams import Upstream
 from kvgate.gateway.workers import running
 from tests.servers import serving
+from tests.waiting import wait_until
 
 AUTH = {"authorization": "Bearer sk-anyone"}
 QUESTION = [{"role": "user", "content": "What does the passage say?"}]
@@ -155,10 +155,8 @@ def test_a_busy_worker_spills_over_and_a_client_leaving_frees_its_slot(front, mo
     finally:
         stop.set()
         streamer.join(60)
-    deadline = time.monotonic() + 15
-    while running_at(workers[busy]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert running_at(workers[busy]) == 0  # the worker stopped generating for the client that left
+    # the worker stops generating for the client that left
+    wait_until(lambda: running_at(workers[busy]) == 0, 15, "the worker kept generating", every_s=0.1)
 
 
 def ready_model(workers: dict[str, Upstream]) -> str:
