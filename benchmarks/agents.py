@@ -212,6 +212,13 @@ HEADER = ["policy", "mean JCT (s)", "p95 JCT (s)", "makespan (s)", "mean JCT vs 
 HEADER += ["prompt reused", "pinned", "memory evictions"]
 
 
+def section(programs: int, simulated: bool) -> tuple[str, str]:
+    """The BENCHMARKS.md section's name and title: a live run alone (no simulation) has its own, by its
+    program count, so that it does not overwrite the default run's."""
+    title = "Agent programs: TTL pins and program FCFS"
+    return ("agents", title) if simulated else (f"agents-live-{programs}", f"{title}, live, {programs} programs")
+
+
 def bench_agents(
     base: Settings,
     programs: int,
@@ -230,8 +237,8 @@ def bench_agents(
     workloads: int = 1,
 ) -> dict[Policy, list[Run]]:
     """Every policy live on each of `workloads` workloads (seeds from `seed`), then (`sim_programs`)
-    the simulator on SIMULATED and (`sweep_programs`) its sweep; the section written to `output`.
-    off + fcfs is the baseline."""
+    the simulator on SIMULATED and (`sweep_programs`) its sweep; the section (`section`) written to
+    `output`. off + fcfs is the baseline."""
     chosen = [Policy(*p) for p in policies] if policies else POLICIES
     loaded: LoadedModel = load(base.engine_config())
     runs: dict[Policy, list[Run]] = {}
@@ -285,6 +292,6 @@ def bench_agents(
             results = sweep(costs, programs=sweep_programs, fixed_ttl_s=fixed_ttl_s, output_tokens=output_tokens)
             parts.append(sweep_report(results, costs, sweep_programs, fixed_ttl_s))
     body = "\n\n".join(parts)
-    write_section(output, "agents", "Agent programs: TTL pins and program FCFS", command, body)
+    write_section(output, *section(programs, simulated=bool(sim_programs or sweep_programs)), command, body)
     print(body)
     return runs

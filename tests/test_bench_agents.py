@@ -1,9 +1,12 @@
-"""benchmarks/agents.py: the live table pools a policy's workloads and shows each one's ratio (the
-live runs themselves take minutes a policy: `kvgate bench agents`, not a test)."""
+"""benchmarks/agents.py: the live table pools a policy's workloads and shows each one's ratio, and a live run
+alone keeps a section of its own (the live runs take minutes a policy: `kvgate bench agents`, not a test)."""
 
 from __future__ import annotations
 
-from kvgate.bench.agents import BASELINE, HEADER, Policy, Run, rows
+from pathlib import Path
+
+from kvgate.bench.agents import BASELINE, HEADER, Policy, Run, rows, section
+from kvgate.bench.report import write_section
 
 
 def run(jct: list[float], makespan: float, evictions: int = 3) -> Run:
@@ -26,3 +29,13 @@ def test_a_policy_row_pools_its_workloads_and_shows_each_ratio() -> None:
     assert mine["each workload's"] == "2.00x / 3.00x"
     assert mine["prompt reused"] == "50%" and mine["pinned"] == "2/8"
     assert base["memory evictions"] == "6" and mine["memory evictions"] == "?"  # one workload's count is missing
+
+
+def test_a_live_run_alone_keeps_a_section_of_its_own(tmp_path: Path) -> None:
+    output = tmp_path / "BENCHMARKS.md"
+    write_section(output, *section(30, simulated=True), "kvgate bench agents --programs 30", "default run")
+    write_section(output, *section(100, simulated=False), "kvgate bench agents --programs 100 ...", "live alone")
+    write_section(output, *section(30, simulated=True), "kvgate bench agents --programs 30", "default again")
+    text = output.read_text()
+    assert "<!-- bench:agents -->" in text and "<!-- bench:agents-live-100 -->" in text
+    assert "live alone" in text and "default again" in text and "default run" not in text
