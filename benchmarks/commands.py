@@ -191,7 +191,13 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
     agents.add_argument(
         "--data", type=Path, default=MUSIQUE, help="MuSiQue jsonl: the text of prompts and tool results"
     )
-    agents.add_argument("--sim-programs", type=int, default=300, help="programs in the simulator (0: no simulation)")
+    agents.add_argument(
+        "--sim-programs",
+        type=int,
+        default=300,
+        help="programs in the simulator (0: no simulation; with --sweep 0 too, the live run writes a section of "
+        "its own, agents-live-PROGRAMS)",
+    )
     agents.add_argument(
         "--sweep",
         type=int,
