@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -33,8 +32,7 @@ def test_concurrent_requests_equal_their_serial_runs(engine: Engine, chat_ids) -
 def test_request_joins_a_running_batch(engine: Engine, chat_ids) -> None:
     long = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     first = ThreadPoolExecutor(1).submit(engine.generate_sync, chat_ids(QUESTIONS[0]), long)
-    while engine.load_stats["running"] == 0:
-        time.sleep(0.01)
+    wait_until(lambda: engine.load_stats["running"], 30, "the first request never ran", every_s=0.01)
     second = engine.generate_sync(chat_ids(QUESTIONS[1]), GREEDY)
     assert not first.done()  # the second finished while the first was still decoding
     assert second.token_ids == engine.generate_sync(chat_ids(QUESTIONS[1]), GREEDY).token_ids

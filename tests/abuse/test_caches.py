@@ -31,6 +31,7 @@ from kvgate.runtime.loader import LoadedModel, load
 from tests.entries import chunk
 from tests.servers import free_port, serving
 from tests.test_families import FAMILIES, saved
+from tests.waiting import wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = (
@@ -157,15 +158,7 @@ def served_process(env: dict[str, str]) -> Iterator[tuple[str, subprocess.Popen]
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.stderr.read().decode()[-2000:]
-            assert time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.25)
+        wait_healthy(process, url, 120)
         yield url, process
     finally:
         process.kill()
