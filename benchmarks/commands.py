@@ -231,6 +231,19 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
     front.add_argument("--before", type=Path, help="a checkout of an earlier commit, measured beside this one")
     front.add_argument("--runs", type=int, default=5, help="starts of each front; the median is kept")
 
+    engines = kind("engines", "kvgate's default server against vLLM's CPU build, side by side, in one run")
+    engines.add_argument("--vs", choices=["vllm"], default="vllm", help="the engine to measure against")
+    engines.add_argument("--model", help="the HF directory both serve (default: the one `kvgate convert` writes)")
+    engines.add_argument("--data", type=Path, default=MUSIQUE, help="MuSiQue RAG jsonl: documents and questions")
+    engines.add_argument("--repeats", type=int, default=3, help="requests per row and engine (new documents each)")
+    engines.add_argument(
+        "--cores", type=int, default=0, help="both engines computing on this many cores (0: each engine's defaults)"
+    )
+    engines.add_argument(
+        "--venv", type=Path, help="vLLM's virtualenv, made on first use (default: the user cache's vllm-venv)"
+    )
+
     every = (prefill, fidelity, sources, ttft, grammar, tiers, compressed, semantic, agents, multiagent, gateway, front)
+    every += (engines,)
     for each in every:
         each.add_argument("--output", type=Path, default=OUTPUT, help="the BENCHMARKS.md to write the section to")

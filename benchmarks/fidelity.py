@@ -30,6 +30,7 @@ from kvgate.runtime.documents import chat_pieces, document_ids
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.model import Run, forward
+from kvgate.runtime.prefix import Blocks
 from kvgate.runtime.reuse import Prefilled, Reuse, Reuser
 
 RATIOS = (0.0, 0.05, 0.10, 0.15, 0.20, 0.30, 0.50)
@@ -100,12 +101,32 @@ def start(reuser: Reuser, item: Item, reuse: Reuse) -> tuple[KVCache, torch.Tens
 
     The first token's logits exist once this returns: it is what time to first token measures."""
     kv = reuser.new_kv()
+    if reuse.mode == "prefix":  # the prefix blocks an earlier prompt left (`keep_prefix`), as the engine reads them
+        prefix_blocks(reuser).attach(kv, item.ids, "")
     done = reuser.prefill(kv, item.pieces, item.documents, reuse)
+    if reuse.mode == "prefix":
+        done.reused = len(kv)
     ids = item.ids
     logits = done.logits
     if logits is None:
         logits = forward(reuser.model, [Run(kv, ids[len(kv) :], len(kv))])[0]
     return kv, logits, done
+
+
+_BLOCKS: dict[int, Blocks] = {}
+
+
+def prefix_blocks(reuser: Reuser) -> Blocks:
+    """The prefix blocks over a reuser's store (one per store: its index finds where prompts part)."""
+    found = _BLOCKS.get(id(reuser.store))
+    if found is None or found.store is not reuser.store:
+        found = _BLOCKS[id(reuser.store)] = Blocks(reuser.store, reuser.model_fp, reuser.tokenizer_fp)
+    return found
+
+
+def keep_prefix(reuser: Reuser, kv: KVCache, item: Item) -> None:
+    """What an earlier request with this very prompt leaves: its prefix blocks."""
+    prefix_blocks(reuser).keep(kv, item.ids, "")
 
 
 def greedy(
@@ -187,7 +208,7 @@ def measure(
         prompt_len = len(ref_kv)
         ref_answer, ref_logits = greedy(reuser, ref_kv, ref_first, eos)
         ref_logits = torch.stack(ref_logits)
-        reuser.store_prefix(ref_kv, item.pieces)  # what an earlier request with this prompt leaves
+        keep_prefix(reuser, ref_kv, item)  # what an earlier request with this prompt leaves
         ref_text = decode(ref_answer)
         for mode in modes:
             kv, first, done = start(reuser, item, mode)

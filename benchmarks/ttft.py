@@ -27,9 +27,11 @@ from kvgate.bench.fidelity import (
     TARGET_TOP1,
     Item,
     greedy,
+    keep_prefix,
     kl,
     load_items,
     make_reuser,
+    prefix_blocks,
     start,
     teacher_forced,
     top1,
@@ -83,13 +85,18 @@ def prepare(reuser: Reuser, data: list[Item]) -> None:
                 reuser.document(ids)
     for item in data:
         kv, _, _ = start(reuser, item, Reuse("full"))
-        reuser.store_prefix(kv, item.pieces)
+        keep_prefix(reuser, kv, item)
 
 
 def missing(reuser: Reuser, data: list[Item]) -> int:
     """Documents and prefixes that did not stay in the store (an eviction would spoil the timing)."""
     keys = [reuser.key(ids) for item in data for ids, d in zip(item.pieces, item.documents) if d]
-    keys += [reuser.key([t for p in item.pieces[:-1] for t in p], "prefix:") for item in data]
+    blocks = prefix_blocks(reuser)
+    for item in data:
+        parent = blocks.root("")
+        for first in range(0, len(item.ids) - len(item.ids) % blocks.size, blocks.size):
+            parent = blocks.key(parent, item.ids[first : first + blocks.size], "")
+            keys.append(parent)
     return sum(key not in reuser.store for key in keys)
 
 

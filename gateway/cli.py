@@ -328,6 +328,20 @@ def run_front(args: argparse.Namespace, settings: Settings, command: str) -> int
     return 0
 
 
+def run_engines(args: argparse.Namespace, settings: Settings, command: str) -> int:
+    from kvgate.bench.data import DataError
+    from kvgate.bench.engines import bench_engines
+    from kvgate.runtime.config import user_cache_dir
+    from kvgate.runtime.loader import resolve
+
+    if not args.data.is_file() or args.repeats < 1 or args.cores < 0:
+        raise DataError(f"need --data (a file: {args.data}), --repeats >= 1 and --cores >= 0")
+    model = Path(resolve(settings.engine_config()))
+    venv = args.venv or user_cache_dir() / "vllm-venv"
+    print(bench_engines(model, args.data, venv, args.repeats, args.cores, args.output, command))
+    return 0
+
+
 Command = Callable[[argparse.Namespace, "Settings", str], int]
 COMMANDS: dict[str, Command] = {
     "serve": run_serve,
@@ -345,6 +359,7 @@ COMMANDS: dict[str, Command] = {
     "bench multiagent": run_multiagent,
     "bench gateway": run_gateway,
     "bench front": run_front,
+    "bench engines": run_engines,
 }
 
 

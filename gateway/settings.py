@@ -99,6 +99,10 @@ class Settings(BaseSettings):
     # A prompt of mostly new documents is prefilled in full and their KV kept as it computed them
     # (within a tenant's scope); false: each new document is computed alone and blended.
     documents_in_context: bool = True
+    # Automatic prefix caching: every prompt's exact KV kept in blocks of `prefix_block` tokens, reused
+    # by any later prompt of the same tenant that begins with the same tokens (as vLLM's APC).
+    prefix_caching: bool = True
+    prefix_block: int = Field(64, ge=1, le=4096)
     # ---- the quality gate: a share of reused requests checked against full prefill on spare capacity
     shadow_rate: float = Field(0.05, ge=0.0, le=1.0)
     fidelity_kl: float = Field(0.05, ge=0.0)  # target: mean first-token KL of the checks, at most
@@ -212,6 +216,8 @@ class Settings(BaseSettings):
             queue_order=self.queue_order,
             kvcomm_ratio=self.kvcomm_recompute_ratio,
             documents_in_context=self.documents_in_context,
+            prefix_caching=self.prefix_caching,
+            prefix_block=self.prefix_block,
             quality=QualityConfig(
                 self.shadow_rate,
                 self.fidelity_kl,

@@ -1,6 +1,7 @@
-"""What a sequence takes from the caches and leaves to them: the documents its prompt lacks
-(computed in its own steps), the reuse that starts its KV, and what it leaves for later prompts:
-an exact prefix, spans, a program's context."""
+"""What a sequence takes from the caches and leaves to them: the exact head of its prompt (a
+program's context, prefix blocks), the documents its prompt lacks (computed in its own steps), the
+reuse that continues its KV, and what it leaves for later prompts: prefix blocks, spans, a
+program's context."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from kvgate.runtime.blend import Steps, cost
 from kvgate.runtime.calibration import Calibration
+from kvgate.runtime.prefix import Blocks
 from kvgate.runtime.quality import FULL, Gate
 from kvgate.runtime.reuse import Reuse, Reuser
 from kvgate.runtime.sequence import Missing, Plan, Sequence
@@ -26,6 +28,7 @@ class Caches:
     def __init__(
         self,
         reuser: Reuser,
+        blocks: Blocks | None,
         spans: Spans,
         cost: Callable[[int], float],
         gate: Gate,
@@ -33,15 +36,16 @@ class Caches:
         in_context: bool = True,
     ) -> None:
         self.reuser, self.spans, self.cost = reuser, spans, cost  # cost: seconds to prefill n tokens
+        self.blocks = blocks  # None: no automatic prefix caching
         self.gate, self.calibration = gate, calibration
         self.in_context = in_context  # new documents' KV kept as their first prompt computed it
 
     def lacking(self, seq: Sequence) -> list[Missing]:
         """The plan's documents no tier holds, to compute in the sequence's steps (a blend would
         otherwise compute each in one piece, stalling every other stream meanwhile)."""
-        plan = seq.plan
-        if plan is None or not any(plan.documents):
+        if seq.plan is None or not any(seq.plan.documents):
             return []
+        plan = after(seq.plan, len(seq.kv))
         if not seq.ingest and (plan.reuse.mode not in ("naive", "blend") or not self.reuser.shiftable):
             return []
         found = self.reuser.missing(plan.pieces, plan.documents, plan.scope)
@@ -73,20 +77,43 @@ class Caches:
             if is_document:
                 self.reuser.remember(self.reuser.key(ids, plan.scope), ids)
 
+    def start(self, seq: Sequence) -> None:
+        """Begin the prompt's KV with what is exactly its own: the program's stored context it
+        continues, then the prefix blocks that continue that (every prompt stores its exact blocks)."""
+        if seq.ingest:
+            return
+        turn, reuse = seq.turn, seq.reuse
+        if turn is not None and turn.resume:
+            seq.cached_tokens = self.reuser.resume(seq.kv, seq.prompt_ids, turn.resume)
+            reuse = "program" if seq.cached_tokens else ""
+            if turn.keep:  # the KV now lives in the sequence: the stored copy would count twice
+                self.reuser.store.delete(turn.resume)
+        resumed = len(seq.kv)
+        blocks = self.blocks_for(seq)
+        found = blocks.attach(seq.kv, seq.prompt_ids, seq.tenant) if blocks is not None else 0
+        seq.cached_tokens += found
+        seq.reuse = reuse or ("prefix" if found else "")
+        seq.exact = len(seq.kv)
+        # Blocks found need not be stored again: only from the block where the found ones end.
+        seq.kept = 0 if resumed or blocks is None else found - found % blocks.size
+        seq.fidelity = EXACT if seq.cached_tokens else ""
+
+    def blocks_for(self, seq: Sequence) -> Blocks | None:
+        """The prefix blocks a sequence reads and leaves: none for an ingest, nor for a prompt that
+        asked for full prefill (the truth that reuse is measured against touches no cache)."""
+        full = seq.plan is not None and seq.plan.reuse.mode == "full"
+        return None if seq.ingest or full else self.blocks
+
     def reuse(self, seq: Sequence) -> Steps[torch.Tensor | None]:
-        """Start the KV of a prompt as its plan says, stepwise: documents reused (a blend, layer by
-        layer), or a program's stored context resumed and then its shared spans reused (KVCOMM);
-        the first token's logits when the whole prompt is done, else None (the rest is prefilled in
-        the usual steps)."""
+        """Continue the KV of a prompt after its exact head as its plan says, stepwise: documents
+        reused (a blend, layer by layer), or shared spans reused (KVCOMM); the first token's
+        logits when the whole prompt is done, else None (the rest is prefilled in the usual steps)."""
         plan = seq.plan
+        head = len(seq.kv)
         if plan is None or plan.spans:
             seq.planned = True
-            if seq.turn is not None and seq.turn.resume:
-                seq.cached_tokens = self.reuser.resume(seq.kv, seq.prompt_ids, seq.turn.resume)
-                seq.reuse = "program" if seq.cached_tokens else ""
-                if seq.turn.keep:  # the KV now lives in the sequence: the stored copy would count twice
-                    self.reuser.store.delete(seq.turn.resume)
             if plan is None:
+                seq.exact = len(seq.prompt_ids)
                 return None
             reuse, why = self.choose(seq, plan)
             own = self.gate.base("kvcomm" if reuse.mode == "kvcomm" else "blend")
@@ -96,17 +123,24 @@ class Caches:
             label = seq.reuse if done.mode == "full" else done.mode  # "full": no span reused
             seq.cached_tokens, seq.recomputed_tokens = done.reused, done.recomputed
             seq.reuse = "; ".join(x for x in (label, done.note, why) if x)
-            spans = done.reused and done.mode != "full"
+            spans = done.reused > head and done.mode != "full"
+            seq.exact = head if spans else len(seq.prompt_ids)
             seq.fidelity = self.fidelity("kvcomm", ratio, 0) if spans else EXACT if seq.cached_tokens else ""
             return done.logits
-        reuse, why = self.choose(seq, plan)
-        done = yield from self.reuser.prefilling(seq.kv, plan.pieces, plan.documents, reuse, plan.scope, seq.fresh)
+        rest = after(plan, head)
+        reuse, why = self.choose(seq, rest) if any(rest.documents) else (Reuse("full"), "")
+        done = yield from self.reuser.prefilling(seq.kv, rest.pieces, rest.documents, reuse, plan.scope, seq.fresh)
         seq.planned = True
-        seq.cached_tokens, seq.recomputed_tokens = done.reused, done.recomputed
-        seq.reuse = "; ".join(x for x in (done.mode, done.note, why) if x)
+        seq.cached_tokens, seq.recomputed_tokens = head + done.reused, done.recomputed
+        blended = done.mode in ("naive", "blend")
+        label = done.mode if blended or not head else seq.reuse  # else all it reused: the exact head
+        seq.reuse = "; ".join(x for x in (label, done.note, why) if x)
+        seq.exact = len(seq.prompt_ids)
+        if blended:  # exact up to the first document placed from its own KV
+            lead = next((i for i, d in enumerate(rest.documents) if d), len(rest.pieces))
+            seq.exact = head + sum(len(p) for p in rest.pieces[:lead])
         if done.reused:
-            exact = done.mode == "prefix"
-            seq.fidelity = EXACT if exact else self.fidelity(done.mode, done.ratio, sum(plan.documents))
+            seq.fidelity = self.fidelity(done.mode, done.ratio, sum(rest.documents))
         return done.logits
 
     def fidelity(self, mode: str, ratio: float, documents: int) -> str:
@@ -165,8 +199,8 @@ class Caches:
         its dense ones as anchors."""
         plan, shared, seq.shared = seq.plan, seq.shared, None
         try:
-            if plan is not None and plan.reuse.mode == "prefix":
-                self.reuser.store_prefix(seq.kv, plan.pieces, plan.scope)
+            if blocks := self.blocks_for(seq):
+                seq.kept = blocks.keep(seq.kv, seq.prompt_ids[: seq.exact], seq.tenant, seq.kept)
             if plan is not None and seq.in_context:
                 self.reuser.keep_in_context(seq.kv, plan.pieces, plan.documents, seq.in_context, plan.scope, self.cost)
             if shared is not None and plan is not None:
@@ -175,7 +209,15 @@ class Caches:
             log.exception("request %d: storing its prompt's KV failed", seq.id)
 
     def keep(self, seq: Sequence) -> None:
-        """A finished turn of a program: store its whole context for the next turn."""
+        """A finished sequence: the blocks of its answer, when its prompt's KV is exact (as vLLM
+        keeps full decode blocks; the next turn of a chat begins with them); and a program's turn
+        its whole context for the next turn."""
+        blocks = self.blocks_for(seq)
+        if blocks is not None and seq.exact == len(seq.prompt_ids):
+            try:
+                blocks.keep(seq.kv, seq.all_ids, seq.tenant, seq.kept)
+            except Exception:
+                log.exception("request %d: storing its prefix blocks failed", seq.id)
         turn = seq.turn
         if turn is None or not turn.keep:
             return
@@ -187,3 +229,16 @@ class Caches:
                 self.spans.wrote(seq.kv, len(seq.prompt_ids), seq.output_ids, seq.text, plan.agent, plan.scope)
         except Exception:  # the answer stands; the next turn computes its prompt again
             log.exception("request %d: keeping its context failed", seq.id)
+
+
+def after(plan: Plan, done: int) -> Plan:
+    """The plan of the prompt after its first `done` tokens (an exact head already in the KV); a
+    document the head cuts into goes on as plain tokens."""
+    pieces, documents, offset = [], [], 0
+    for ids, is_document in zip(plan.pieces, plan.documents):
+        if offset + len(ids) > done:
+            cut = max(0, done - offset)
+            pieces.append(ids[cut:])
+            documents.append(is_document and cut == 0)
+        offset += len(ids)
+    return replace(plan, pieces=pieces, documents=documents)

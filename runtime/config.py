@@ -27,6 +27,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     # 0: leave torch's default.
     threads: int = 0
+    # Automatic prefix caching: every prompt's exact KV kept in blocks of `prefix_block` tokens, reused
+    # by any later prompt of the tenant that begins with the same tokens (runtime/prefix.py).
+    prefix_caching: bool = True
+    prefix_block: int = 64
     # Where document KV is kept: memory, then disk, Redis, LMCache (see chunk_cache/config.py).
     chunk_cache: ChunkCacheConfig = ChunkCacheConfig()
     # The admission queue: "fcfs", or "program" (by the program's first arrival, pinned programs first).

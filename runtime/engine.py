@@ -23,6 +23,7 @@ from kvgate.runtime.grammar import GrammarError, Grammars
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.model import Run, forward
+from kvgate.runtime.prefix import Blocks
 from kvgate.runtime.quality import Gate
 from kvgate.runtime.reuse import Reuser
 from kvgate.runtime.sampling import SamplingParams, choose, logprob_of, penalise
@@ -67,9 +68,9 @@ class Engine:
         self.gate = Gate(config.quality, {"blend": self.reuser.blend.ratio, "kvcomm": config.kvcomm_ratio})
         self.shadow = Shadow(self.gate, self.reuser, self.spans)
         calibration = self.calibration if config.recompute_ratio is None else None
-        self.caches = Caches(
-            self.reuser, self.spans, self.prefill_s, self.gate, calibration, config.documents_in_context
-        )
+        blocks = Blocks(self.reuser.store, self.model_fp, self.reuser.tokenizer_fp, self.prefill_s, config.prefix_block)
+        blocks_on, in_context = blocks if config.prefix_caching else None, config.documents_in_context
+        self.caches = Caches(self.reuser, blocks_on, self.spans, self.prefill_s, self.gate, calibration, in_context)
         budget = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.scheduler = Scheduler(config.max_num_seqs, budget, config.queue_order)
         self.prefill_s_per_token: float | None = None  # measured: a moving average over prefill steps
@@ -252,11 +253,8 @@ class Engine:
     def step(self) -> None:
         batch: list[tuple[Sequence, Run]] = []
         for seq, tokens in self.scheduler.schedule():
-            if seq.planned or (seq.plan is None and (seq.turn is None or not seq.turn.resume)):
-                batch.append((seq, Run(seq.kv, tokens, seq.computed)))
-                continue
-            try:
-                run = self.prepare(seq, len(tokens))
+            try:  # reuse first: the exact head, the documents lacking, the reuse; then the rest computed
+                run = Run(seq.kv, tokens, seq.computed) if seq.planned else self.prepare(seq, len(tokens))
             except Exception as exc:
                 self.fail(seq, exc)
                 continue
@@ -297,6 +295,7 @@ class Engine:
         to prefill; None when the step has nothing to run for it (the reuse goes on, or it covered the
         whole prompt and the first token is out)."""
         if seq.missing is None:
+            self.caches.start(seq)
             seq.missing = self.caches.lacking(seq)
         if seq.missing:
             doc = seq.missing[0]

@@ -1,4 +1,7 @@
-"""A sequence's KV cache: per layer, K and V as [kv_heads, T, head_dim], post-RoPE."""
+"""A sequence's KV cache: per layer, K and V as [kv_heads, T, head_dim], post-RoPE.
+
+All layers live in one keys and one values tensor, [layers, kv_heads, capacity, head_dim]; each
+layer's K and V are views of them, so a run of rows is copied in or out of every layer at once."""
 
 from __future__ import annotations
 
@@ -14,7 +17,9 @@ class KVCache:
     ) -> None:
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.dtype, self.device, self.max_len = dtype, device, max_len
-        self.keys: list[torch.Tensor] = []
+        self.all_keys: torch.Tensor | None = None  # [layers, kv_heads, capacity, head_dim]
+        self.all_values: torch.Tensor | None = None
+        self.keys: list[torch.Tensor] = []  # views of all_keys, one per layer
         self.values: list[torch.Tensor] = []
         self.lengths = [0] * num_layers
 
@@ -22,30 +27,35 @@ class KVCache:
         return self.lengths[-1] if self.num_layers else 0
 
     @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[1] if self.keys else 0
+
+    @property
     def nbytes(self) -> int:
         item = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.kv_heads * self.head_dim * len(self) * item
 
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Take [layers, kv_heads, T, head_dim] tensors as this (empty) cache's storage."""
+        self.all_keys, self.all_values = keys, values
+        self.keys, self.values = list(keys.unbind(0)), list(values.unbind(0))
+
     def reserve(self, tokens: int) -> None:
         """Make room for `tokens` in every layer (call before a step)."""
-        capacity = self.keys[0].shape[1] if self.keys else 0
+        capacity = self.capacity
         if tokens <= capacity:
             return
         new = max(tokens, 2 * capacity, 16)
         if self.max_len:
             new = max(tokens, min(new, self.max_len))
-        shape = (self.kv_heads, new, self.head_dim)
-        keys, values = [], []
-        for i in range(self.num_layers):
-            k = torch.empty(shape, dtype=self.dtype, device=self.device)
-            v = torch.empty(shape, dtype=self.dtype, device=self.device)
-            if self.keys:
-                n = self.lengths[i]
-                k[:, :n] = self.keys[i][:, :n]
-                v[:, :n] = self.values[i][:, :n]
-            keys.append(k)
-            values.append(v)
-        self.keys, self.values = keys, values
+        shape = (self.num_layers, self.kv_heads, new, self.head_dim)
+        keys = torch.empty(shape, dtype=self.dtype, device=self.device)
+        values = torch.empty(shape, dtype=self.dtype, device=self.device)
+        if self.all_keys is not None and self.all_values is not None:
+            n = max(self.lengths)
+            keys[:, :, :n] = self.all_keys[:, :, :n]
+            values[:, :, :n] = self.all_values[:, :, :n]
+        self.adopt(keys, values)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add [kv_heads, n, head_dim] rows to a layer; return the layer's whole K and V."""
@@ -55,6 +65,21 @@ class KVCache:
         self.values[layer][:, start : start + n] = v
         self.lengths[layer] = start + n
         return self.keys[layer][:, : start + n], self.values[layer][:, : start + n]
+
+    def extend(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append rows to every layer at once: [layers, kv_heads, n, head_dim] (the layers all at
+        one length)."""
+        start, n = len(self), keys.shape[2]
+        self.reserve(start + n)
+        assert self.all_keys is not None and self.all_values is not None
+        self.all_keys[:, :, start : start + n] = keys
+        self.all_values[:, :, start : start + n] = values
+        self.lengths = [start + n] * self.num_layers
+
+    def rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of rows start..stop of every layer: [layers, kv_heads, stop - start, head_dim]."""
+        assert self.all_keys is not None and self.all_values is not None
+        return self.all_keys[:, :, start:stop], self.all_values[:, :, start:stop]
 
     def truncate(self, length: int) -> None:
         self.lengths = [min(n, length) for n in self.lengths]

@@ -40,13 +40,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wind
     if window is not None:  # keys out of every query's window never reach the kernel
         first = max(0, k.shape[1] - q.shape[1] - window + 1)
         k, v = k[:, first:], v[:, first:]
+    if q.shape[1] == 1:
+        return attend_one(q, k, v, scale)
     # A batch dimension matters: on CPU, 3-D inputs fall back to SDPA's slow math kernel.
     q, k, v = q[None], k[None], v[None]
     n, total = q.shape[2], k.shape[2]
     if n == total and (window is None or n <= window):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    elif n == 1:
-        out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
     else:
         rows = torch.arange(total - n, total, device=q.device)[:, None]
         cols = torch.arange(total, device=q.device)[None, :]
@@ -55,6 +55,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wind
             mask &= cols > rows - window
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0]
+
+
+def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per head (a decode step) over every key: two small batched matmuls, each KV head
+    with the query heads it serves. Measured on CPU: SDPA's flash kernel takes milliseconds a layer
+    for this shape (its blocking is for long queries), which was most of a decode step."""
+    heads, _, d = q.shape
+    kv_heads, dtype = k.shape[0], q.dtype
+    if dtype != torch.float32:  # half-precision batched matmuls are slow on CPUs without native support
+        q, k, v = q.float(), k.float(), v.float()
+    grouped = q.reshape(kv_heads, heads // kv_heads, d)  # query head h reads KV head h // group
+    scores = torch.bmm(grouped, k.transpose(1, 2)).mul_(scale)
+    return torch.bmm(scores.softmax(-1), v).reshape(heads, 1, d).to(dtype)
 
 
 def window_of(layer: torch.nn.Module) -> int | None:

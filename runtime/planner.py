@@ -57,6 +57,9 @@ class Planner:
             plan = self.documents(chat)
         elif chat.program is not None:
             plan = self.spans(chat)
+        elif chat.mode == "full":  # no reuse at all, not even of prefix blocks: the truth, measured
+            prompt = chat_prompt(self.tokenizer, chat.messages, chat.add_generation_prompt, chat.tools)
+            return prompt, Plan([prompt], [False], Reuse("full"), chat.scope)
         if plan is not None:
             return [t for piece in plan.pieces for t in piece], plan
         return chat_prompt(self.tokenizer, chat.messages, chat.add_generation_prompt, chat.tools), None

@@ -66,20 +66,14 @@ def with_kv(
 
 def copy_prefix(kv: KVCache, entry: ChunkKV, n: int) -> int:
     """Copy the entry's first `n` tokens into the empty `kv`."""
-    kv.reserve(n)
-    for i in range(kv.num_layers):
-        kv.keys[i][:, :n] = entry.keys[i][:, :n]
-        kv.values[i][:, :n] = entry.values[i][:, :n]
-    kv.lengths = [n] * kv.num_layers
+    kv.extend(entry.keys[:, :, :n], entry.values[:, :, :n])
     return n
 
 
-def snapshot(kv: KVCache, key: str, token_ids: list[int], cost: float, model: str) -> ChunkKV:
-    """An entry holding a copy of the KV of `kv`'s first len(token_ids) tokens."""
-    n = len(token_ids)
-    keys = torch.stack([k[:, :n] for k in kv.keys])
-    values = torch.stack([v[:, :n] for v in kv.values])
-    return ChunkKV(key, tuple(token_ids), keys, values, cost, model)
+def snapshot(kv: KVCache, key: str, token_ids: Sequence[int], cost: float, model: str, start: int = 0) -> ChunkKV:
+    """An entry holding a copy of the KV of `kv`'s tokens start..start+len(token_ids)."""
+    keys, values = kv.rows(start, start + len(token_ids))
+    return ChunkKV(key, tuple(token_ids), keys.clone(), values.clone(), cost, model)
 
 
 class Remembered:
@@ -128,7 +122,6 @@ class Reuser:
         max_ratio: float = 0.5,
         deviation_limit: float | None = None,
         remembered_tokens: int = 1 << 22,
-        max_prefixes: int = 1 << 16,
     ) -> None:
         self.model, self.tokenizer, self.store, self.blend = model, tokenizer, store, blend
         self.model_fp, self.tokenizer_fp = model_fp, tokenizer_fingerprint(tokenizer)
@@ -137,9 +130,6 @@ class Reuser:
         self.max_ratio, self.deviation_limit = max_ratio, deviation_limit
         mc = model.config
         self.kv_shape = (mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
-        # boundary key -> (entry key, tokens), the latest `prefixes` boundaries
-        self.prefixes: OrderedDict[str, tuple[str, int]] = OrderedDict()
-        self.max_prefixes = max_prefixes
         # Every document seen, by key: its KV may be evicted, its tokens are kept to recompute it.
         self.known = Remembered(remembered_tokens)
         self.lock = threading.Lock()
@@ -205,7 +195,7 @@ class Reuser:
         layers, kv_heads, head_dim = self.kv_shape
         shape, dtype, device = (layers, kv_heads, tokens, head_dim), self.model.dtype, self.model.device
         keys, values = (torch.empty(shape, dtype=dtype, device=device) for _ in "kv")
-        kv.keys, kv.values = list(keys.unbind(0)), list(values.unbind(0))
+        kv.adopt(keys, values)
         return kv, keys, values
 
     def remember(self, key: str, token_ids: list[int]) -> None:
@@ -250,45 +240,6 @@ class Reuser:
             known = self.known.pop(key)
         return self.store.delete(key) or known
 
-    # ---- exact prefix -----------------------------------------------------------------
-
-    def attach_prefix(self, kv: KVCache, pieces: list[list[int]], scope: str = "") -> int:
-        """Copy the longest stored exact prefix ending at a piece boundary into the empty `kv`;
-        return its length in tokens."""
-        ids = [t for p in pieces for t in p]
-        bounds = torch.tensor([len(p) for p in pieces]).cumsum(0).tolist()[:-1]  # never the whole prompt
-        for end in reversed(bounds):
-            alias = self.key(ids[:end], "prefix:" + scope)
-            with self.lock:
-                found = self.prefixes.get(alias)
-            entry = self.store.get(found[0], self.model_fp) if found else None
-            if found and entry is None:  # evicted: forget the way to it too
-                with self.lock:
-                    self.prefixes.pop(alias, None)
-            if entry is None or entry.token_ids[:end] != tuple(ids[:end]):
-                continue
-            return copy_prefix(kv, entry, end)
-        return 0
-
-    def store_prefix(self, kv: KVCache, pieces: list[list[int]], scope: str = "") -> None:
-        """Keep the in-context KV of all pieces but the last, findable at each piece boundary."""
-        ids = [t for p in pieces[:-1] for t in p]
-        end = len(ids)
-        if end == 0 or len(kv) < end:
-            return
-        key = self.key(ids, "prefix:" + scope)
-        if key not in self.store:
-            self.store.put(snapshot(kv, key, ids, float(end), self.model_fp))
-        with self.lock:
-            boundary = 0
-            for p in pieces[:-1]:
-                boundary += len(p)
-                alias = self.key(ids[:boundary], "prefix:" + scope)
-                self.prefixes[alias] = (key, boundary)
-                self.prefixes.move_to_end(alias)
-            while len(self.prefixes) > self.max_prefixes:
-                self.prefixes.popitem(last=False)
-
     # ---- agent programs ---------------------------------------------------------------
 
     def resume(self, kv: KVCache, prompt_ids: list[int], key: str) -> int:
@@ -332,9 +283,8 @@ class Reuser:
         this very prompt (stored, but not reused)."""
         if reuse.mode == "full":
             return Prefilled(None, "full")
-        if reuse.mode == "prefix":
-            n = self.attach_prefix(kv, pieces, scope)
-            return Prefilled(None, "prefix", reused=n)
+        if reuse.mode == "prefix":  # the exact prefix: prefix blocks (runtime/prefix.py), read before this
+            return Prefilled(None, "prefix")
         if not self.shiftable:
             return Prefilled(None, "full", note=f"rope type {rope_type(self.model)} cannot shift cached keys")
         ratio = 0.0 if reuse.mode == "naive" else (reuse.ratio if reuse.ratio is not None else self.blend.ratio)

@@ -116,6 +116,8 @@ class Sequence:
     tenant: str = ""  # whose: the scheduler shares its queue fairly between tenants
     planned: bool = False  # the plan's (or the turn's) reuse has run
     ingest: bool = False  # only compute and store the plan's documents: no answer
+    exact: int = 0  # leading prompt tokens whose KV is full prefill's own (what prefix blocks may keep)
+    kept: int = 0  # where storing its prefix blocks goes on (the blocks before are stored)
     missing: list[Missing] | None = None  # the plan's documents no tier holds (None: not looked yet)
     fresh: dict[str, ChunkKV] = field(default_factory=dict)  # documents computed for this prompt
     in_context: set[str] = field(default_factory=set)  # new documents whose KV this prompt's full prefill leaves

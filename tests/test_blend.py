@@ -102,22 +102,6 @@ def test_more_recompute_moves_the_answer_less(musique: Path, reuser: Reuser, loa
     assert kls[1] < kls[0]
 
 
-def test_exact_prefix_is_found_at_a_document_boundary(musique: Path, reuser: Reuser, loaded: LoadedModel) -> None:
-    pieces, documents = item(musique, loaded, 2, docs=3, words=60)
-    earlier = reuser.new_kv()
-    forward(reuser.model, [Run(earlier, [t for p in pieces for t in p], 0)])
-    reuser.store_prefix(earlier, pieces)
-
-    # A later prompt shares the head and the first two documents, then differs.
-    later = [*pieces[:3], document_ids(loaded.tokenizer, "Something else entirely."), pieces[-1]]
-    kv = reuser.new_kv()
-    done = reuser.prefill(kv, later, documents, Reuse("prefix"))
-    assert done.logits is None and done.reused == len(kv) == sum(map(len, later[:3]))
-    ids = [t for p in later for t in p]
-    logits = forward(reuser.model, [Run(kv, ids[len(kv) :], len(kv))])[0]
-    assert (logits - full_logits(reuser, later)).abs().max() < 1e-3
-
-
 def test_a_document_is_computed_once_then_found(reuser: Reuser, loaded: LoadedModel) -> None:
     ids = document_ids(loaded.tokenizer, "The Eiffel Tower is in Paris.")
     start = time.perf_counter()

@@ -19,7 +19,9 @@ from tests.test_quality import DOCS, ask
 
 @pytest.fixture(scope="module")
 def engine(loaded: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    engine = Engine(EngineConfig(cache_dir=tmp_path_factory.mktemp("in-context")), loaded)
+    # No prefix blocks: a later prompt over the same documents in the same order would read them exactly,
+    # and what is tested here is the documents' own KV.
+    engine = Engine(EngineConfig(cache_dir=tmp_path_factory.mktemp("in-context"), prefix_caching=False), loaded)
     yield engine
     engine.shutdown()
 

@@ -100,7 +100,8 @@ DOCS = [
 def gated(loaded: LoadedModel, tmp_path_factory: pytest.TempPathFactory):
     # Targets a sound blend of two short documents meets, and a perturbed one cannot.
     quality = QualityConfig(shadow_rate=1.0, target_kl=0.2, target_top1=0.9, window=4, min_checks=2, ratios=(0.5,))
-    config = EngineConfig(cache_dir=tmp_path_factory.mktemp("quality"), quality=quality)
+    # Blends are the subject: no prefix blocks, which would read a repeated head and documents exactly.
+    config = EngineConfig(cache_dir=tmp_path_factory.mktemp("quality"), quality=quality, prefix_caching=False)
     engine = Engine(config, loaded)
     yield engine, Planner(engine.reuser)
     engine.shutdown()

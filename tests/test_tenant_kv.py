@@ -1,7 +1,8 @@
 """Tenants and KV reuse, as clients see it: with API keys, the KV one tenant's requests leave behind
 (its documents, its exact prefixes, its conversations) is reused by that tenant's later requests and
 never by another tenant's, whose same text is computed afresh (`tenant_scoped_kv`, the default). With
-`tenant_scoped_kv: false`, document and prefix KV are everyone's. What was reused is read where any
+`tenant_scoped_kv: false`, document KV is everyone's; prefix blocks stay each tenant's (a shared prefix cache
+would tell one tenant, by its speed, what another sent). What was reused is read where any
 OpenAI client reads it: `x-kvgate-reused-tokens` and `usage.prompt_tokens_details.cached_tokens`.
 
 A test that only asks whether tenant B can *see* tenant A's document (a 404) passes even when B
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import openai
@@ -48,15 +49,37 @@ def keyed_server(settings: Settings, engine: Engine, **more: Any) -> Iterator[st
 
 
 @pytest.fixture(scope="module")
-def scoped(settings: Settings, engine: Engine) -> Iterator[str]:
+def documents_engine(settings: Settings, loaded) -> Iterator[Engine]:
+    """An engine without prefix blocks, for the tests of documents and conversations: what they count is
+    then theirs alone, not also the chat template's head that every earlier prompt of a tenant began with."""
+    engine = Engine(replace(settings.engine_config(), prefix_caching=False), loaded)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def scoped(settings: Settings, documents_engine: Engine) -> Iterator[str]:
     """Two tenants, KV kept per tenant (the default)."""
+    with keyed_server(settings, documents_engine) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def unscoped(settings: Settings, documents_engine: Engine) -> Iterator[str]:
+    """Two tenants, `tenant_scoped_kv: false`: document KV shared by all."""
+    with keyed_server(settings, documents_engine, tenant_scoped_kv=False) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def scoped_blocks(settings: Settings, engine: Engine) -> Iterator[str]:
+    """Two tenants over the session's engine, prefix caching on (the default)."""
     with keyed_server(settings, engine) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
-def unscoped(settings: Settings, engine: Engine) -> Iterator[str]:
-    """Two tenants, `tenant_scoped_kv: false`: document and prefix KV shared by all."""
+def unscoped_blocks(settings: Settings, engine: Engine) -> Iterator[str]:
     with keyed_server(settings, engine, tenant_scoped_kv=False) as url:
         yield url
 
@@ -124,14 +147,24 @@ def test_a_tenants_document_kv_is_reused_by_that_tenant_only(scoped: str, model_
 # ---- exact prefixes and conversations -------------------------------------------------------------
 
 
-def test_an_exact_prefix_is_reused_within_its_tenant_only(scoped: str, model_name: str) -> None:
-    """`reuse: prefix` finds an earlier prompt's identical leading pieces: the same tenant's, never
-    another's."""
-    documents = [{"text": notes("exact prefixes")}]
-    question = "Where do the pilot boats leave from?"
-    assert ask(scoped, A, model_name, question, documents, PREFIX).reused == 0
-    assert ask(scoped, B, model_name, question, documents, PREFIX).reused == 0
-    assert ask(scoped, A, model_name, question, documents, PREFIX).reused > 0
+@pytest.mark.parametrize("shared_documents", [False, True], ids=["scoped", "tenant_scoped_kv false"])
+def test_an_exact_prefix_is_reused_within_its_tenant_only(
+    scoped_blocks: str, unscoped_blocks: str, model_name: str, shared_documents: bool
+) -> None:
+    """Prefix blocks are found by the tenant that left them: A's repeat reads all but its last token; B
+    sending the very same prompt reads none of them (at most its own earlier prompts' `<|im_start|>system`),
+    even where tenants share document KV."""
+    url = unscoped_blocks if shared_documents else scoped_blocks
+    # A system prompt of this test's own: no other request's prompt starts the same way past its first tokens.
+    system = {"role": "system", "content": f"{'Shared' if shared_documents else 'Scoped'}: harbour records."}
+    messages = [system, {"role": "user", "content": "Where do the pilot boats leave from?"}]
+    documents = [{"text": notes(f"exact prefixes {shared_documents}")}]
+    first = ask(url, A, model_name, messages, documents, PREFIX)
+    assert first.reused <= 3
+    again = ask(url, A, model_name, messages, documents, PREFIX)
+    assert again.reused > 40 and again.reuse == "prefix" and again.text == first.text
+    assert ask(url, B, model_name, messages, documents, PREFIX).reused <= 3
+    assert ask(url, B, model_name, messages, documents, PREFIX).reused == again.reused  # now B's own
 
 
 @pytest.mark.parametrize("named", [True, False], ids=["program id", "no markup"])
@@ -159,17 +192,10 @@ def test_a_conversation_is_continued_within_its_tenant_only(scoped: str, model_n
 # ---- tenant_scoped_kv: false ----------------------------------------------------------------------
 
 
-def test_without_tenant_scoped_kv_tenants_share_document_and_prefix_kv(unscoped: str, model_name: str) -> None:
-    """`tenant_scoped_kv: false`: tenant B reuses the document KV tenant A kept, and A's exact prefix."""
+def test_without_tenant_scoped_kv_tenants_share_document_kv(unscoped: str, model_name: str) -> None:
+    """`tenant_scoped_kv: false`: tenant B reuses the document KV tenant A kept (prefix blocks: above)."""
     text = notes("tenants sharing KV")
     with kvgate.Client(unscoped, api_key=A, model=model_name) as kvgate_client:
         card = kvgate_client.documents.add(text)
     assert card.cached
     assert ask(unscoped, B, model_name, "When does the office open?", [{"text": text}], BLEND).reused > 0
-
-    # A system prompt of this test's own: no other request's exact prefix starts the same way.
-    system = {"role": "system", "content": "You answer from the harbour's shared notes."}
-    messages = [system, {"role": "user", "content": "Who checks manifests?"}]
-    documents = [{"text": notes("tenants sharing prefixes")}]
-    assert ask(unscoped, A, model_name, messages, documents, PREFIX).reused == 0
-    assert ask(unscoped, B, model_name, messages, documents, PREFIX).reused > 0

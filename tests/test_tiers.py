@@ -109,27 +109,32 @@ def test_a_damaged_entry_is_a_miss_and_never_changes_the_answer(
         # Nothing fits in memory: every document and prefix is read from the tier under test.
         options = {"chunk_cache_bytes": 0, "chunk_cache_dir": tmp_path}
         options |= {"chunk_cache_disk_bytes": 0, "redis_url": server.url} if tier == "redis" else {}
-        with gateway(loaded, **options) as (url, engine):
-            full = ask(url, "full")
-            first_prefix = ask(url, "prefix")  # computes and stores the prefix
+        damage = damage_disk if tier == "disk" else damage_redis
+        with gateway(loaded, prefix_caching=False, **options) as (url, engine):  # documents alone
             ids = store_documents(url)
             clean = ask(url)
             assert clean[2] > 0  # the documents came from the tier
-            assert ask(url, "prefix")[0] == full[0]
-
-            damage = damage_disk if tier == "disk" else damage_redis
             for doc_id in ids:
                 damage(engine, doc_id.removeprefix("doc-"), fault)
-            for key in engine.reuser.prefixes.values():
-                damage(engine, key[0], fault)
             text, logprobs, reused = ask(url)
             assert reused == 0  # a miss, recomputed...
             assert text == clean[0] and logprobs == pytest.approx(clean[1], abs=1e-5)  # ...same answer
-            prefix = ask(url, "prefix")
-            assert prefix[2] == 0 and prefix[0] == full[0] == first_prefix[0]
-            assert tier_stats(engine, tier)["corrupt"] >= len(ids) + 1
-
+            assert tier_stats(engine, tier)["corrupt"] >= len(ids)
             assert ask(url)[2] > 0  # stored again, sound this time
+
+        with gateway(loaded, **options) as (url, engine):  # prefix blocks
+            full = ask(url, "full")  # computes and stores the prompt's blocks
+            found = ask(url, "prefix")
+            assert found[2] > 0 and found[0] == full[0]
+            blocks = engine.caches.blocks
+            assert blocks is not None
+            keys = [key for children in blocks.children.values() for key in children]
+            for key in keys:
+                damage(engine, key, fault)
+            prefix = ask(url, "prefix")
+            assert prefix[2] == 0 and prefix[0] == full[0]
+            assert tier_stats(engine, tier)["corrupt"] >= 1
+            assert ask(url, "prefix")[2] > 0  # stored again, sound this time
 
 
 # ---- outage, restart, another process -------------------------------------------------------------

@@ -3,10 +3,13 @@ the documents' tokens kept to recompute them, the exact-prefix boundaries found 
 
 from __future__ import annotations
 
+import torch
+
 from kvgate.agents import AgentConfig, PinPolicy, Programs
 from kvgate.agents.predictor import ANY, Predictor
 from kvgate.chunk_cache import ChunkStore, MemoryTier
 from kvgate.runtime.engine import Engine
+from kvgate.runtime.prefix import Blocks
 from kvgate.runtime.reuse import Remembered
 from tests.test_chunk_cache import Clock
 from tests.test_programs import CALL, RESULT, FixedCosts, keep
@@ -59,19 +62,13 @@ def test_documents_tokens_are_remembered_up_to_a_token_budget() -> None:
     assert remembered.pop("doc-49") and remembered.tokens == 900
 
 
-def test_exact_prefix_boundaries_are_bounded(engine: Engine) -> None:
-    reuser = engine.reuser
-    limit, reuser.max_prefixes = reuser.max_prefixes, 16
-    try:
-        for i in range(40):
-            pieces = [[1, 2, 3, 100 + i], [5, 6], [7]]
-            kv = reuser.new_kv()
-            kv.reserve(7)
-            for layer in range(kv.num_layers):
-                kv.keys[layer].zero_()
-                kv.values[layer].zero_()
-            kv.lengths = [7] * kv.num_layers
-            reuser.store_prefix(kv, pieces, scope=f"growth-{i}")
-        assert len(reuser.prefixes) <= 16
-    finally:
-        reuser.max_prefixes = limit
+def test_prefix_blocks_branches_are_bounded(engine: Engine) -> None:
+    """Forty tenants' prompts: the index of stored branches keeps its bound (the entries themselves are
+    the chunk store's, within its byte budget)."""
+    blocks = Blocks(engine.reuser.store, engine.model_fp, engine.reuser.tokenizer_fp, size=4, max_branches=16)
+    kv = engine.reuser.new_kv()
+    rows = torch.zeros(kv.num_layers, kv.kv_heads, 7, kv.head_dim)
+    kv.extend(rows, rows)
+    for i in range(40):
+        blocks.keep(kv, [1, 2, 3, 100 + i, 5, 6, 7], tenant=f"growth-{i}")
+        assert blocks.branches <= 16
