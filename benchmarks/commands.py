@@ -240,6 +240,9 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
         "--cores", type=int, default=0, help="both engines computing on this many cores (0: each engine's defaults)"
     )
     engines.add_argument(
+        "--kvgate-dtype", choices=["float32", "bfloat16"], help="kvgate's dtype (default: its own, float32)"
+    )
+    engines.add_argument(
         "--venv", type=Path, help="vLLM's virtualenv, made on first use (default: the user cache's vllm-venv)"
     )
 

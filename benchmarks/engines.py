@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -82,21 +83,53 @@ def wait_ready(url: str, process: subprocess.Popen, timeout_s: float, log: Path)
 
 
 @contextmanager
-def server(argv: list[str], env: dict[str, str], name: str, logs: Path, timeout_s: float) -> Iterator[str]:
+def server(argv: list[str], env: dict[str, str], name: str, logs: Path, timeout_s: float) -> Iterator[Served]:
     port = free_port()
     log = logs / f"{name}.log"
-    with open(log, "w") as out:
-        process = subprocess.Popen([*argv, "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT)
+    with open(log, "w") as out:  # a session of its own: the engine's processes are one group to pause
+        process = subprocess.Popen(
+            [*argv, "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, process, timeout_s, log)
-        yield url
+        yield Served(url, process)
     finally:
-        process.terminate()
+        os.killpg(process.pid, signal.SIGCONT)
+        os.killpg(process.pid, signal.SIGTERM)
         try:
             process.wait(30)
         except subprocess.TimeoutExpired:
-            process.kill()
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+@dataclass
+class Served:
+    url: str
+    process: subprocess.Popen
+
+
+@dataclass
+class Engines:
+    served: dict[str, Served]
+
+    def order(self, rep: int) -> list[tuple[str, str]]:
+        """The engines in turn, the first one changing every repetition."""
+        order = list(ENGINES) if rep % 2 == 0 else list(reversed(ENGINES))
+        return [(e, self.served[e].url) for e in order]
+
+    @contextmanager
+    def alone(self, engine: str) -> Iterator[None]:
+        """The other engines paused (SIGSTOP to their process groups) while this one is measured: an idle
+        vLLM keeps polling, and what one engine computes must not share the cores with the other."""
+        others = [s.process.pid for name, s in self.served.items() if name != engine]
+        for pid in others:
+            os.killpg(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for pid in others:
+                os.killpg(pid, signal.SIGCONT)
 
 
 def kvgate_argv(model_dir: Path, name: str) -> list[str]:
@@ -113,11 +146,16 @@ def vllm_argv(python: Path, model_dir: Path, name: str) -> list[str]:
 
 @dataclass
 class Reply:
-    ttft: float
-    seconds: float  # to the last chunk
+    began: float  # time.perf_counter() when sent
+    first: float  # ... when the first content came
+    end: float  # ... when the last chunk came
     text: str
     tokens: int
     cached: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return self.first - self.began
 
 
 def stream(url: str, body: dict[str, Any]) -> Reply:
@@ -139,7 +177,7 @@ def stream(url: str, body: dict[str, Any]) -> Reply:
                 text += content
     end = time.perf_counter()
     cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
-    return Reply((first or end) - began, end - began, text, usage.get("completion_tokens", 0), cached)
+    return Reply(began, first or end, end, text, usage.get("completion_tokens", 0), cached)
 
 
 # ---- the workloads --------------------------------------------------------------------------------
@@ -190,64 +228,73 @@ class Row:
         return v / k if self.unit == "s" else k / v
 
 
-def alternate(urls: dict[str, str], rep: int) -> list[tuple[str, str]]:
-    """The engines in turn, the first one changing every repetition."""
-    order = list(ENGINES) if rep % 2 == 0 else list(reversed(ENGINES))
-    return [(e, urls[e]) for e in order]
-
-
-def run_rows(urls: dict[str, str], model: str, items: list[Rag], system: str, repeats: int) -> list[Row]:
+def rag_rows(engines: Engines, model: str, items: list[Rag], repeats: int) -> list[Row]:
     cold, again = Row("cold: 6 new documents and a question, TTFT", "s"), Row("the very same request again, TTFT", "s")
     moved = Row("the same documents in another order, another question, TTFT", "s")
-    shared = Row("one long system prompt, a new question each time, TTFT", "s")
-    turns = Row("an agent's next turn (history resent, a tool result appended), TTFT", "s")
     equal, checked = 0, 0
     for rep, item in enumerate(items[:repeats]):
-        for engine, url in alternate(urls, rep):
-            body = rag_body(engine, model, item.passages, item.question)
-            cold.values[engine].append(stream(url, body).ttft)
-            again.values[engine].append(stream(url, body).ttft)
-            order = random.Random(rep).sample(item.passages, len(item.passages))
-            other = f"In one sentence: {item.question}"
-            served = stream(url, rag_body(engine, model, order, other))
-            moved.values[engine].append(served.ttft)
-            if engine == "kvgate":  # its own full prefill of the same prompt is the truth
-                truth = stream(url, rag_body(engine, model, order, other, kvgate={"reuse": "full"}))
-                equal, checked = equal + (served.text == truth.text), checked + 1
+        order = random.Random(rep).sample(item.passages, len(item.passages))
+        other = f"In one sentence: {item.question}"
+        for engine, url in engines.order(rep):
+            with engines.alone(engine):
+                body = rag_body(engine, model, item.passages, item.question)
+                cold.values[engine].append(stream(url, body).ttft)
+                again.values[engine].append(stream(url, body).ttft)
+                served = stream(url, rag_body(engine, model, order, other))
+                moved.values[engine].append(served.ttft)
+                if engine == "kvgate":  # its own full prefill of the same prompt is the truth
+                    truth = stream(url, rag_body(engine, model, order, other, kvgate={"reuse": "full"}))
+                    equal, checked = equal + (served.text == truth.text), checked + 1
     moved.note = f"kvgate's 16-token greedy answers equal to its own full prefill's: {equal} of {checked}"
-    for engine, url in alternate(urls, 0):
-        warm = {"model": model, "temperature": 0, "max_tokens": 8}
-        stream(url, {**warm, "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Hi."}]})
-        for rep in range(repeats):
-            question = f"Question {rep}: {items[rep % len(items)].question}"
-            messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-            shared.values[engine].append(stream(url, {**warm, "messages": messages}).ttft)
+    return [cold, again, moved]
+
+
+def chat_rows(engines: Engines, model: str, items: list[Rag], system: str, repeats: int) -> list[Row]:
+    shared = Row("one long system prompt, a new question each time, TTFT", "s")
+    turns = Row("an agent's next turn (history resent, a tool result appended), TTFT", "s")
+    asked = {"model": model, "temperature": 0, "max_tokens": 8}
+    for engine, url in engines.order(0):
+        with engines.alone(engine):
+            stream(
+                url, {**asked, "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Hi."}]}
+            )
+            for rep in range(repeats):
+                question = f"Question {rep}: {items[rep % len(items)].question}"
+                messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+                shared.values[engine].append(stream(url, {**asked, "messages": messages}).ttft)
     for rep in range(repeats):
-        for engine, url in alternate(urls, rep):
+        for engine, url in engines.order(rep):
             history = [{"role": "system", "content": f"Agent {rep}. {system[:1500]}"}]
             history.append({"role": "user", "content": items[rep % len(items)].question})
-            for step in range(3):
-                reply = stream(url, {"model": model, "temperature": 0, "max_tokens": 24, "messages": history})
-                if step:
-                    turns.values[engine].append(reply.ttft)
-                result = " ".join(items[(rep + step) % len(items)].passages[step].split()[:120])
-                history += [{"role": "assistant", "content": reply.text}, {"role": "user", "content": result}]
-    return [cold, again, shared, moved, turns]
+            with engines.alone(engine):
+                for step in range(3):
+                    reply = stream(url, {**asked, "max_tokens": 24, "messages": history})
+                    if step:
+                        turns.values[engine].append(reply.ttft)
+                    result = " ".join(items[(rep + step) % len(items)].passages[step].split()[:120])
+                    history += [{"role": "assistant", "content": reply.text}, {"role": "user", "content": result}]
+    return [shared, turns]
 
 
-def decode_rows(urls: dict[str, str], model: str, repeats: int) -> list[Row]:
+def decode_rows(engines: Engines, model: str, repeats: int) -> list[Row]:
+    """Tokens/s after the first token: one stream's, and 8 concurrent streams' together (from the first
+    first token to the last end)."""
     one, eight = Row("decode, 1 stream, 128 tokens", "tok/s"), Row("decode, 8 streams, 64 tokens each", "tok/s")
     body = {"model": model, "temperature": 0, "ignore_eos": True}
     for rep in range(repeats):
-        for engine, url in alternate(urls, rep):
+        for engine, url in engines.order(rep):
             messages = [{"role": "user", "content": f"Tell a long story about ship number {rep}."}]
-            r = stream(url, {**body, "max_tokens": 128, "messages": messages})
-            one.values[engine].append((r.tokens - 1) / max(r.seconds - r.ttft, 1e-9))
-            asks = [[{"role": "user", "content": f"Story {rep}-{i}."}] for i in range(8)]
-            began = time.perf_counter()
-            with ThreadPoolExecutor(8) as pool:
-                replies = list(pool.map(stream, [url] * 8, [{**body, "max_tokens": 64, "messages": m} for m in asks]))
-            eight.values[engine].append(sum(r.tokens for r in replies) / (time.perf_counter() - began))
+            asks = [
+                {**body, "max_tokens": 64, "messages": [{"role": "user", "content": f"Story {rep}-{i}."}]}
+                for i in range(8)
+            ]
+            with engines.alone(engine):
+                r = stream(url, {**body, "max_tokens": 128, "messages": messages})
+                with ThreadPoolExecutor(8) as pool:
+                    replies = list(pool.map(stream, [url] * 8, asks))
+            one.values[engine].append((r.tokens - 1) / (r.end - r.first))
+            span = max(r.end for r in replies) - min(r.first for r in replies)
+            eight.values[engine].append(sum(r.tokens - 1 for r in replies) / span)
     return [one, eight]
 
 
@@ -267,6 +314,7 @@ def bench_engines(
     venv: Path,
     repeats: int,
     cores: int,
+    dtype: str | None,
     output: Path,
     command: str,
 ) -> str:
@@ -284,18 +332,25 @@ def bench_engines(
         where = f"both engines computing on {cores} core(s): kvgate threads={cores}, vLLM bound to cores 0-{cores - 1}"
     else:
         where = "each engine's own thread defaults: kvgate torch's (every core), vLLM its automatic binding (one core)"
+    if dtype:
+        kvgate_env["KVGATE_DTYPE"] = dtype
+        where += f"; kvgate in {dtype} (vLLM: bfloat16, its default)"
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-engines-") as tmp, ExitStack() as stack:
         logs = Path(tmp)
         kvgate_env["KVGATE_CACHE_DIR"] = str(logs / "kvgate-cache")
         (logs / "kvgate-cache" / "models").mkdir(parents=True)
-        urls = {
-            "kvgate": stack.enter_context(server(kvgate_argv(model_dir, name), kvgate_env, "kvgate", logs, 300)),
-            "vllm": stack.enter_context(server(vllm_argv(python, model_dir, name), vllm_env, "vllm", logs, 900)),
-        }
-        for url in urls.values():  # one request each before timing: lazy start-up work is not measured
-            stream(url, {"model": name, "max_tokens": 2, "messages": [{"role": "user", "content": "Hello."}]})
-        rows = run_rows(urls, name, items, system, repeats) + decode_rows(urls, name, repeats)
+        engines = Engines(
+            {
+                "kvgate": stack.enter_context(server(kvgate_argv(model_dir, name), kvgate_env, "kvgate", logs, 300)),
+                "vllm": stack.enter_context(server(vllm_argv(python, model_dir, name), vllm_env, "vllm", logs, 900)),
+            }
+        )
+        for engine, url in engines.order(0):  # one request each before timing: lazy start-up work is not measured
+            with engines.alone(engine):
+                stream(url, {"model": name, "max_tokens": 2, "messages": [{"role": "user", "content": "Hello."}]})
+        rows = rag_rows(engines, name, items, repeats) + chat_rows(engines, name, items, system, repeats)
+        rows += decode_rows(engines, name, repeats)
     body = report(rows, where)
-    section = "engines" if not cores else f"engines-cores{cores}"
+    section = "engines" + (f"-cores{cores}" if cores else "") + (f"-{dtype}" if dtype else "")
     write_section(output, section, f"kvgate against vLLM ({where})", command, body)
     return body

@@ -338,7 +338,7 @@ def run_engines(args: argparse.Namespace, settings: Settings, command: str) -> i
         raise DataError(f"need --data (a file: {args.data}), --repeats >= 1 and --cores >= 0")
     model = Path(resolve(settings.engine_config()))
     venv = args.venv or user_cache_dir() / "vllm-venv"
-    print(bench_engines(model, args.data, venv, args.repeats, args.cores, args.output, command))
+    print(bench_engines(model, args.data, venv, args.repeats, args.cores, args.kvgate_dtype, args.output, command))
     return 0
 
 

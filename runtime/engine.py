@@ -20,7 +20,7 @@ from kvgate.runtime.calibration import load as load_calibration
 from kvgate.runtime.calibration import path as calibration_path
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.grammar import GrammarError, Grammars
-from kvgate.runtime.kv import KVCache
+from kvgate.runtime.kv import KVCache, Pool
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.prefix import Blocks
@@ -73,6 +73,7 @@ class Engine:
         self.caches = Caches(self.reuser, blocks_on, self.spans, self.prefill_s, self.gate, calibration, in_context)
         budget = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.scheduler = Scheduler(config.max_num_seqs, budget, config.queue_order)
+        self.pool = Pool()  # finished sequences' KV storage, for new ones (used only on the engine thread)
         self.prefill_s_per_token: float | None = None  # measured: a moving average over prefill steps
         self.callbacks: dict[int, Callback] = {}
         self.inbox: list[tuple[Sequence | int | Future, Callback | None]] = []
@@ -120,7 +121,7 @@ class Engine:
         ingest: bool = False,
     ) -> int:
         self.check(len(prompt_ids), params.max_tokens)
-        kv = KVCache(*self.kv_shape, self.model.dtype, self.config.device, self.max_model_len)
+        kv = KVCache(*self.kv_shape, self.model.dtype, self.config.device, self.max_model_len, self.pool)
         eos = self.loaded.eos_token_ids
         seq = Sequence(
             list(prompt_ids), params, kv, eos, self.max_model_len, plan=plan, turn=turn, tenant=tenant, ingest=ingest
@@ -249,6 +250,7 @@ class Engine:
     def finish(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
         self.callbacks.pop(seq.id, None)
+        seq.kv.release()  # what it left to later prompts is stored by now
 
     def step(self) -> None:
         batch: list[tuple[Sequence, Run]] = []
@@ -281,13 +283,10 @@ class Engine:
                 continue
             if seq.prefilling:
                 continue
-            first = not seq.output_ids
             try:
                 self.sample(seq, row, allowed.get(seq.id))
             except Exception as exc:  # e.g. a NaN distribution: only this sequence ends
                 self.fail(seq, exc)
-            if first:
-                self.caches.settle(seq)
 
     def prepare(self, seq: Sequence, budget: int) -> Run | None:
         """Advance a sequence's reuse by about `budget` tokens of work. A run for this step: the next
@@ -318,7 +317,6 @@ class Engine:
                 seq.reusing = None
         if logits is not None:  # the whole prompt is in the KV: straight to the first token
             self.sample(seq, logits)
-            self.caches.settle(seq)
             return None
         return Run(seq.kv, seq.next_run(budget), seq.computed)
 
@@ -372,6 +370,8 @@ class Engine:
                 raise GrammarError(seq.matcher.get_error())
         logprob = logprob_of(logits, token, params.logprobs) if params.logprobs is not None else None
         seq.add(token, logprob, self.tokenizer)
+        if len(seq.output_ids) == 1:  # the prompt's KV is whole (sampling leaves it as it is): what it leaves
+            self.caches.settle(seq)
         if seq.matcher is not None and seq.matcher.is_stopped() and seq.finish_reason is None:
             seq.finish_reason = "stop"  # the grammar is complete: nothing may follow
         callback = self.callbacks[seq.id]

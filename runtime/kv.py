@@ -8,15 +8,59 @@ from __future__ import annotations
 import torch
 
 
+class Pool:
+    """The storage of finished caches, handed to new ones (one thread: the engine's). Fresh memory is
+    paid for on first touch, a page fault per page: measured on CPU, copying a 2.8k-token prompt's
+    prefix blocks (130 MB) into new storage ran at 4 GB/s, into used storage at 3x that."""
+
+    def __init__(self, max_bytes: int = 1 << 30, max_entries: int = 16) -> None:
+        self.max_bytes, self.max_entries, self.bytes = max_bytes, max_entries, 0
+        self.free: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The smallest free storage of this dtype, device and layout holding at least shape[2] tokens."""
+        fits = [
+            (k.shape[2], i)
+            for i, (k, _) in enumerate(self.free)
+            if k.shape[2] >= shape[2]
+            and k.shape[:2] + k.shape[3:] == shape[:2] + shape[3:]
+            and k.dtype == dtype
+            and k.device == torch.device(device)
+        ]
+        if not fits:
+            return None
+        keys, values = self.free.pop(min(fits)[1])
+        self.bytes -= 2 * keys.nbytes
+        return keys, values
+
+    def give(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        size = 2 * keys.nbytes
+        if size > self.max_bytes:
+            return
+        while self.free and (self.bytes + size > self.max_bytes or len(self.free) >= self.max_entries):
+            dropped = self.free.pop(0)  # the oldest
+            self.bytes -= 2 * dropped[0].nbytes
+        self.free.append((keys, values))
+        self.bytes += size
+
+
 class KVCache:
     """Grows by doubling, so appending one decode token is amortised O(1); never past max_len
-    (the sequence's context window; 0: no bound)."""
+    (the sequence's context window; 0: no bound). With a `pool`, storage comes from it and goes
+    back to it when outgrown or `release`d."""
 
     def __init__(
-        self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: str, max_len: int = 0
+        self,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str,
+        max_len: int = 0,
+        pool: Pool | None = None,
     ) -> None:
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
-        self.dtype, self.device, self.max_len = dtype, device, max_len
+        self.dtype, self.device, self.max_len, self.pool = dtype, device, max_len, pool
         self.all_keys: torch.Tensor | None = None  # [layers, kv_heads, capacity, head_dim]
         self.all_values: torch.Tensor | None = None
         self.keys: list[torch.Tensor] = []  # views of all_keys, one per layer
@@ -49,13 +93,23 @@ class KVCache:
         if self.max_len:
             new = max(tokens, min(new, self.max_len))
         shape = (self.num_layers, self.kv_heads, new, self.head_dim)
-        keys = torch.empty(shape, dtype=self.dtype, device=self.device)
-        values = torch.empty(shape, dtype=self.dtype, device=self.device)
-        if self.all_keys is not None and self.all_values is not None:
+        taken = self.pool.take((*shape[:2], tokens, shape[3]), self.dtype, self.device) if self.pool else None
+        keys, values = taken or (torch.empty(shape, dtype=self.dtype, device=self.device) for _ in "kv")
+        old = self.all_keys, self.all_values
+        if old[0] is not None and old[1] is not None:
             n = max(self.lengths)
-            keys[:, :, :n] = self.all_keys[:, :, :n]
-            values[:, :, :n] = self.all_values[:, :, :n]
+            keys[:, :, :n] = old[0][:, :, :n]
+            values[:, :, :n] = old[1][:, :, :n]
+            if self.pool is not None:
+                self.pool.give(*old)
         self.adopt(keys, values)
+
+    def release(self) -> None:
+        """Hand the storage back to the pool; the cache is empty after."""
+        if self.pool is not None and self.all_keys is not None and self.all_values is not None:
+            self.pool.give(self.all_keys, self.all_values)
+        self.all_keys = self.all_values = None
+        self.keys, self.values, self.lengths = [], [], [0] * self.num_layers
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add [kv_heads, n, head_dim] rows to a layer; return the layer's whole K and V."""

@@ -65,6 +65,7 @@ class Blocks:
         many tokens this added."""
         limit = len(token_ids) - 1
         have = before = len(kv)
+        kv.reserve(len(token_ids))  # the prompt's room at once: growing block by block copies it again and again
         parent, start = self.root(tenant), 0
         while start < limit:
             block = tuple(token_ids[start : start + self.size])

@@ -1,0 +1,69 @@
+"""Automatic prefix caching as a client meets it, through the official SDK against the real server: no kvgate
+field, and what was read is in `usage.prompt_tokens_details.cached_tokens` and the `x-kvgate-*` headers. A
+repeat reads all but its last token and answers as full prefill does; a shared system prompt is read by every
+new question; a conversation's next turn reads the last turn's prompt and answer; completions too."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+# A system prompt of this module's own, long enough to span several blocks.
+SYSTEM = (
+    "You are the harbour master's assistant at Port Callow. You answer questions about berths, tides, pilots, "
+    "fees and the harbour's rules. Berths one to six take cargo vessels; seven to nine take ferries and the "
+    "pilot boats. High tide is at six in the morning and half past six in the evening this week. Pilots are "
+    "required for every vessel longer than forty metres. Fees are charged per metre per day, doubled after the "
+    "third day. Answer in one short sentence."
+)
+
+
+def chat(client: openai.OpenAI, model: str, messages: list[dict], **kw):
+    raw = client.chat.completions.with_raw_response.create(
+        model=model, messages=messages, temperature=0, max_tokens=12, logprobs=True, **kw
+    )
+    reply = raw.parse()
+    cached = reply.usage.prompt_tokens_details.cached_tokens
+    assert str(cached) == raw.headers["x-kvgate-reused-tokens"]  # the header and the usage agree
+    return reply, raw.headers
+
+
+def tokens(reply) -> list[float]:
+    return [t.logprob for t in reply.choices[0].logprobs.content]
+
+
+def test_a_repeat_reads_all_but_its_last_token_and_answers_as_full_prefill(client, model_name) -> None:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "When is high tide?"}]
+    first, _ = chat(client, model_name, messages)
+    again, headers = chat(client, model_name, messages)
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    assert headers["x-kvgate-reuse"] == "prefix" and headers["x-kvgate-fidelity"] == "exact"
+    truth, truth_headers = chat(client, model_name, messages, extra_body={"kvgate": {"reuse": "full"}})
+    assert truth_headers["x-kvgate-reused-tokens"] == "0"  # full prefill reads no block
+    assert again.choices[0].message.content == truth.choices[0].message.content == first.choices[0].message.content
+    assert tokens(again) == pytest.approx(tokens(truth), abs=1e-3)
+
+
+def test_every_new_question_reads_the_shared_system_prompt(client, model_name, loaded) -> None:
+    system_tokens = len(loaded.tokenizer.encode(SYSTEM, add_special_tokens=False))
+    for question in ("Who needs a pilot?", "What are the fees?", "Which berths take ferries?"):
+        reply, headers = chat(client, model_name, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
+        assert reply.usage.prompt_tokens_details.cached_tokens > system_tokens
+        assert headers["x-kvgate-fidelity"] == "exact"
+
+
+def test_a_conversations_next_turn_reads_the_last_turns_prompt_and_answer(client, model_name) -> None:
+    history = [{"role": "system", "content": f"Ferry desk. {SYSTEM}"}, {"role": "user", "content": "Is berth 7 free?"}]
+    first, _ = chat(client, model_name, history)
+    history += [{"role": "assistant", "content": first.choices[0].message.content}]
+    history += [{"role": "user", "content": "And berth 8?"}]
+    second, _ = chat(client, model_name, history)
+    # Past the first prompt: the answer's blocks were kept when it finished (as vLLM keeps decode blocks).
+    assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens
+
+
+def test_completions_read_prefix_blocks_too(client, model_name) -> None:
+    prompt = f"{SYSTEM}\n\nQuestion: what is charged per metre?\nAnswer:"
+    client.completions.create(model=model_name, prompt=prompt, max_tokens=4, temperature=0)
+    raw = client.completions.with_raw_response.create(model=model_name, prompt=prompt, max_tokens=4, temperature=0)
+    assert int(raw.headers["x-kvgate-reused-tokens"]) == raw.parse().usage.prompt_tokens - 1
