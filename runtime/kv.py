@@ -94,7 +94,10 @@ class KVCache:
             new = max(tokens, min(new, self.max_len))
         shape = (self.num_layers, self.kv_heads, new, self.head_dim)
         taken = self.pool.take((*shape[:2], tokens, shape[3]), self.dtype, self.device) if self.pool else None
-        keys, values = taken or (torch.empty(shape, dtype=self.dtype, device=self.device) for _ in "kv")
+        # Never an inference tensor, though a forward asks from inference mode: pooled storage may be
+        # written later outside it (prefix blocks read in before any forward).
+        with torch.inference_mode(False):
+            keys, values = taken or (torch.empty(shape, dtype=self.dtype, device=self.device) for _ in "kv")
         old = self.all_keys, self.all_values
         if old[0] is not None and old[1] is not None:
             n = max(self.lengths)

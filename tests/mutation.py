@@ -34,6 +34,8 @@ PACKAGES = {"gateway": "gateway", "runtime": "runtime", "chunk_cache": "chunk_ca
 TARGETS: dict[str, list[str]] = {
     "chunk_cache/entry.py": ["test_chunk_cache.py", "test_disk_tier.py", "test_memory_tier.py", "test_codec.py"],
     "runtime/reuse.py": ["test_reuser.py", "test_tenant_kv.py", "test_documents.py", "test_blend.py"],
+    "runtime/prefix.py": ["test_prefix.py", "test_prefix_gateway.py", "test_tenant_kv.py"],
+    "runtime/kv.py": ["test_kv.py", "test_model.py"],
     "gateway/keys.py": ["test_keys.py", "test_auth.py", "test_key_store.py", "abuse/test_isolation.py"],
     "gateway/limits.py": ["test_limits.py", "test_limits_redis.py"],
     "semantic_cache/guards.py": ["test_guards.py"],
@@ -71,8 +73,8 @@ TARGETS: dict[str, list[str]] = {
 PROMISES: dict[str, list[str]] = {
     "runtime/reuse.py": [
         "x_copy_prefix", "xǁReuserǁkey", "xǁReuserǁdocument", "xǁReuserǁmissing", "xǁReuserǁcached",
-        "xǁReuserǁattach_prefix", "xǁReuserǁstore_prefix",
     ],
+    "runtime/prefix.py": ["xǁBlocksǁkey", "xǁBlocksǁroot", "xǁBlocksǁattach", "xǁBlocksǁbranch", "xǁBlocksǁkeep"],
     "runtime/blend.py": ["x_place", "x_choose", "x_first_tokens"],
     "runtime/caching.py": ["xǁCachesǁfidelity", "xǁCachesǁchoose", "xǁCachesǁtargets"],
     # The relay (SSE re-framing, bounds, errors after the first byte) and documents never sent past kvgate's

@@ -64,3 +64,17 @@ def test_the_pool_is_bounded_in_bytes_and_entries() -> None:
     big.reserve(10_000)
     big.release()  # larger than the whole pool: dropped, the others kept
     assert len(pool.free) == 2 and pool.bytes <= pool.max_bytes
+
+
+def test_storage_made_under_inference_mode_is_written_outside_it_when_reused() -> None:
+    """A forward reserves under torch.inference_mode; the next sequence may take that storage and have
+    prefix blocks copied into it before any forward (an inference tensor would refuse the write)."""
+    pool = Pool()
+    kv = cache(pool)
+    with torch.inference_mode():
+        kv.reserve(32)
+    assert not kv.all_keys.is_inference()
+    kv.release()
+    reused = cache(pool)
+    reused.extend(torch.ones(2, 1, 5, 4), torch.ones(2, 1, 5, 4))
+    assert len(reused) == 5

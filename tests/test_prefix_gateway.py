@@ -47,7 +47,9 @@ def test_a_repeat_reads_all_but_its_last_token_and_answers_as_full_prefill(clien
 def test_every_new_question_reads_the_shared_system_prompt(client, model_name, loaded) -> None:
     system_tokens = len(loaded.tokenizer.encode(SYSTEM, add_special_tokens=False))
     for question in ("Who needs a pilot?", "What are the fees?", "Which berths take ferries?"):
-        reply, headers = chat(client, model_name, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
+        reply, headers = chat(
+            client, model_name, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+        )
         assert reply.usage.prompt_tokens_details.cached_tokens > system_tokens
         assert headers["x-kvgate-fidelity"] == "exact"
 
@@ -67,3 +69,23 @@ def test_completions_read_prefix_blocks_too(client, model_name) -> None:
     client.completions.create(model=model_name, prompt=prompt, max_tokens=4, temperature=0)
     raw = client.completions.with_raw_response.create(model=model_name, prompt=prompt, max_tokens=4, temperature=0)
     assert int(raw.headers["x-kvgate-reused-tokens"]) == raw.parse().usage.prompt_tokens - 1
+
+
+def test_a_blend_leaves_blocks_only_up_to_its_first_reused_document(client, model_name, loaded) -> None:
+    """Blended KV is not full prefill's: a later prompt must not read it as exact."""
+    docs = [
+        "The night ferry leaves berth 8 at eleven and returns at dawn (blend blocks test).",
+        "Pilot boats wait at berth 9; their crews change at noon (blend blocks test).",
+    ]
+    question = [{"role": "user", "content": "When does the night ferry leave?"}]
+    client.chat.completions.create(
+        model=model_name, messages=question, max_tokens=2, extra_body={"documents": [{"text": d} for d in docs]}
+    )  # documents read once, in this order
+    body = {"documents": [{"text": d} for d in reversed(docs)], "kvgate": {"reuse": "blend", "recompute_ratio": 0.2}}
+    _, headers = chat(client, model_name, question, extra_body=body)
+    assert headers["x-kvgate-reuse"].startswith("blend")
+    again, _ = chat(client, model_name, question, extra_body={**body, "kvgate": {"reuse": "prefix"}})
+    # Exact: the head, and the first document, which the head's blocks cut into (`<document>` opens both) and
+    # which so was computed fresh. The second was placed from its own KV: computed again, not read as exact.
+    blended = len(loaded.tokenizer.encode(docs[0], add_special_tokens=False))
+    assert again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens - blended
