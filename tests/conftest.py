@@ -73,8 +73,11 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
     # Document KV on disk starts empty each run; the cache directory is the run's own (run_cache).
     # The semantic cache is off here: these tests send the same temperature-0 requests again and
     # compare what the model does; tests/test_semantic_gateway.py runs servers with it on.
+    # Prefix caching is off here too: these tests count the reuse of what they are about (documents, programs,
+    # spans) and compare first turns with nothing reused; tests/test_prefix*.py, test_documents.py and
+    # test_tenant_kv.py run servers with it on (`prefix_engine`), as every server has it by default.
     chunks = tmp_path_factory.mktemp("chunks")
-    return Settings(max_num_seqs=8, chunk_cache_dir=chunks, semantic_cache=False)
+    return Settings(max_num_seqs=8, chunk_cache_dir=chunks, semantic_cache=False, prefix_caching=False)
 
 
 @pytest.fixture(scope="session")
@@ -92,6 +95,25 @@ def engine(settings: Settings, loaded: LoadedModel) -> Iterator[Engine]:
 @pytest.fixture(scope="session")
 def base_url(settings: Settings, engine: Engine) -> Iterator[str]:
     with serving(settings, engine) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def prefix_settings(settings: Settings) -> Settings:
+    return settings.model_copy(update={"prefix_caching": True})
+
+
+@pytest.fixture(scope="session")
+def prefix_engine(prefix_settings: Settings, loaded: LoadedModel) -> Iterator[Engine]:
+    """An engine with automatic prefix caching, as every server has by default."""
+    engine = Engine(prefix_settings.engine_config(), loaded)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def prefix_base_url(prefix_settings: Settings, prefix_engine: Engine) -> Iterator[str]:
+    with serving(prefix_settings, prefix_engine) as url:
         yield url
 
 

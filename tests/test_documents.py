@@ -10,6 +10,18 @@ import pytest
 
 from kvgate.chunk_cache import DiskTier
 
+
+@pytest.fixture(scope="module")
+def base_url(prefix_base_url: str) -> str:
+    """The server with prefix caching on (tests/conftest.py): what a client meets by default."""
+    return prefix_base_url
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
 QUESTION = "Where was the author of The Lantern Road educated?"
 # Fictional, written for this test: a two-hop question over three short documents.
 DOCS = [

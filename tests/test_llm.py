@@ -23,6 +23,7 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[kvgate.LLM]:
         max_num_seqs=4,
         chunk_cache_dir=folder / "chunks",
         semantic_cache=False,
+        prefix_caching=False,  # these tests count documents' reuse alone
     )
     with kvgate.LLM(settings) as llm:
         yield llm

@@ -8,6 +8,18 @@ from __future__ import annotations
 import openai
 import pytest
 
+
+@pytest.fixture(scope="module")
+def base_url(prefix_base_url: str) -> str:
+    """The server with prefix caching on (tests/conftest.py): what a client meets by default."""
+    return prefix_base_url
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
 # A system prompt of this module's own, long enough to span several blocks.
 SYSTEM = (
     "You are the harbour master's assistant at Port Callow. You answer questions about berths, tides, pilots, "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import openai
@@ -49,38 +49,30 @@ def keyed_server(settings: Settings, engine: Engine, **more: Any) -> Iterator[st
 
 
 @pytest.fixture(scope="module")
-def documents_engine(settings: Settings, loaded) -> Iterator[Engine]:
-    """An engine without prefix blocks, for the tests of documents and conversations: what they count is
-    then theirs alone, not also the chat template's head that every earlier prompt of a tenant began with."""
-    engine = Engine(replace(settings.engine_config(), prefix_caching=False), loaded)
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def scoped(settings: Settings, documents_engine: Engine) -> Iterator[str]:
-    """Two tenants, KV kept per tenant (the default)."""
-    with keyed_server(settings, documents_engine) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def unscoped(settings: Settings, documents_engine: Engine) -> Iterator[str]:
-    """Two tenants, `tenant_scoped_kv: false`: document KV shared by all."""
-    with keyed_server(settings, documents_engine, tenant_scoped_kv=False) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def scoped_blocks(settings: Settings, engine: Engine) -> Iterator[str]:
-    """Two tenants over the session's engine, prefix caching on (the default)."""
+def scoped(settings: Settings, engine: Engine) -> Iterator[str]:
+    """Two tenants, KV kept per tenant (the default), over the session's engine (no prefix blocks: what the
+    tests of documents and conversations count is then theirs alone)."""
     with keyed_server(settings, engine) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
-def unscoped_blocks(settings: Settings, engine: Engine) -> Iterator[str]:
+def unscoped(settings: Settings, engine: Engine) -> Iterator[str]:
+    """Two tenants, `tenant_scoped_kv: false`: document KV shared by all."""
     with keyed_server(settings, engine, tenant_scoped_kv=False) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def scoped_blocks(prefix_settings: Settings, prefix_engine: Engine) -> Iterator[str]:
+    """Two tenants, prefix caching on (the default)."""
+    with keyed_server(prefix_settings, prefix_engine) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def unscoped_blocks(prefix_settings: Settings, prefix_engine: Engine) -> Iterator[str]:
+    with keyed_server(prefix_settings, prefix_engine, tenant_scoped_kv=False) as url:
         yield url
 
 

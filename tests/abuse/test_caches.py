@@ -44,7 +44,7 @@ QUESTION = "How much does a ticket for the Harbor Line cost?"
 @contextmanager
 def gateway(loaded: LoadedModel | None = None, **options) -> Iterator[tuple[str, Engine]]:
     """A real server over its own Engine (its own model load unless `loaded` is given)."""
-    settings = Settings(max_num_seqs=4, **options)
+    settings = Settings(max_num_seqs=4, **{"prefix_caching": False, **options})  # documents' KV is the subject
     engine = Engine(settings.engine_config(), loaded or load(settings.engine_config()))
     try:
         with serving(settings, engine) as url:
