@@ -123,7 +123,8 @@ def test_a_damaged_entry_is_a_miss_and_never_changes_the_answer(
             assert ask(url)[2] > 0  # stored again, sound this time
 
         with gateway(loaded, **options) as (url, engine):  # prefix blocks
-            full = ask(url, "full")  # computes and stores the prompt's blocks
+            full = ask(url, "full")  # full prefill, the truth: it touches no cache
+            assert ask(url, "prefix")[2] == 0  # computes and stores the prompt's blocks
             found = ask(url, "prefix")
             assert found[2] > 0 and found[0] == full[0]
             blocks = engine.caches.blocks
