@@ -40,7 +40,7 @@ redis:
 
 test: $(TEST_STAMP) redis
 	$(BIN)/kvgate convert
-	$(BIN)/python -m pytest -q -rs
+	$(BIN)/python -m pytest -q -rfEs
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
