@@ -14,7 +14,7 @@ from kvgate.agents import AgentConfig, AnchorConfig, PinPolicy, Prior
 from kvgate.chunk_cache import ChunkCacheConfig
 from kvgate.gateway.limits import Limits
 from kvgate.gateway.upstreams import ProxyConfig, Upstream
-from kvgate.runtime.config import EngineConfig, user_cache_dir
+from kvgate.runtime.config import ChunkConfig, EngineConfig, user_cache_dir
 from kvgate.runtime.quality import QualityConfig
 from kvgate.semantic_cache import SemanticCacheConfig
 from kvgate.semantic_cache import categories as semantic_categories
@@ -103,6 +103,13 @@ class Settings(BaseSettings):
     # by any later prompt of the same tenant that begins with the same tokens (as vLLM's APC).
     prefix_caching: bool = True
     prefix_block: int = Field(64, ge=1, le=4096)
+    # Content-defined chunks: any span a tenant's prompts repeat (a pasted document, an agent's answer
+    # quoted in another's message, a history re-rendered as text) found by its tokens wherever it lands
+    # and reused as documents are; `content_chunk_tokens` on average, bounded per tenant and in all.
+    content_chunks: bool = True
+    content_chunk_tokens: int = Field(64, ge=8, le=1024)
+    content_chunks_per_tenant: int = Field(4096, ge=1)
+    content_chunks_max: int = Field(65536, ge=1)
     # ---- the quality gate: a share of reused requests checked against full prefill on spare capacity
     shadow_rate: float = Field(0.05, ge=0.0, le=1.0)
     fidelity_kl: float = Field(0.05, ge=0.0)  # target: mean first-token KL of the checks, at most
@@ -218,6 +225,14 @@ class Settings(BaseSettings):
             documents_in_context=self.documents_in_context,
             prefix_caching=self.prefix_caching,
             prefix_block=self.prefix_block,
+            content_chunks=self.content_chunks,
+            chunks=ChunkConfig(
+                average=self.content_chunk_tokens,
+                minimum=self.content_chunk_tokens // 4,
+                maximum=self.content_chunk_tokens * 4,
+                per_tenant=min(self.content_chunks_per_tenant, self.content_chunks_max),
+                total=self.content_chunks_max,
+            ),
             quality=QualityConfig(
                 self.shadow_rate,
                 self.fidelity_kl,

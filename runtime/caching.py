@@ -14,6 +14,7 @@ import torch
 
 from kvgate.runtime.blend import Steps, cost
 from kvgate.runtime.calibration import Calibration
+from kvgate.runtime.chunks import Chunks
 from kvgate.runtime.prefix import Blocks
 from kvgate.runtime.quality import FULL, Gate
 from kvgate.runtime.reuse import Reuse, Reuser
@@ -34,9 +35,11 @@ class Caches:
         gate: Gate,
         calibration: Calibration | None,
         in_context: bool = True,
+        chunks: Chunks | None = None,
     ) -> None:
         self.reuser, self.spans, self.cost = reuser, spans, cost  # cost: seconds to prefill n tokens
         self.blocks = blocks  # None: no automatic prefix caching
+        self.chunks = chunks  # None: no content-defined chunks
         self.gate, self.calibration = gate, calibration
         self.in_context = in_context  # new documents' KV kept as their first prompt computed it
 
@@ -97,12 +100,38 @@ class Caches:
         # Blocks found need not be stored again: only from the block where the found ones end.
         seq.kept = 0 if resumed or blocks is None else found - found % blocks.size
         seq.fidelity = EXACT if seq.cached_tokens else ""
+        seq.plan = self.chunked(seq)
+
+    def chunked(self, seq: Sequence) -> Plan | None:
+        """A plain prompt's plan once its exact head is in the KV: the chunks after it that a tier
+        holds, reused as documents are (None: no chunk found, or "prefix" asked: the plain prompt)."""
+        plan = seq.plan
+        if plan is not None and (plan.spans or any(plan.documents) or plan.reuse.mode == "full"):
+            return plan
+        reuse = plan.reuse if plan is not None else Reuse()
+        chunks = self.chunks_for(seq)
+        if chunks is None or reuse.mode not in ("naive", "blend") or not self.reuser.shiftable:
+            return None
+        found = chunks.find(seq.prompt_ids, len(seq.kv), seq.tenant)
+        if not any(found.found):
+            return None
+        note = f"{sum(found.found)} chunks found by content"
+        return Plan(found.pieces, found.found, reuse, chunks.scope(seq.tenant), note=note)
 
     def blocks_for(self, seq: Sequence) -> Blocks | None:
         """The prefix blocks a sequence reads and leaves: none for an ingest, nor for a prompt that
         asked for full prefill (the truth that reuse is measured against touches no cache)."""
         full = seq.plan is not None and seq.plan.reuse.mode == "full"
         return None if seq.ingest or full else self.blocks
+
+    def chunks_for(self, seq: Sequence) -> Chunks | None:
+        """The content-defined chunks a sequence reads and leaves: those of a plain prompt or a
+        program's; none for documents (kept under their own keys), an ingest or full prefill."""
+        plan, chunks = seq.plan, self.chunks
+        if chunks is None or seq.ingest or plan is None:
+            return None if seq.ingest else chunks
+        documents = any(plan.documents) and plan.scope != chunks.scope(seq.tenant)  # not chunks found
+        return None if documents or plan.reuse.mode == "full" else chunks
 
     def reuse(self, seq: Sequence) -> Steps[torch.Tensor | None]:
         """Continue the KV of a prompt after its exact head as its plan says, stepwise: documents
@@ -134,7 +163,7 @@ class Caches:
         seq.cached_tokens, seq.recomputed_tokens = head + done.reused, done.recomputed
         blended = done.mode in ("naive", "blend")
         label = done.mode if blended or not head else seq.reuse  # else all it reused: the exact head
-        seq.reuse = "; ".join(x for x in (label, done.note, why) if x)
+        seq.reuse = "; ".join(x for x in (label, plan.note, done.note, why) if x)
         seq.exact = len(seq.prompt_ids)
         if blended:  # exact up to the first document placed from its own KV
             lead = next((i for i, d in enumerate(rest.documents) if d), len(rest.pieces))
@@ -201,6 +230,8 @@ class Caches:
         try:
             if blocks := self.blocks_for(seq):
                 seq.kept = blocks.keep(seq.kv, seq.prompt_ids[: seq.exact], seq.tenant, seq.kept)
+            if chunks := self.chunks_for(seq):
+                seq.chunked = chunks.keep(seq.kv, seq.prompt_ids, seq.tenant)
             if plan is not None and seq.in_context:
                 self.reuser.keep_in_context(seq.kv, plan.pieces, plan.documents, seq.in_context, plan.scope, self.cost)
             if shared is not None and plan is not None:
@@ -218,6 +249,11 @@ class Caches:
                 blocks.keep(seq.kv, seq.all_ids, seq.tenant, seq.kept)
             except Exception:
                 log.exception("request %d: storing its prefix blocks failed", seq.id)
+        if chunks := self.chunks_for(seq):  # its answer: a span a later prompt may quote
+            try:
+                chunks.keep(seq.kv, seq.all_ids, seq.tenant, seq.chunked)
+            except Exception:
+                log.exception("request %d: storing its chunks failed", seq.id)
         turn = seq.turn
         if turn is None or not turn.keep:
             return

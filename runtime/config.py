@@ -9,7 +9,21 @@ from kvgate.chunk_cache import ChunkCacheConfig
 from kvgate.chunk_cache.config import default_cache_dir, user_cache_dir
 from kvgate.runtime.quality import QualityConfig
 
-__all__ = ["EngineConfig", "default_cache_dir", "user_cache_dir"]
+__all__ = ["ChunkConfig", "EngineConfig", "default_cache_dir", "user_cache_dir"]
+
+
+@dataclass(frozen=True)
+class ChunkConfig:
+    average: int = 64  # tokens a chunk holds on average
+    minimum: int = 16
+    maximum: int = 256
+    window: int = 4  # tokens the hash of a cut reads
+    per_tenant: int = 4096  # chunks this process keeps per tenant
+    total: int = 65536  # and in all
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.minimum < self.average <= self.maximum or self.window < 1:
+            raise ValueError(f"chunk sizes need 1 <= minimum < average <= maximum and window >= 1: {self}")
 
 
 @dataclass(frozen=True)
@@ -31,6 +45,9 @@ class EngineConfig:
     # by any later prompt of the tenant that begins with the same tokens (runtime/prefix.py).
     prefix_caching: bool = True
     prefix_block: int = 64
+    # Content-defined chunks: spans a tenant's prompts repeat, found wherever they land (runtime/chunks.py).
+    content_chunks: bool = True
+    chunks: ChunkConfig = ChunkConfig()
     # Where document KV is kept: memory, then disk, Redis, LMCache (see chunk_cache/config.py).
     chunk_cache: ChunkCacheConfig = ChunkCacheConfig()
     # The admission queue: "fcfs", or "program" (by the program's first arrival, pinned programs first).

@@ -18,6 +18,7 @@ from kvgate.runtime.caching import Caches
 from kvgate.runtime.calibration import Calibration, model_fingerprint
 from kvgate.runtime.calibration import load as load_calibration
 from kvgate.runtime.calibration import path as calibration_path
+from kvgate.runtime.chunks import Chunks
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.grammar import GrammarError, Grammars
 from kvgate.runtime.kv import KVCache, Pool
@@ -70,7 +71,11 @@ class Engine:
         calibration = self.calibration if config.recompute_ratio is None else None
         blocks = Blocks(self.reuser.store, self.model_fp, self.reuser.tokenizer_fp, self.prefill_s, config.prefix_block)
         blocks_on, in_context = blocks if config.prefix_caching else None, config.documents_in_context
-        self.caches = Caches(self.reuser, blocks_on, self.spans, self.prefill_s, self.gate, calibration, in_context)
+        chunks = Chunks(self.reuser.store, self.model, self.model_fp, self.reuser.key, self.prefill_s, config.chunks)
+        chunks_on = chunks if config.content_chunks else None
+        self.caches = Caches(
+            self.reuser, blocks_on, self.spans, self.prefill_s, self.gate, calibration, in_context, chunks_on
+        )
         budget = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.scheduler = Scheduler(config.max_num_seqs, budget, config.queue_order)
         self.pool = Pool()  # finished sequences' KV storage, for new ones (used only on the engine thread)
@@ -370,17 +375,20 @@ class Engine:
                 raise GrammarError(seq.matcher.get_error())
         logprob = logprob_of(logits, token, params.logprobs) if params.logprobs is not None else None
         seq.add(token, logprob, self.tokenizer)
-        if len(seq.output_ids) == 1:  # the prompt's KV is whole (sampling leaves it as it is): what it leaves
-            self.caches.settle(seq)
         if seq.matcher is not None and seq.matcher.is_stopped() and seq.finish_reason is None:
             seq.finish_reason = "stop"  # the grammar is complete: nothing may follow
+        first = len(seq.output_ids) == 1  # the prompt's KV is whole (sampling leaves it as it is)
         callback = self.callbacks[seq.id]
         if seq.finish_reason is not None:
+            if first:
+                self.caches.settle(seq)
             self.caches.keep(seq)
             self.finish(seq)
         out = seq.take_output()
         if out is not None:
             self.deliver(seq, callback, out)
+        if first and seq.id in self.callbacks:  # what the prompt leaves: stored once its first token is out
+            self.caches.settle(seq)
 
     def fail(self, seq: Sequence, exc: Exception) -> None:
         log.exception("request %d failed", seq.id, exc_info=exc)

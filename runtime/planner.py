@@ -57,9 +57,10 @@ class Planner:
             plan = self.documents(chat)
         elif chat.program is not None:
             plan = self.spans(chat)
-        elif chat.mode == "full":  # no reuse at all, not even of prefix blocks: the truth, measured
+        elif chat.mode is not None:  # a plain prompt, the reuse asked kept: "full" reuses nothing at all
             prompt = chat_prompt(self.tokenizer, chat.messages, chat.add_generation_prompt, chat.tools)
-            return prompt, Plan([prompt], [False], Reuse("full"), chat.scope)
+            mode = "blend" if chat.mode == "kvcomm" else chat.mode  # what chunks found have: no anchors
+            return prompt, Plan([prompt], [False], Reuse(mode, chat.ratio), chat.scope)
         if plan is not None:
             return [t for piece in plan.pieces for t in piece], plan
         return chat_prompt(self.tokenizer, chat.messages, chat.add_generation_prompt, chat.tools), None

@@ -34,6 +34,7 @@ class Plan:
     # agent as its prefix identifies it, the same across its tasks.
     spans: list[bool] = field(default_factory=list)
     agent: str = ""
+    note: str = ""  # how the plan was found, for x-kvgate-reuse
 
 
 @dataclass
@@ -118,6 +119,7 @@ class Sequence:
     ingest: bool = False  # only compute and store the plan's documents: no answer
     exact: int = 0  # leading prompt tokens whose KV is full prefill's own (what prefix blocks may keep)
     kept: int = 0  # where storing its prefix blocks goes on (the blocks before are stored)
+    chunked: int = 0  # where keeping its content-defined chunks goes on
     missing: list[Missing] | None = None  # the plan's documents no tier holds (None: not looked yet)
     fresh: dict[str, ChunkKV] = field(default_factory=dict)  # documents computed for this prompt
     in_context: set[str] = field(default_factory=set)  # new documents whose KV this prompt's full prefill leaves

@@ -1,0 +1,155 @@
+"""Content-defined chunks: the spans a tenant's prompts repeat, found wherever they land, with no
+markup from the client (a document pasted by a RAG framework, one agent's answer quoted inside
+another's message, a history re-rendered as text).
+
+A prompt's token ids are cut where a hash of the last `window` tokens hits a pattern (one position
+in `average - minimum`), at least `minimum` and at most `maximum` tokens apart. A cut depends only on
+the tokens just before it, so the same text gives the same chunks in any prompt once past its first
+cut: its token ids, and so its chunk keys, do not depend on where it sits. Each new chunk's KV is kept
+as its prompt computed it, keys moved to positions 0..T-1 (as in-context documents are), keyed by its
+tokens and the tenant; a later prompt that holds the chunk reuses it through the document path (RoPE
+shift, selective recompute, the quality gate, the cost model).
+
+Chunks are chunk store entries, evicted by value like any other; this process also bounds how many
+it keeps per tenant and in all, the oldest of a tenant going first.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvgate.chunk_cache import ChunkKV, ChunkStore
+from kvgate.runtime.config import ChunkConfig
+from kvgate.runtime.kv import KVCache
+from kvgate.runtime.shared import local
+
+MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # an odd 64-bit constant (as a signed int64): multiplying mixes bits up
+PRIME = 1_000_003
+DEFAULT = ChunkConfig()
+
+
+def cut(token_ids: Sequence[int], config: ChunkConfig = DEFAULT) -> list[int]:
+    """The offsets where the content cuts a run of tokens into chunks, in order. What follows the
+    last cut is the run's edge: where a longer run would cut it is not known yet."""
+    n, w = len(token_ids), config.window
+    if n < w:
+        return []
+    t = torch.tensor(token_ids, dtype=torch.int64)
+    h = torch.zeros(n - w + 1, dtype=torch.int64)
+    for j in range(w):  # the hash of the window ending at token i, for i >= w - 1 (int64 wraps)
+        h = h * PRIME + t[j : n - w + 1 + j]
+    h = (h ^ (h >> 31)) * MIX
+    h = (h >> 40) & 0xFFFFFF  # 24 bits from the top: the well mixed ones
+    candidates = (torch.nonzero(h % (config.average - config.minimum) == 0).flatten() + w).tolist()
+    cuts, last = [], 0
+    for end in candidates:
+        while end - last > config.maximum:
+            last += config.maximum
+            cuts.append(last)
+        if end - last >= config.minimum:
+            cuts.append(end)
+            last = end
+    while n - last > config.maximum:
+        last += config.maximum
+        cuts.append(last)
+    return cuts
+
+
+@dataclass
+class Found:
+    """A prompt in chunks after its exact head, and which a tier holds."""
+
+    pieces: list[list[int]]
+    found: list[bool]
+
+    @property
+    def reused(self) -> int:
+        return sum(len(p) for p, f in zip(self.pieces, self.found) if f)
+
+
+class Chunks:
+    """The content-defined chunks of one model in a chunk store; thread-safe."""
+
+    def __init__(
+        self,
+        store: ChunkStore,
+        model: torch.nn.Module,
+        model_fp: str,
+        key: Callable[[list[int], str], str],
+        cost: Callable[[int], float] = lambda tokens: tokens / 300,
+        config: ChunkConfig = DEFAULT,
+    ) -> None:
+        self.store, self.model, self.model_fp, self.cost, self.config = store, model, model_fp, cost, config
+        self.key_of = key  # (token ids, scope) -> chunk key: the one documents use, so blends find chunks
+        # tenant -> its chunk keys, oldest first; the tenants that kept one latest last
+        self.kept: OrderedDict[str, OrderedDict[str, None]] = OrderedDict()
+        self.count = 0
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def scope(tenant: str) -> str:
+        return "chunk:" + tenant
+
+    def key(self, token_ids: list[int], tenant: str) -> str:
+        return self.key_of(token_ids, self.scope(tenant))
+
+    def find(self, token_ids: list[int], head: int, tenant: str) -> Found:
+        """The prompt cut in chunks (the edge after the last cut: one more piece); found: the chunks
+        wholly after the exact `head` that some tier holds, never the one holding the last token (its
+        logits start the answer)."""
+        pieces, found, start = [], [], 0
+        for end in [*cut(token_ids, self.config), len(token_ids)]:
+            ids = token_ids[start:end]
+            if ids:
+                pieces.append(ids)
+                found.append(head <= start and end < len(token_ids) and self.key(ids, tenant) in self.store)
+            start = end
+        return Found(pieces, found)
+
+    def keep(self, kv: KVCache, token_ids: list[int], tenant: str, start: int = 0) -> int:
+        """Store the KV of the chunks of `token_ids` from offset `start` on, as `kv` holds it (the KV
+        of those tokens, in this context), keys moved to positions 0..T-1; skip those a tier holds
+        and the edge. Return where the next call may start: the last cut within `kv`."""
+        begin = 0
+        for end in cut(token_ids, self.config):
+            if end > len(kv):
+                break
+            if begin >= start:
+                self.store_one(kv, token_ids[begin:end], begin, tenant)
+            begin = end
+        return max(begin, start)
+
+    def store_one(self, kv: KVCache, ids: list[int], start: int, tenant: str) -> None:
+        key = self.key(ids, tenant)
+        if key in self.store:
+            return
+        keys, values = local(self.model, kv, start, len(ids))
+        if self.store.put(ChunkKV(key, tuple(ids), keys, values, self.cost(len(ids)), self.model_fp)):
+            self.remember(key, tenant)
+
+    def remember(self, key: str, tenant: str) -> None:
+        """Count a kept chunk against the bounds; drop the oldest beyond them."""
+        dropped = []
+        with self.lock:
+            own = self.kept.setdefault(tenant, OrderedDict())
+            if key not in own:
+                self.count += 1
+            own[key] = None
+            own.move_to_end(key)
+            self.kept.move_to_end(tenant)
+            while len(own) > self.config.per_tenant:
+                dropped.append(own.popitem(last=False)[0])
+                self.count -= 1
+            while self.count > self.config.total:
+                oldest = next(iter(self.kept))  # the tenant that kept none for longest
+                dropped.append(self.kept[oldest].popitem(last=False)[0])
+                self.count -= 1
+                if not self.kept[oldest]:
+                    del self.kept[oldest]
+        for key in dropped:
+            self.store.delete(key)
