@@ -73,11 +73,13 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
     # Document KV on disk starts empty each run; the cache directory is the run's own (run_cache).
     # The semantic cache is off here: these tests send the same temperature-0 requests again and
     # compare what the model does; tests/test_semantic_gateway.py runs servers with it on.
-    # Prefix caching is off here too: these tests count the reuse of what they are about (documents, programs,
-    # spans) and compare first turns with nothing reused; tests/test_prefix*.py, test_documents.py and
-    # test_tenant_kv.py run servers with it on (`prefix_engine`), as every server has it by default.
+    # Prefix caching and content-defined chunks are off here too: these tests count the reuse of what they
+    # are about (documents, programs, spans) and compare first turns with nothing reused; tests/test_prefix*.py,
+    # test_chunks*.py, test_documents.py and test_tenant_kv.py run a server with both on (`prefix_engine`),
+    # as every server has them by default.
     chunks = tmp_path_factory.mktemp("chunks")
-    return Settings(max_num_seqs=8, chunk_cache_dir=chunks, semantic_cache=False, prefix_caching=False)
+    off = {"prefix_caching": False, "content_chunks": False}
+    return Settings(max_num_seqs=8, chunk_cache_dir=chunks, semantic_cache=False, **off)
 
 
 @pytest.fixture(scope="session")
@@ -100,12 +102,12 @@ def base_url(settings: Settings, engine: Engine) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def prefix_settings(settings: Settings) -> Settings:
-    return settings.model_copy(update={"prefix_caching": True})
+    return settings.model_copy(update={"prefix_caching": True, "content_chunks": True})
 
 
 @pytest.fixture(scope="session")
 def prefix_engine(prefix_settings: Settings, loaded: LoadedModel) -> Iterator[Engine]:
-    """An engine with automatic prefix caching, as every server has by default."""
+    """An engine with automatic prefix caching and content-defined chunks, as every server has by default."""
     engine = Engine(prefix_settings.engine_config(), loaded)
     yield engine
     engine.shutdown()
