@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from kvgate.chunk_cache import ChunkKV, ChunkStore
 from kvgate.runtime.config import ChunkConfig
@@ -33,9 +34,28 @@ PRIME = 1_000_003
 DEFAULT = ChunkConfig()
 
 
-def cut(token_ids: Sequence[int], config: ChunkConfig = DEFAULT) -> list[int]:
-    """The offsets where the content cuts a run of tokens into chunks, in order. What follows the
-    last cut is the run's edge: where a longer run would cut it is not known yet."""
+@dataclass(frozen=True)
+class Breaks:
+    """A tokenizer's paragraph breaks: tokens of whitespace with a newline, and those with two."""
+
+    newline: frozenset[int] = frozenset()
+    paragraph: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, tokenizer: PreTrainedTokenizerBase) -> Breaks:
+        texts = {i: tokenizer.decode([i]) for i in tokenizer.get_vocab().values()}
+        newline = frozenset(i for i, t in texts.items() if "\n" in t and not t.strip())
+        return cls(newline, frozenset(i for i in newline if "\n\n" in texts[i]))
+
+
+NO_BREAKS = Breaks()
+
+
+def cut(token_ids: Sequence[int], config: ChunkConfig = DEFAULT, breaks: Breaks = NO_BREAKS) -> list[int]:
+    """The offsets where the content cuts a run of tokens into chunks, in order: after every paragraph
+    break (so that pasted documents, separated by blank lines, begin and end on a cut wherever they
+    sit), and where a hash of the last `window` tokens hits a pattern, `minimum` to `maximum` tokens
+    apart. What follows the last cut is the run's edge: where a longer run would cut it is not known."""
     n, w = len(token_ids), config.window
     if n < w:
         return []
@@ -45,13 +65,18 @@ def cut(token_ids: Sequence[int], config: ChunkConfig = DEFAULT) -> list[int]:
         h = h * PRIME + t[j : n - w + 1 + j]
     h = (h ^ (h >> 31)) * MIX
     h = (h >> 40) & 0xFFFFFF  # 24 bits from the top: the well mixed ones
-    candidates = (torch.nonzero(h % (config.average - config.minimum) == 0).flatten() + w).tolist()
+    hashed = set((torch.nonzero(h % (config.average - config.minimum) == 0).flatten() + w).tolist())
+    paragraphs: set[int] = set()
+    if breaks.newline:  # after the last of a run of newlines holding a blank line, a word following
+        nl = torch.isin(t, torch.tensor(sorted(breaks.newline)))
+        blank = nl[1:] & (nl[:-1] | torch.isin(t[1:], torch.tensor(sorted(breaks.paragraph or {-1}))))
+        paragraphs = set((torch.nonzero(blank[:-1] & ~nl[2:]).flatten() + 2).tolist())
     cuts, last = [], 0
-    for end in candidates:
+    for end in sorted(hashed | paragraphs):
         while end - last > config.maximum:
             last += config.maximum
             cuts.append(last)
-        if end - last >= config.minimum:
+        if end - last >= config.minimum or (end in paragraphs and end > last):
             cuts.append(end)
             last = end
     while n - last > config.maximum:
@@ -83,8 +108,10 @@ class Chunks:
         key: Callable[[list[int], str], str],
         cost: Callable[[int], float] = lambda tokens: tokens / 300,
         config: ChunkConfig = DEFAULT,
+        breaks: Breaks = NO_BREAKS,
     ) -> None:
         self.store, self.model, self.model_fp, self.cost, self.config = store, model, model_fp, cost, config
+        self.breaks = breaks
         self.key_of = key  # (token ids, scope) -> chunk key: the one documents use, so blends find chunks
         # tenant -> its chunk keys, oldest first; the tenants that kept one latest last
         self.kept: OrderedDict[str, OrderedDict[str, None]] = OrderedDict()
@@ -103,11 +130,13 @@ class Chunks:
         wholly after the exact `head` that some tier holds, never the one holding the last token (its
         logits start the answer)."""
         pieces, found, start = [], [], 0
-        for end in [*cut(token_ids, self.config), len(token_ids)]:
+        for end in [*cut(token_ids, self.config, self.breaks), len(token_ids)]:
             ids = token_ids[start:end]
             if ids:
                 pieces.append(ids)
-                found.append(head <= start and end < len(token_ids) and self.key(ids, tenant) in self.store)
+                found.append(
+                    head <= start and end < len(token_ids) and self.worth(ids) and self.key(ids, tenant) in self.store
+                )
             start = end
         return Found(pieces, found)
 
@@ -116,13 +145,17 @@ class Chunks:
         of those tokens, in this context), keys moved to positions 0..T-1; skip those a tier holds
         and the edge. Return where the next call may start: the last cut within `kv`."""
         begin = 0
-        for end in cut(token_ids, self.config):
+        for end in cut(token_ids, self.config, self.breaks):
             if end > len(kv):
                 break
-            if begin >= start:
+            if begin >= start and self.worth(token_ids[begin:end]):
                 self.store_one(kv, token_ids[begin:end], begin, tenant)
             begin = end
         return max(begin, start)
+
+    def worth(self, ids: list[int]) -> bool:
+        """Whether a chunk is long enough to keep (a paragraph break may cut a short one)."""
+        return len(ids) >= self.config.minimum
 
     def store_one(self, kv: KVCache, ids: list[int], start: int, tenant: str) -> None:
         key = self.key(ids, tenant)

@@ -18,7 +18,7 @@ from kvgate.runtime.caching import Caches
 from kvgate.runtime.calibration import Calibration, model_fingerprint
 from kvgate.runtime.calibration import load as load_calibration
 from kvgate.runtime.calibration import path as calibration_path
-from kvgate.runtime.chunks import Chunks
+from kvgate.runtime.chunks import Breaks, Chunks
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.grammar import GrammarError, Grammars
 from kvgate.runtime.kv import KVCache, Pool
@@ -71,8 +71,10 @@ class Engine:
         calibration = self.calibration if config.recompute_ratio is None else None
         blocks = Blocks(self.reuser.store, self.model_fp, self.reuser.tokenizer_fp, self.prefill_s, config.prefix_block)
         blocks_on, in_context = blocks if config.prefix_caching else None, config.documents_in_context
-        chunks = Chunks(self.reuser.store, self.model, self.model_fp, self.reuser.key, self.prefill_s, config.chunks)
-        chunks_on = chunks if config.content_chunks else None
+        chunks_on = None
+        if config.content_chunks:
+            store, breaks = self.reuser.store, Breaks.of(self.tokenizer)
+            chunks_on = Chunks(store, self.model, self.model_fp, self.reuser.key, self.prefill_s, config.chunks, breaks)
         self.caches = Caches(
             self.reuser, blocks_on, self.spans, self.prefill_s, self.gate, calibration, in_context, chunks_on
         )

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvgate.chunk_cache import ChunkStore, chunk_key, fingerprint
-from kvgate.runtime.chunks import Chunks, cut
+from kvgate.runtime.chunks import Breaks, Chunks, cut
 from kvgate.runtime.config import ChunkConfig
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import LoadedModel
@@ -80,6 +80,21 @@ def test_chunks_are_between_the_minimum_and_the_maximum(loaded) -> None:
     # Content with nothing to cut on is cut at the maximum; a run shorter than the window is not cut.
     assert cut([7] * 200, SMALL) == [48, 96, 144, 192]
     assert cut([1, 2], SMALL) == []
+
+
+def test_a_blank_line_always_cuts_so_pasted_documents_keep_their_chunks_in_any_order(loaded) -> None:
+    tokenizer = loaded.tokenizer
+    breaks = Breaks.of(tokenizer)
+    paragraphs = [NOTES, NOTES.replace("Vellmoor", "Ostford"), "Short note.", NOTES.replace("seven", "eight")]
+    text = "Context:\n\n" + "\n\n".join(paragraphs) + "\n\n\nQuestion: who keeps the key?"
+    ids = ids_of(loaded, text)
+
+    def straddling(cuts: list[int]) -> list[str]:
+        texts = [tokenizer.decode(ids[s:e]) for s, e in pieces(ids, [*cuts, len(ids)])]
+        return [t for t in texts if "\n\n" in t.strip()]  # a blank line inside a chunk
+
+    assert straddling(cut(ids, SMALL, breaks)) == []
+    assert straddling(cut(ids, SMALL)) != []  # hashes alone cut where they may
 
 
 @pytest.mark.parametrize("sizes", [(0, 16, 48), (16, 16, 48), (4, 64, 48)])

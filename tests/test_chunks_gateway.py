@@ -1,0 +1,96 @@
+"""Content-defined chunks through the OpenAI SDK, with no kvgate field: documents a RAG framework pastes
+into the prompt, asked again in another order, and an agent's answer quoted inside another agent's
+message are found by their content and reused as documents are, reported where any client reads it
+(`x-kvgate-reused-tokens`, `usage.prompt_tokens_details.cached_tokens`, `x-kvgate-reuse`,
+`x-kvgate-fidelity`); "prefix" and "full" read none; the cost model keeps reuse from being slower."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import pytest
+
+from tests.corpus import musique_rows
+
+
+@pytest.fixture(scope="module")
+def client(prefix_base_url: str) -> openai.OpenAI:
+    """The server with prefix caching and content-defined chunks on (tests/conftest.py), as by default."""
+    return openai.OpenAI(base_url=f"{prefix_base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def passages(seed: int) -> tuple[list[str], str]:
+    """Four retrieved passages (~200 words each) no other test sends, and the question they answer."""
+    row = musique_rows(1, seed=seed)[0]
+    return list(row["passages"][:4]), str(row["question"])
+
+
+def pasted(passages: list[str], question: str) -> list[dict[str, str]]:
+    """A prompt as LangChain's "stuff" chain makes it: the retrieved documents pasted into one message."""
+    context = "\n\n".join(passages)
+    return [
+        {"role": "system", "content": "Answer the question from the context. Be brief."},
+        {"role": "user", "content": f"Context:\n{context}\n\nQuestion: {question}"},
+    ]
+
+
+def ask(client: openai.OpenAI, model: str, messages: list[dict[str, str]], reuse: dict | None = None, **kw: Any):
+    raw = client.chat.completions.with_raw_response.create(
+        model=model,
+        messages=messages,
+        temperature=0,
+        max_tokens=kw.pop("max_tokens", 8),
+        extra_body={"kvgate": reuse} if reuse else None,
+        **kw,
+    )
+    reply = raw.parse()
+    reused = int(raw.headers["x-kvgate-reused-tokens"])
+    assert reply.usage.prompt_tokens_details.cached_tokens == reused  # the header and the usage agree
+    return raw, reply, reused
+
+
+def test_documents_pasted_in_the_prompt_are_reused_in_another_order(client, model_name, loaded) -> None:
+    docs, question = passages(101)
+    _, _, reused = ask(client, model_name, pasted(docs, question))
+    assert reused < 40  # at most the template's opening, from earlier prompts' blocks
+    raw, reply, reused = ask(client, model_name, pasted(docs[::-1], "Which town trades in salt?"))
+    recomputed = int(raw.headers["x-kvgate-recomputed-tokens"])
+    pasted_tokens = sum(len(loaded.tokenizer.encode(d, add_special_tokens=False)) for d in docs)
+    # Found: all but the first document's opening (it followed "Context:" where it was first read)...
+    assert reused + recomputed >= 0.8 * pasted_tokens, (reused, recomputed, pasted_tokens)
+    assert 0 < recomputed < reused  # ...and reused, some of it recomputed (it moved)
+    how = raw.headers["x-kvgate-reuse"]
+    assert how.startswith("blend") and "chunks found by content" in how
+    assert "ratio=" in raw.headers["x-kvgate-fidelity"]  # how far it moved the answer, as last measured
+    assert reply.choices[0].message.content
+
+
+def test_prefix_and_full_read_no_chunk(client, model_name) -> None:
+    docs, question = passages(102)
+    ask(client, model_name, pasted(docs, question))
+    again = pasted(docs[::-1], "Which town trades in salt?")
+    raw, _, reused = ask(client, model_name, again, {"reuse": "prefix"})
+    assert reused < 40 and "chunks" not in raw.headers.get("x-kvgate-reuse", "")
+    raw, _, reused = ask(client, model_name, again, {"reuse": "full"})
+    assert reused == 0 and raw.headers["x-kvgate-reuse"] == "full"
+    again = pasted(docs[1:] + docs[:1], "Who is the mayor?")  # another order: no prefix blocks hold it
+    raw, _, reused = ask(client, model_name, again)  # left to the server: found
+    assert "chunks found by content" in raw.headers["x-kvgate-reuse"] and reused > 100
+
+
+def test_an_agents_answer_quoted_in_another_agents_message_is_reused(client, model_name) -> None:
+    researcher = [
+        {"role": "system", "content": "You are a researcher. Write thorough notes."},
+        {"role": "user", "content": "Write ten numbered facts about lighthouses, one sentence each."},
+    ]
+    _, reply, _ = ask(client, model_name, researcher, max_tokens=200)
+    notes = reply.choices[0].message.content
+    assert len(notes.split()) > 60
+    writer = [
+        {"role": "system", "content": "You are a writer. Turn research into a short article."},
+        {"role": "user", "content": f"The researcher's notes:\n\n{notes}\n\nWrite the article's first sentence."},
+    ]
+    raw, _, reused = ask(client, model_name, writer)
+    assert "chunks found by content" in raw.headers["x-kvgate-reuse"], raw.headers
+    assert reused >= 40
