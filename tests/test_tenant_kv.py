@@ -159,6 +159,25 @@ def test_an_exact_prefix_is_reused_within_its_tenant_only(
     assert ask(url, B, model_name, messages, documents, PREFIX).reused == again.reused  # now B's own
 
 
+@pytest.mark.parametrize("shared_documents", [False, True], ids=["scoped", "tenant_scoped_kv false"])
+def test_pasted_text_is_found_by_its_tenant_only(
+    scoped_blocks: str, unscoped_blocks: str, model_name: str, shared_documents: bool
+) -> None:
+    """Content-defined chunks are the tenant's, like prefix blocks, even where tenants share document KV:
+    B pasting the passages A pasted, in another order, finds none of A's chunks; A does."""
+    url = scoped_blocks if not shared_documents else unscoped_blocks
+    passages = [notes(f"chunks {shared_documents} {i}") + " " + notes(f"pier {i}") for i in range(3)]
+
+    def pasted(order: list[str], question: str) -> str:
+        return "Context:\n\n" + "\n\n".join(order) + f"\n\nQuestion: {question}"
+
+    ask(url, A, model_name, pasted(passages, "When does the office open?"))
+    other = ask(url, B, model_name, pasted(passages[::-1], "Where do boats leave from?"))
+    assert "chunks" not in other.reuse and other.reused < 40  # at most its own template opening
+    again = ask(url, A, model_name, pasted(passages[::-1], "Where do boats leave from?"))
+    assert "chunks found by content" in again.reuse and again.reused > 40
+
+
 @pytest.mark.parametrize("named", [True, False], ids=["program id", "no markup"])
 def test_a_conversation_is_continued_within_its_tenant_only(scoped: str, model_name: str, named: bool) -> None:
     """A conversation's next turn resumes the KV its previous turn left (prompt and answer), whether
