@@ -103,16 +103,24 @@ class Caches:
         seq.plan = self.chunked(seq)
 
     def chunked(self, seq: Sequence) -> Plan | None:
-        """A plain prompt's plan once its exact head is in the KV: the chunks after it that a tier
-        holds, reused as documents are (None: no chunk found, or "prefix" asked: the plain prompt)."""
+        """A prompt's plan once its exact head is in the KV. A plain prompt: the chunks after the head
+        that a tier holds, reused as documents are (None: no chunk found, or "prefix" asked). A
+        program's: its spans, unless chunks cover more of it than spans with a source do (a message
+        quoted inside another, a history re-rendered, the tools' message gone)."""
         plan = seq.plan
-        if plan is not None and (plan.spans or any(plan.documents) or plan.reuse.mode == "full"):
+        if plan is not None and (any(plan.documents) or plan.reuse.mode == "full"):
             return plan
+        spans = plan is not None and bool(plan.spans)
         reuse = plan.reuse if plan is not None else Reuse()
+        if reuse.mode == "kvcomm":  # chunks have no anchors: blended
+            reuse = Reuse("blend", reuse.ratio)
         chunks = self.chunks_for(seq)
         if chunks is None or reuse.mode not in ("naive", "blend") or not self.reuser.shiftable:
-            return None
-        found = chunks.find(seq.prompt_ids, len(seq.kv), seq.tenant)
+            return plan if spans else None
+        head = len(seq.kv)
+        found = chunks.find(seq.prompt_ids, head, seq.tenant)
+        if spans and plan is not None and found.reused <= self.spans.sourced(plan.pieces, plan.spans, head, plan.scope):
+            return plan
         if not any(found.found):
             return None
         note = f"{sum(found.found)} chunks found by content"

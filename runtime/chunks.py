@@ -54,8 +54,9 @@ NO_BREAKS = Breaks()
 def cut(token_ids: Sequence[int], config: ChunkConfig = DEFAULT, breaks: Breaks = NO_BREAKS) -> list[int]:
     """The offsets where the content cuts a run of tokens into chunks, in order: after every paragraph
     break (so that pasted documents, separated by blank lines, begin and end on a cut wherever they
-    sit), and where a hash of the last `window` tokens hits a pattern, `minimum` to `maximum` tokens
-    apart. What follows the last cut is the run's edge: where a longer run would cut it is not known."""
+    sit); and at the end of a line or where a hash of the last `window` tokens hits a pattern,
+    `minimum` to `maximum` tokens apart. What follows the last cut is the run's edge: where a longer
+    run would cut it is not known yet."""
     n, w = len(token_ids), config.window
     if n < w:
         return []
@@ -66,13 +67,20 @@ def cut(token_ids: Sequence[int], config: ChunkConfig = DEFAULT, breaks: Breaks 
     h = (h ^ (h >> 31)) * MIX
     h = (h >> 40) & 0xFFFFFF  # 24 bits from the top: the well mixed ones
     hashed = set((torch.nonzero(h % (config.average - config.minimum) == 0).flatten() + w).tolist())
+    lines: set[int] = set()
     paragraphs: set[int] = set()
-    if breaks.newline:  # after the last of a run of newlines holding a blank line, a word following
+    if breaks.newline:  # after the last of a run of newlines, a word following (a blank line: a paragraph)
         nl = torch.isin(t, torch.tensor(sorted(breaks.newline)))
+        ends = nl[:-1] & ~nl[1:]
+        lines = set((torch.nonzero(ends).flatten() + 1).tolist())
         blank = nl[1:] & (nl[:-1] | torch.isin(t[1:], torch.tensor(sorted(breaks.paragraph or {-1}))))
-        paragraphs = set((torch.nonzero(blank[:-1] & ~nl[2:]).flatten() + 2).tolist())
+        for end in (torch.nonzero(blank[:-1] & ~nl[2:]).flatten() + 2).tolist():
+            start = end - 1
+            while start > 0 and nl[start - 1]:
+                start -= 1
+            paragraphs |= {start, end}  # the blank line a chunk of its own: written "\n\n" or "\n", "\n"
     cuts, last = [], 0
-    for end in sorted(hashed | paragraphs):
+    for end in sorted(hashed | lines | paragraphs):
         while end - last > config.maximum:
             last += config.maximum
             cuts.append(last)

@@ -126,6 +126,16 @@ class Spans:
             return None
         return entry.to(self.reuser.model.device), *found
 
+    def sourced(self, pieces: list[list[int]], spans: list[bool], head: int, scope: str) -> int:
+        """How many tokens after `head` lie in spans this process holds a source of."""
+        offset, tokens = 0, 0
+        for ids, is_span in zip(pieces, spans):
+            if is_span and offset >= head:
+                with self.lock:
+                    tokens += len(ids) if self.key(ids, scope) in self.slots else 0
+            offset += len(ids)
+        return tokens
+
     def store(self, kv: KVCache, start: int, token_ids: list[int], scope: str, slot: str, context: str = "") -> None:
         key = self.key(token_ids, scope)
         with self.lock:

@@ -79,10 +79,13 @@ def test_prefix_and_full_read_no_chunk(client, model_name) -> None:
     assert "chunks found by content" in raw.headers["x-kvgate-reuse"] and reused > 100
 
 
-def test_an_agents_answer_quoted_in_another_agents_message_is_reused(client, model_name) -> None:
+@pytest.mark.parametrize("program", [None, "writer-1"], ids=["no markup", "program id"])
+def test_an_agents_answer_quoted_in_another_agents_message_is_reused(client, model_name, program) -> None:
+    """CrewAI's sequential crew: the writer's task quotes the researcher's output inside a larger message.
+    As a program of its own (KVCOMM's spans are whole messages, and this one is new) chunks find it too."""
     researcher = [
         {"role": "system", "content": "You are a researcher. Write thorough notes."},
-        {"role": "user", "content": "Write ten numbered facts about lighthouses, one sentence each."},
+        {"role": "user", "content": f"Write ten numbered facts about {'lighthouses' if program else 'rivers'}."},
     ]
     _, reply, _ = ask(client, model_name, researcher, max_tokens=200)
     notes = reply.choices[0].message.content
@@ -91,6 +94,7 @@ def test_an_agents_answer_quoted_in_another_agents_message_is_reused(client, mod
         {"role": "system", "content": "You are a writer. Turn research into a short article."},
         {"role": "user", "content": f"The researcher's notes:\n\n{notes}\n\nWrite the article's first sentence."},
     ]
-    raw, _, reused = ask(client, model_name, writer)
-    assert "chunks found by content" in raw.headers["x-kvgate-reuse"], raw.headers
+    headers = {"x-kvgate-program-id": f"{program}-{model_name}"} if program else None
+    raw, _, reused = ask(client, model_name, writer, extra_headers=headers)
+    assert "chunks found by content" in raw.headers["x-kvgate-reuse"], (notes, reused, raw.headers["x-kvgate-reuse"])
     assert reused >= 40
