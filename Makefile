@@ -23,8 +23,11 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	touch $@
 
 # lmcache pins numpy<=2.2.6 and pulls more: torch named again so pip keeps the CPU build.
+# AutoGen without its dependencies: autogen-core pins protobuf~=5.29, lmcache (via google-cloud-bigtable)
+# needs protobuf>=6.33; AutoGen runs on 6 (tests/test_frameworks_autogen.py), the rest is in [test].
 $(TEST_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet torch==2.13.0 -e '.[test,lmcache]'
+	$(BIN)/pip install --quiet --no-deps autogen-agentchat==0.7.5 autogen-core==0.7.5 autogen-ext==0.7.5
 	touch $@
 
 install: $(STAMP)
