@@ -246,7 +246,11 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
         "--venv", type=Path, help="vLLM's virtualenv, made on first use (default: the user cache's vllm-venv)"
     )
 
+    chunks = kind("chunks", "documents pasted into the prompt, found by their content, against full prefill")
+    chunks.add_argument("--data", type=Path, default=MUSIQUE, help="MuSiQue RAG jsonl: documents and questions")
+    chunks.add_argument("--questions", type=int, default=5, help="items, each 6 new documents of ~300 words")
+
     every = (prefill, fidelity, sources, ttft, grammar, tiers, compressed, semantic, agents, multiagent, gateway, front)
-    every += (engines,)
+    every += (engines, chunks)
     for each in every:
         each.add_argument("--output", type=Path, default=OUTPUT, help="the BENCHMARKS.md to write the section to")

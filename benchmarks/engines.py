@@ -152,6 +152,7 @@ class Reply:
     text: str
     tokens: int
     cached: int = 0
+    headers: dict[str, str] = field(default_factory=dict)
 
     @property
     def ttft(self) -> float:
@@ -165,6 +166,7 @@ def stream(url: str, body: dict[str, Any]) -> Reply:
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{url}: {r.status_code} {r.read().decode()[:400]}")
+        headers = dict(r.headers)
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -177,7 +179,7 @@ def stream(url: str, body: dict[str, Any]) -> Reply:
                 text += content
     end = time.perf_counter()
     cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
-    return Reply(began, first or end, end, text, usage.get("completion_tokens", 0), cached)
+    return Reply(began, first or end, end, text, usage.get("completion_tokens", 0), cached, headers)
 
 
 # ---- the workloads --------------------------------------------------------------------------------

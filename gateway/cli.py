@@ -342,6 +342,16 @@ def run_engines(args: argparse.Namespace, settings: Settings, command: str) -> i
     return 0
 
 
+def run_chunks(args: argparse.Namespace, settings: Settings, command: str) -> int:
+    from kvgate.bench.chunks import bench_chunks
+    from kvgate.bench.data import DataError
+
+    if not args.data.is_file() or args.questions < 1:
+        raise DataError(f"need --data (a file: {args.data}) and --questions >= 1")
+    print(bench_chunks(settings, args.data, args.questions, args.output, command))
+    return 0
+
+
 Command = Callable[[argparse.Namespace, "Settings", str], int]
 COMMANDS: dict[str, Command] = {
     "serve": run_serve,
@@ -360,6 +370,7 @@ COMMANDS: dict[str, Command] = {
     "bench gateway": run_gateway,
     "bench front": run_front,
     "bench engines": run_engines,
+    "bench chunks": run_chunks,
 }
 
 
