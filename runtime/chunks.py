@@ -2,16 +2,17 @@
 markup from the client (a document pasted by a RAG framework, one agent's answer quoted inside
 another's message, a history re-rendered as text).
 
-A prompt's token ids are cut where a hash of the last `window` tokens hits a pattern (one position
-in `average - minimum`), at least `minimum` and at most `maximum` tokens apart. A cut depends only on
-the tokens just before it, so the same text gives the same chunks in any prompt once past its first
-cut: its token ids, and so its chunk keys, do not depend on where it sits. Each new chunk's KV is kept
+A prompt's token ids are cut around every blank line, and at the end of a line or where a hash of the
+last `window` tokens hits a pattern (one position in `average - minimum`), at least `minimum` and at
+most `maximum` tokens apart. A cut depends only on the tokens around it, so the same text gives the
+same chunks in any prompt once past its first cut: its token ids, and so its chunk keys, do not depend
+on where it sits. Each new chunk's KV is kept
 as its prompt computed it, keys moved to positions 0..T-1 (as in-context documents are), keyed by its
 tokens and the tenant; a later prompt that holds the chunk reuses it through the document path (RoPE
 shift, selective recompute, the quality gate, the cost model).
 
 Chunks are chunk store entries, evicted by value like any other; this process also bounds how many
-it keeps per tenant and in all, the oldest of a tenant going first.
+it keeps per tenant and in all, the one a tenant kept or found longest ago going first.
 """
 
 from __future__ import annotations
@@ -142,11 +143,21 @@ class Chunks:
             ids = token_ids[start:end]
             if ids:
                 pieces.append(ids)
-                found.append(
-                    head <= start and end < len(token_ids) and self.worth(ids) and self.key(ids, tenant) in self.store
-                )
+                hit = head <= start and end < len(token_ids) and self.worth(ids) and self.touch(ids, tenant)
+                found.append(hit)
             start = end
         return Found(pieces, found)
+
+    def touch(self, ids: list[int], tenant: str) -> bool:
+        """Whether a tier holds the chunk; one found is the tenant's newest (the bounds drop it last)."""
+        key = self.key(ids, tenant)
+        if key not in self.store:
+            return False
+        with self.lock:
+            own = self.kept.get(tenant)
+            if own is not None and key in own:
+                own.move_to_end(key)
+        return True
 
     def keep(self, kv: KVCache, token_ids: list[int], tenant: str, start: int = 0) -> int:
         """Store the KV of the chunks of `token_ids` from offset `start` on, as `kv` holds it (the KV

@@ -1,7 +1,7 @@
 """runtime/chunks.py: prompts cut where their content says, so the same text gives the same chunks
 wherever it sits; each new chunk's KV kept as its prompt computed it, found again by the tenant's
 later prompts anywhere after their exact head (never the last token's chunk, never another tenant's);
-bounded per tenant and in all."""
+bounded per tenant and in all, the one kept or found longest ago going first."""
 
 from __future__ import annotations
 
@@ -161,6 +161,8 @@ def test_chunks_are_bounded_per_tenant_and_in_all_the_oldest_going_first(loaded)
     assert all(key in chunks.store for key in kept)
     first = chunks.key(ids[: cut(ids, SMALL)[0]], "a")
     assert first not in chunks.store  # dropped from the index: dropped from the store
+    found = chunks.store.get(kept[0])
+    assert found is not None and chunks.touch(list(found.token_ids), "a")  # found again: a's newest now
     chunks.keep(kv, ids, "b")
     assert chunks.count == 5 and len(chunks.kept["b"]) == 3 and len(chunks.kept["a"]) == 2
-    assert kept[0] not in chunks.store and kept[1] in chunks.store  # a's oldest went first
+    assert kept[1] not in chunks.store and kept[0] in chunks.store  # a's oldest went first
