@@ -36,6 +36,7 @@ TARGETS: dict[str, list[str]] = {
     "runtime/reuse.py": ["test_reuser.py", "test_tenant_kv.py", "test_documents.py", "test_blend.py"],
     "runtime/prefix.py": ["test_prefix.py", "test_prefix_gateway.py", "test_tenant_kv.py"],
     "runtime/kv.py": ["test_kv.py", "test_model.py"],
+    "runtime/chunks.py": ["test_chunks.py", "test_chunks_gateway.py", "test_tenant_kv.py"],
     "gateway/keys.py": ["test_keys.py", "test_auth.py", "test_key_store.py", "abuse/test_isolation.py"],
     "gateway/limits.py": ["test_limits.py", "test_limits_redis.py"],
     "semantic_cache/guards.py": ["test_guards.py"],
@@ -75,6 +76,7 @@ PROMISES: dict[str, list[str]] = {
         "x_copy_prefix", "xǁReuserǁkey", "xǁReuserǁdocument", "xǁReuserǁmissing", "xǁReuserǁcached",
     ],
     "runtime/prefix.py": ["xǁBlocksǁkey", "xǁBlocksǁroot", "xǁBlocksǁattach", "xǁBlocksǁbranch", "xǁBlocksǁkeep"],
+    "runtime/chunks.py": ["x_cut", "xǁChunksǁkey", "xǁChunksǁfind", "xǁChunksǁkeep", "xǁChunksǁremember"],
     "runtime/blend.py": ["x_place", "x_choose", "x_first_tokens"],
     "runtime/caching.py": ["xǁCachesǁfidelity", "xǁCachesǁchoose", "xǁCachesǁtargets"],
     # The relay (SSE re-framing, bounds, errors after the first byte) and documents never sent past kvgate's
