@@ -14,7 +14,8 @@ import torch
 
 from kvgate.runtime.blend import Steps, cost
 from kvgate.runtime.calibration import Calibration
-from kvgate.runtime.chunks import Chunks
+from kvgate.runtime.chunks import Breaks, Chunks
+from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.prefix import Blocks
 from kvgate.runtime.quality import FULL, Gate
 from kvgate.runtime.reuse import Reuse, Reuser
@@ -273,6 +274,24 @@ class Caches:
                 self.spans.wrote(seq.kv, len(seq.prompt_ids), seq.output_ids, seq.text, plan.agent, plan.scope)
         except Exception:  # the answer stands; the next turn computes its prompt again
             log.exception("request %d: keeping its context failed", seq.id)
+
+
+def make_caches(
+    config: EngineConfig,
+    reuser: Reuser,
+    spans: Spans,
+    gate: Gate,
+    calibration: Calibration | None,
+    cost: Callable[[int], float],
+) -> Caches:
+    """The caches an engine's config asks for (cost: seconds to prefill n tokens)."""
+    store, model_fp = reuser.store, reuser.model_fp
+    blocks = Blocks(store, model_fp, reuser.tokenizer_fp, cost, config.prefix_block) if config.prefix_caching else None
+    chunks = None
+    if config.content_chunks:
+        chunks = Chunks(store, reuser.model, model_fp, reuser.key, cost, config.chunks, Breaks.of(reuser.tokenizer))
+    calibrated = calibration if config.recompute_ratio is None else None
+    return Caches(reuser, blocks, spans, cost, gate, calibrated, config.documents_in_context, chunks)
 
 
 def after(plan: Plan, done: int) -> Plan:

@@ -14,17 +14,15 @@ import torch
 from kvgate.agents.programs import Turn
 from kvgate.chunk_cache import ChunkStore
 from kvgate.runtime.blend import BlendConfig
-from kvgate.runtime.caching import Caches
+from kvgate.runtime.caching import make_caches
 from kvgate.runtime.calibration import Calibration, model_fingerprint
 from kvgate.runtime.calibration import load as load_calibration
 from kvgate.runtime.calibration import path as calibration_path
-from kvgate.runtime.chunks import Breaks, Chunks
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.grammar import GrammarError, Grammars
 from kvgate.runtime.kv import KVCache, Pool
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.model import Run, forward
-from kvgate.runtime.prefix import Blocks
 from kvgate.runtime.quality import Gate
 from kvgate.runtime.reuse import Reuser
 from kvgate.runtime.sampling import SamplingParams, choose, logprob_of, penalise
@@ -68,16 +66,7 @@ class Engine:
         self.spans = Spans(self.reuser, cost=self.prefill_s)  # the gateway lends it its anchor pool (agents.AnchorPool)
         self.gate = Gate(config.quality, {"blend": self.reuser.blend.ratio, "kvcomm": config.kvcomm_ratio})
         self.shadow = Shadow(self.gate, self.reuser, self.spans)
-        calibration = self.calibration if config.recompute_ratio is None else None
-        blocks = Blocks(self.reuser.store, self.model_fp, self.reuser.tokenizer_fp, self.prefill_s, config.prefix_block)
-        blocks_on, in_context = blocks if config.prefix_caching else None, config.documents_in_context
-        chunks_on = None
-        if config.content_chunks:
-            store, breaks = self.reuser.store, Breaks.of(self.tokenizer)
-            chunks_on = Chunks(store, self.model, self.model_fp, self.reuser.key, self.prefill_s, config.chunks, breaks)
-        self.caches = Caches(
-            self.reuser, blocks_on, self.spans, self.prefill_s, self.gate, calibration, in_context, chunks_on
-        )
+        self.caches = make_caches(config, self.reuser, self.spans, self.gate, self.calibration, self.prefill_s)
         budget = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.scheduler = Scheduler(config.max_num_seqs, budget, config.queue_order)
         self.pool = Pool()  # finished sequences' KV storage, for new ones (used only on the engine thread)

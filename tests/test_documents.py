@@ -57,8 +57,9 @@ def ask(client: openai.OpenAI, model: str, documents: list[dict], reuse: dict | 
 def test_documents_by_text_are_reused_and_reported(client, model_name) -> None:
     docs = own("reuse test")
     first = ask(client, model_name, docs, {"reuse": "blend", "recompute_ratio": 0.2})
-    # Read for the first time: computed now, so nothing counts as reused yet.
-    assert first.headers["x-kvgate-reused-tokens"] == first.headers["x-kvgate-recomputed-tokens"] == "0"
+    # Read for the first time: computed now, so no document counts as reused yet (earlier prompts' prefix
+    # blocks may give the template's opening, read exactly).
+    assert int(first.headers["x-kvgate-reused-tokens"]) < 40 and first.headers["x-kvgate-recomputed-tokens"] == "0"
     raw = ask(client, model_name, docs, {"reuse": "blend", "recompute_ratio": 0.2})
     reply = raw.parse()
     reused, recomputed = int(raw.headers["x-kvgate-reused-tokens"]), int(raw.headers["x-kvgate-recomputed-tokens"])
@@ -68,7 +69,7 @@ def test_documents_by_text_are_reused_and_reported(client, model_name) -> None:
     assert raw.headers["x-kvgate-reuse"] == "blend" and reply.choices[0].message.content
     # And how far that moved the answer: nothing has measured 20% on this server (tests/test_fidelity.py has
     # a server that measured), so it says so rather than claim a KL.
-    assert "x-kvgate-fidelity" not in first.headers  # nothing reused, nothing moved
+    assert first.headers.get("x-kvgate-fidelity", "exact") == "exact"  # nothing blended, nothing moved
     assert raw.headers["x-kvgate-fidelity"] == "ratio=0.2; source=none"
 
 

@@ -40,7 +40,7 @@ def test_smolagents_steps_reuse_what_the_steps_before_them_sent(prefix_base_url:
     steps = [s for s in agent.memory.steps if isinstance(s, ActionStep) and s.token_usage is not None]
     prompts = [s.token_usage.input_tokens for s in steps]
     assert len(prompts) == len(reused.seen) >= 3, (prompts, reused.seen)
-    assert reused.seen[0] < 40  # the first step's prompt: new, but for the template's opening
+    assert reused.seen[0] < 0.25 * prompts[0]  # the first step's prompt: new, but for what earlier tests sent
     for before, now in zip(prompts[:2], reused.seen[1:3]):
         assert now >= 0.9 * before, (prompts, reused.seen)  # the step before's prompt, and more
     # The closing call has a system prompt of its own and the steps re-rendered as text after it: no prefix
