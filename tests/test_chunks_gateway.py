@@ -98,3 +98,21 @@ def test_an_agents_answer_quoted_in_another_agents_message_is_reused(client, mod
     raw, _, reused = ask(client, model_name, writer, extra_headers=headers)
     assert "chunks found by content" in raw.headers["x-kvgate-reuse"], (notes, reused, raw.headers["x-kvgate-reuse"])
     assert reused >= 40
+
+
+def test_a_chunk_too_small_to_pay_is_computed_and_the_header_says_why(client, model_name, loaded) -> None:
+    """One short paragraph found in a long new prompt: a blend would cost more than full prefill (its
+    check layers run every token), so the cost model runs full prefill, and `x-kvgate-reuse` says so."""
+    paragraph = "The old ferry keeper, Marten Hale, rings the brass bell twice at dusk each day."
+    assert 16 <= len(loaded.tokenizer.encode(paragraph, add_special_tokens=False)) <= 20  # one chunk, and small
+    before = "Log of the north quay, week one. Nothing else happened that day at the harbour office."
+    ask(client, model_name, [{"role": "user", "content": f"{before}\n\n{paragraph}\n\nSummarise the log."}])
+    after = " ".join(f"Cargo {i} of salt and rope was weighed at the south pier, then sent on." for i in range(20))
+    messages = [
+        {"role": "system", "content": "You read shipping records."},
+        {"role": "user", "content": f"{after}\n\n{paragraph}\n\nWhat happens at dusk?"},
+    ]
+    raw, _, reused = ask(client, model_name, messages)
+    how = raw.headers["x-kvgate-reuse"]
+    assert "1 chunks found by content" in how and "reuse would be slower than full prefill" in how, how
+    assert reused < 40 and raw.headers["x-kvgate-recomputed-tokens"] == "0"  # at most the template's opening
