@@ -11,10 +11,9 @@ import torch
 from kvgate.chunk_cache import ChunkStore, chunk_key, fingerprint
 from kvgate.runtime.chunks import Breaks, Chunks, cut
 from kvgate.runtime.config import ChunkConfig
-from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import LoadedModel
-from kvgate.runtime.model import Run, forward
 from kvgate.runtime.shared import local
+from tests.kv import prefilled
 
 SMALL = ChunkConfig(average=16, minimum=4, maximum=48)  # short texts here span several chunks
 NOTES = (
@@ -31,17 +30,6 @@ def ids_of(loaded: LoadedModel, text: str) -> list[int]:
 
 def pieces(ids: list[int], cuts: list[int]) -> list[tuple[int, int]]:
     return list(zip([0, *cuts], cuts))
-
-
-def new_kv(loaded: LoadedModel) -> KVCache:
-    c = loaded.model.config
-    return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, loaded.model.dtype, "cpu")
-
-
-def prefilled(loaded: LoadedModel, ids: list[int]) -> KVCache:
-    kv = new_kv(loaded)
-    forward(loaded.model, [Run(kv, ids, 0)])
-    return kv
 
 
 def make(loaded: LoadedModel, config: ChunkConfig = SMALL, store: ChunkStore | None = None) -> Chunks:

@@ -8,11 +8,7 @@ from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.model import Run, forward
 from tests.conftest import QUESTIONS
-
-
-def new_kv(loaded: LoadedModel) -> KVCache:
-    c = loaded.model.config
-    return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, loaded.model.dtype, "cpu")
+from tests.kv import new_kv
 
 
 def greedy(loaded: LoadedModel, ids: list[int], n: int) -> list[int]:

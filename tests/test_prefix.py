@@ -10,10 +10,10 @@ import torch
 from kvgate.chunk_cache import ChunkKV, ChunkStore, fingerprint
 from kvgate.chunk_cache.memory_tier import MemoryTier
 from kvgate.runtime.documents import document_ids
-from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.prefix import Blocks
+from tests.kv import new_kv, prefilled
 
 TEXTS = (
     "You answer questions about the river towns. Be brief, and say so when you do not know.",
@@ -23,17 +23,6 @@ TEXTS = (
     "Which town trades in salt?",
 )
 SIZE = 8  # small blocks: every prompt here spans several
-
-
-def new_kv(loaded: LoadedModel) -> KVCache:
-    c = loaded.model.config
-    return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, loaded.model.dtype, "cpu")
-
-
-def prefilled(loaded: LoadedModel, ids: list[int]) -> KVCache:
-    kv = new_kv(loaded)
-    forward(loaded.model, [Run(kv, ids, 0)])
-    return kv
 
 
 def make(store: ChunkStore | None = None, **kw) -> Blocks:
