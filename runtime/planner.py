@@ -59,8 +59,7 @@ class Planner:
             plan = self.spans(chat)
         elif chat.mode is not None:  # a plain prompt, the reuse asked kept: "full" reuses nothing at all
             prompt = chat_prompt(self.tokenizer, chat.messages, chat.add_generation_prompt, chat.tools)
-            mode = "blend" if chat.mode == "kvcomm" else chat.mode  # what chunks found have: no anchors
-            return prompt, Plan([prompt], [False], Reuse(mode, chat.ratio), chat.scope)
+            return prompt, Plan([prompt], [False], Reuse(chat.mode, chat.ratio), chat.scope)
         if plan is not None:
             return [t for piece in plan.pieces for t in piece], plan
         return chat_prompt(self.tokenizer, chat.messages, chat.add_generation_prompt, chat.tools), None
