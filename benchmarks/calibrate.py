@@ -126,7 +126,7 @@ def calibrate(
         body = (
             f"{len(data_items)} MuSiQue calibration items (rows {offset}..{offset + len(data_items) - 1}, "
             f"disjoint from the benchmark rows), {docs} documents each, {order}, {tokens:.0f} prompt tokens on "
-            f"average; model {loaded.name}, {config.dtype}. Target: mean {metric} {better} {target:g} "
+            f"average; model {loaded.name}, {loaded.dtype}. Target: mean {metric} {better} {target:g} "
             "(top-1: teacher-forced agreement with full prefill over the first 32 answer positions; "
             "kl: first-token KL).\n\n"
             + curve_table

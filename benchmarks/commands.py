@@ -240,7 +240,7 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
         "--cores", type=int, default=0, help="both engines computing on this many cores (0: each engine's defaults)"
     )
     engines.add_argument(
-        "--kvgate-dtype", choices=["float32", "bfloat16"], help="kvgate's dtype (default: its own, float32)"
+        "--kvgate-dtype", choices=["float32", "bfloat16"], help="kvgate's dtype (default: its own, auto)"
     )
     engines.add_argument(
         "--venv", type=Path, help="vLLM's virtualenv, made on first use (default: the user cache's vllm-venv)"
@@ -250,7 +250,13 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
     chunks.add_argument("--data", type=Path, default=MUSIQUE, help="MuSiQue RAG jsonl: documents and questions")
     chunks.add_argument("--questions", type=int, default=5, help="items, each 6 new documents of ~300 words")
 
+    precision = kind("precision", "bf16 against fp32, both full prefill: speed and how far the answer moves")
+    precision.add_argument("--data", type=Path, default=MUSIQUE, help="MuSiQue RAG jsonl: documents and questions")
+    precision.add_argument("--docs", type=int, default=6, help="passages per item")
+    precision.add_argument("--limit", type=int, default=10, help="items")
+    precision.add_argument("--tokens", type=int, default=16, help="greedy answer tokens compared")
+
     every = (prefill, fidelity, sources, ttft, grammar, tiers, compressed, semantic, agents, multiagent, gateway, front)
-    every += (engines, chunks)
+    every += (engines, chunks, precision)
     for each in every:
         each.add_argument("--output", type=Path, default=OUTPUT, help="the BENCHMARKS.md to write the section to")

@@ -315,7 +315,7 @@ def bench_error_sources(
     body = (
         f"{len(data_items)} MuSiQue items (rows {offset}..{offset + len(data_items) - 1} of `{data.name}`), "
         f"{docs} passages each as documents, {order}; {tokens:.0f} prompt tokens on average. Model "
-        f"{loaded.name}, {config.dtype}. Method: the docstring of `benchmarks/error_sources.py`. Each row "
+        f"{loaded.name}, {loaded.dtype}. Method: the docstring of `benchmarks/error_sources.py`. Each row "
         "replaces part of the naive KV (head exact, each document computed alone and RoPE-shifted into "
         "place) by full prefill's, or varies how the documents' KV is computed; the tail and the reference's "
         "greedy answer are then computed over it. `document KV from the reference`: the share of the "

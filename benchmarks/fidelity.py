@@ -374,7 +374,7 @@ def bench_fidelity(
     body = (
         f"{len(data_items)} MuSiQue items (rows {offset}..{offset + len(data_items) - 1} of `{data.name}`), "
         f"{docs} passages each as documents{cut}, {order}; the question is the user turn; "
-        f"{tokens:.0f} prompt tokens on average. Model {loaded.name}, {config.dtype}. "
+        f"{tokens:.0f} prompt tokens on average. Model {loaded.name}, {loaded.dtype}. "
         "The reference is full prefill of the same token ids (by definition KL 0, top-1 100%). "
         "`prefix` reuses the exact prefix a previous identical request left, so it is exact; `naive` "
         "reuses every document's KV as computed alone (no layer recomputed); `blend r%` runs the layers "

@@ -295,7 +295,7 @@ def bench_ttft(
     cut = f", each cut to its first {words} words" if words else ""
     body = (
         f"{len(stored)} MuSiQue items (rows {offset}..{offset + len(stored) - 1}), {docs} passages each as "
-        f"documents{cut}, {tokens:.0f} prompt tokens on average; model {loaded.name}, {config.dtype}, "
+        f"documents{cut}, {tokens:.0f} prompt tokens on average; model {loaded.name}, {loaded.dtype}, "
         f"{torch.get_num_threads()} threads. Blend ratio: {source}. Each mode timed {repeats} times per item, "
         "interleaved, fastest kept; TTFT = from an empty KV until the first answer token's logits exist. "
         "Speedup = mean full TTFT / mean mode TTFT. Fidelity against full prefill of the same prompt: first-token KL, "

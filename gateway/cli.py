@@ -352,6 +352,17 @@ def run_chunks(args: argparse.Namespace, settings: Settings, command: str) -> in
     return 0
 
 
+def run_precision(args: argparse.Namespace, settings: Settings, command: str) -> int:
+    from kvgate.bench.data import DataError
+    from kvgate.bench.precision import bench_precision
+
+    if not args.data.is_file() or min(args.docs, args.limit, args.tokens) < 1:
+        raise DataError(f"need --data (a file: {args.data}) and --docs, --limit, --tokens >= 1")
+    config = settings.engine_config()
+    print(bench_precision(config, args.data, args.docs, args.limit, args.tokens, args.output, command))
+    return 0
+
+
 Command = Callable[[argparse.Namespace, "Settings", str], int]
 COMMANDS: dict[str, Command] = {
     "serve": run_serve,
@@ -371,6 +382,7 @@ COMMANDS: dict[str, Command] = {
     "bench front": run_front,
     "bench engines": run_engines,
     "bench chunks": run_chunks,
+    "bench precision": run_precision,
 }
 
 

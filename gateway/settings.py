@@ -40,7 +40,7 @@ class Settings(BaseSettings):
     model: str | None = None  # HF directory or .gguf; None: the embedded SmolLM2-135M-Instruct
     served_model_name: str | None = None
     cache_dir: Path = Field(default_factory=user_cache_dir)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "cpu"
     max_model_len: int = Field(0, ge=0)
     max_num_seqs: int = Field(16, ge=1)

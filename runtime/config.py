@@ -31,7 +31,8 @@ class EngineConfig:
     # A local HF directory of a Llama-family model, a .gguf file, or None for the embedded default.
     model: str | None = None
     cache_dir: Path = field(default_factory=default_cache_dir)
-    dtype: str = "float32"
+    # "auto": bf16 where the device computes it natively (runtime/loader.py: dtype_of), else fp32.
+    dtype: str = "auto"
     device: str = "cpu"
     # 0: the model's own context window.
     max_model_len: int = 0

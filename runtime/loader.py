@@ -48,6 +48,11 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     cache_dir: Path | None = None  # where file hashes are kept; None: hashed at every ask
 
+    @property
+    def dtype(self) -> str:
+        """What the model runs in ("float32", "bfloat16"), `auto` resolved."""
+        return str(self.model.dtype).removeprefix("torch.")
+
 
 def default_gguf() -> Path:
     # find_spec does not import the package: importing it would pull `llm` and `llama_cpp`.
@@ -160,14 +165,35 @@ def resolve(config: EngineConfig, progress: bool = False) -> Path:
     return path
 
 
+def native_bf16(device: str) -> bool:
+    """Whether `device` computes bf16 in hardware: a CUDA GPU that supports it, a CPU with AVX512-BF16 or AMX.
+    Elsewhere bf16 is emulated: on an AVX2 CPU it still halves the bytes a decode step reads, but its
+    speed there was not what `auto` was decided on (benchmarks/BENCHMARKS.md, "bf16 against fp32")."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if kind == "cpu":
+        probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch.cpu's own, private
+        return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+    return False
+
+
+def dtype_of(config: EngineConfig) -> torch.dtype:
+    """The dtype the model runs in: `auto` is bf16 where the device computes it natively, as vLLM
+    serves, and fp32 elsewhere."""
+    if config.dtype == "auto":
+        return torch.bfloat16 if native_bf16(config.device) else torch.float32
+    return getattr(torch, config.dtype)
+
+
 def load(config: EngineConfig) -> LoadedModel:
     path = resolve(config)
     model_type = AutoConfig.from_pretrained(path).model_type
     if model_type not in SUPPORTED_TYPES:
         raise ModelNotFound(f"model type {model_type!r} is not a supported Llama-family type")
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=getattr(torch, config.dtype), attn_implementation="sdpa"
-    ).to(config.device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype_of(config), attn_implementation="sdpa").to(
+        config.device
+    )
     model.eval()
     if getattr(model.config, "head_dim", None) is None:  # Qwen2's config has none: its layers use hidden / heads
         model.config.head_dim = model.model.layers[0].self_attn.head_dim

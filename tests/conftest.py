@@ -29,7 +29,8 @@ def run_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     the engine would serve, a semantic cache, document KV) changes nothing the tests see. Only what is the
     same for everyone is shared: the converted model is linked from theirs (not converted again), and so
     are the benchmarks' embeddings. Under pytest's basetemp: a run killed midway leaves nothing behind
-    that pytest does not clear later."""
+    that pytest does not clear later. The model runs in float32 whatever the CPU (`dtype: auto` would pick
+    bf16 on one with AVX512-BF16 or AMX): the suite's expectations are the same on every machine."""
     theirs = Path(os.environ.get("KVGATE_CACHE_DIR") or user_cache_dir())
     ours = tmp_path_factory.mktemp("cache")
     (theirs / "models").mkdir(parents=True, exist_ok=True)
@@ -41,6 +42,7 @@ def run_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             shutil.copytree(theirs / name, ours / name)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("KVGATE_CACHE_DIR", str(ours))
+        env.setenv("KVGATE_DTYPE", "float32")
         yield ours
 
 
