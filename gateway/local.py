@@ -357,7 +357,7 @@ class Local(Backend):
         load = engine.load_stats
         yield gauge("kvgate_requests_waiting", "sequences waiting for the engine", load["waiting"])
         yield gauge("kvgate_requests_running", "sequences the engine is running", load["running"])
-        yield from fidelity_metrics(self.name, engine.gate.stats(), engine.gate.dropped)
+        yield from fidelity_metrics(self.name, engine.gate.stats(), engine.gate.due_count, engine.gate.dropped)
         programs = self.programs.stats()
         yield gauge("kvgate_programs", "agent programs seen recently", programs["programs"])
         yield gauge("kvgate_pinned_programs", "agent programs whose context is pinned", programs["pinned"])

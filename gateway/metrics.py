@@ -131,7 +131,9 @@ def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=value)
 
 
-def fidelity_metrics(model: str, gate: Iterable[tuple[str, dict[str, float]]], dropped: int) -> Iterator[Metric]:
+def fidelity_metrics(
+    model: str, gate: Iterable[tuple[str, dict[str, float]]], due: int, dropped: int
+) -> Iterator[Metric]:
     """The quality gate's shadow checks per reuse mode: how far reuse moved first tokens, and the
     recompute ratio each mode is served at now (1: full prefill, reuse withheld)."""
     kinds = {
@@ -151,6 +153,7 @@ def fidelity_metrics(model: str, gate: Iterable[tuple[str, dict[str, float]]], d
         for name, family in families.items():
             family.add_metric([model, mode], stats[name])
     yield from families.values()
+    yield counter("kvgate_shadow_due", "shadow checks due (shadow_rate of the gated requests served)", due)
     yield counter("kvgate_shadow_dropped", "shadow checks dropped: too many were waiting", dropped)
 
 

@@ -112,6 +112,7 @@ class Settings(BaseSettings):
     content_chunks_max: int = Field(65536, ge=1)
     # ---- the quality gate: a share of reused requests checked against full prefill on spare capacity
     shadow_rate: float = Field(0.05, ge=0.0, le=1.0)
+    shadow_share: float = Field(0.05, ge=0.0, lt=1.0)  # of the busy engine's time, checks take at most this
     fidelity_kl: float = Field(0.05, ge=0.0)  # target: mean first-token KL of the checks, at most
     fidelity_top1: float = Field(0.95, ge=0.0, le=1.0)  # target: first tokens agreeing with full prefill
     gate_window: int = Field(16, ge=1)  # checks of a recompute ratio that decide whether it holds
@@ -240,6 +241,7 @@ class Settings(BaseSettings):
                 self.gate_window,
                 min(self.gate_min_checks, self.gate_window),
                 tuple(self.gate_ratios),
+                shadow_share=self.shadow_share,
             ),
         )
 

@@ -223,7 +223,11 @@ class Engine:
                 else:
                     self.wake.wait()
                 continue
+            start = time.perf_counter()
             self.step()
+            self.shadow.earn(time.perf_counter() - start)
+            if self.shadow.affordable:  # busy: a part of a check on its share of the time
+                self.shadow.step(charged=True)
 
     def drain_inbox(self) -> None:
         with self.lock:

@@ -1,13 +1,14 @@
 """The online quality gate: how far reuse moves answers, measured while serving, and what it allows.
 
-A share of the requests served with reuse (`shadow_rate`) is checked: the engine, when it has
-nothing else to do, prefills the same prompt in full and compares the two first-token
-distributions (runtime/shadow.py). Each reuse mode climbs a ladder of recompute ratios: its own
-(calibrated) ratio, the larger `ratios`, then full prefill. The checks of the rung being served
-decide: missing the target after `min_checks`, the mode climbs one rung; meeting it with a margin
-over a whole `window`, it steps one down. At full prefill nothing is reused, so there the checks
-run the other way: the reuse one rung below is computed on spare capacity and compared with the
-full prefill that was served, so the gate learns when reuse has recovered.
+A share of the requests served with reuse (`shadow_rate`) is checked: the engine prefills the
+same prompt in full, on idle capacity and on a share of its busy time (`shadow_share`), and
+compares the two first-token distributions (runtime/shadow.py). Each reuse mode climbs a ladder
+of recompute ratios: its own (calibrated) ratio, the larger `ratios`, then full prefill. The
+checks of the rung being served decide: missing the target after `min_checks`, the mode climbs
+one rung; meeting it with a margin over a whole `window`, it steps one down. At full prefill
+nothing is reused, so there the checks run the other way: the reuse one rung below is computed
+on spare capacity and compared with the full prefill that was served, so the gate learns when
+reuse has recovered.
 """
 
 from __future__ import annotations
@@ -30,10 +31,14 @@ class QualityConfig:
     min_checks: int = 8  # checks of a rung before it may be left upward
     ratios: tuple[float, ...] = (0.3, 0.5)  # rungs above a mode's own ratio, below full prefill
     max_pending: int = 8  # checks waiting for spare capacity; more are dropped
+    # Share of the engine's busy time checks may take while requests are running (0: only when idle).
+    shadow_share: float = 0.05
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.shadow_rate <= 1.0:
             raise ValueError(f"shadow_rate {self.shadow_rate} outside [0, 1]")
+        if not 0.0 <= self.shadow_share < 1.0:
+            raise ValueError(f"shadow_share {self.shadow_share} outside [0, 1)")
         if not 1 <= self.min_checks <= self.window:
             raise ValueError(f"min_checks {self.min_checks} must be in 1..window ({self.window})")
         if any(not 0.0 <= r < FULL for r in self.ratios):
@@ -83,7 +88,8 @@ class Gate:
         self.config = config
         self.ladders = {mode: Ladder(ratio, config) for mode, ratio in base.items()}
         self.credit = 0.0  # shadow_rate accumulated: a check is due at each whole one
-        self.dropped = 0
+        self.due_count = 0  # checks that came due
+        self.dropped = 0  # of those, dropped: too many were waiting
         self.lock = threading.Lock()
 
     def base(self, mode: str) -> float:
@@ -108,6 +114,7 @@ class Gate:
         if self.credit < 1.0:
             return False
         self.credit -= 1.0
+        self.due_count += 1
         return True
 
     def probe(self, mode: str) -> float:

@@ -1,20 +1,27 @@
 """Shadow checks: a served request's first token, computed the other way on spare capacity.
 
 The engine hands over a request it served as the quality gate said (runtime/quality.py) together
-with the first-token logits it served. When the engine has nothing else to run, the check computes
-the other side in parts (a full prefill in chunks, a blend layer by layer), so a request arriving
-meanwhile waits one part at most; then it compares the two distributions and tells the gate.
+with the first-token logits it served. The check computes the other side in parts (a full prefill
+in chunks, a blend layer by layer), so a request arriving meanwhile waits one part at most; then it
+compares the two distributions and tells the gate. Parts run whenever the engine is idle, and
+while it is busy on a budget: `shadow_share` of the time its steps take, earned step by step, so
+a server that always has work still checks (at that share of its throughput).
+
+A check's full prefill starts from the previous one's KV where their prompts begin alike: that KV
+is full prefill's own, so a run of requests over one context costs one prefill of it in checks.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
 
+from kvgate.runtime.kv import KVCache
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.quality import FULL, Gate
 from kvgate.runtime.reuse import Reuse, Reuser
@@ -24,6 +31,7 @@ from kvgate.runtime.shared import Spans
 log = logging.getLogger("kvgate.engine")
 
 ROWS = 64  # tokens of a full prefill between two looks at the inbox: a request arriving waits little
+CREDIT_S = 1.0  # the most busy-time budget kept unspent: a long busy stretch buys no burst of checks after it
 
 
 @dataclass(frozen=True)
@@ -41,11 +49,23 @@ def compare(reference: torch.Tensor, other: torch.Tensor) -> tuple[float, bool]:
     return float((p.exp() * (p - q)).sum()), bool(reference.argmax() == other.argmax())
 
 
+def common(a: list[int], b: list[int]) -> int:
+    """How many tokens a and b begin with alike."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class Shadow:
     def __init__(self, gate: Gate, reuser: Reuser, spans: Spans) -> None:
         self.gate, self.reuser, self.spans = gate, reuser, spans
         self.jobs: deque[Job] = deque()
         self.running: Generator[float, None, None] | None = None
+        self.credit = 0.0  # seconds of busy time checks may still take
+        self.last: tuple[list[int], KVCache] | None = None  # the latest full prefill's prompt and KV
 
     def offer(self, plan: Plan, prompt_ids: list[int], mode: str, ratio: float, logits: torch.Tensor) -> None:
         """A request was served: check it if one is due and there is room (else it is dropped)."""
@@ -60,8 +80,18 @@ class Shadow:
     def busy(self) -> bool:
         return self.running is not None or bool(self.jobs)
 
-    def step(self) -> None:
-        """Run one part of the current check (the engine calls this only when it is idle)."""
+    def earn(self, seconds: float) -> None:
+        """The engine was busy for `seconds`: checks may take their share of it."""
+        self.credit = min(CREDIT_S, self.credit + self.gate.config.shadow_share * seconds)
+
+    @property
+    def affordable(self) -> bool:
+        """A part may run while the engine is busy: one is waiting and the budget is not spent."""
+        return self.busy and self.credit > 0.0
+
+    def step(self, charged: bool = False) -> None:
+        """Run one part of the current check; `charged`: on busy time, paid from the budget."""
+        start = time.perf_counter()
         if self.running is None:
             self.running = self.check(self.jobs.popleft())
         try:
@@ -70,7 +100,9 @@ class Shadow:
             self.running = None
         except Exception:  # a check that fails says nothing about reuse; serving goes on
             log.exception("a shadow check failed")
-            self.running = None
+            self.running, self.last = None, None
+        if charged:
+            self.credit -= time.perf_counter() - start
 
     def check(self, job: Job) -> Generator[float, None, None]:
         probe = self.gate.probe(job.mode)
@@ -83,12 +115,20 @@ class Shadow:
         self.gate.record(job.mode, probe, kl, agree)
 
     def full(self, ids: list[int]) -> Generator[float, None, torch.Tensor]:
-        kv = self.reuser.new_kv()
+        """Full prefill's first-token logits, from the previous check's KV where the prompts agree."""
+        kv, same = self.reuser.new_kv(), 0
+        if self.last is not None:
+            same = min(common(self.last[0], ids), len(ids) - 1)  # the last token is computed: its logits
+            if same:
+                kv = self.last[1]
+                kv.truncate(same)
+        self.last = None  # while it grows, the KV is this check's
         logits = None
-        for start in range(0, len(ids), ROWS):
+        for start in range(same, len(ids), ROWS):
             logits = forward(self.reuser.model, [Run(kv, ids[start : start + ROWS], start)])[0]
             yield float(min(ROWS, len(ids) - start))
         assert logits is not None
+        self.last = (list(ids), kv)
         return logits
 
     def reuse(self, job: Job, ratio: float) -> Generator[float, None, torch.Tensor]:

@@ -64,6 +64,7 @@ def test_requests_tokens_reuse_and_tiers_are_counted(url, model_name):
         labels = (("mode", mode), ("model", model_name))
         assert ("kvgate_reuse_gate_ratio", labels) in after and ("kvgate_shadow_checks_total", labels) in after
     assert value(after, "kvgate_reuse_gate_ratio", mode="blend", model=model_name) < 1.0
+    assert ("kvgate_shadow_due_total", ()) in after and ("kvgate_shadow_dropped_total", ()) in after
 
 
 def test_health_is_liveness_and_ready_says_the_model_serves(url, model_name):

@@ -1,0 +1,123 @@
+"""runtime/shadow.py: checks run on idle capacity and on a share of a busy engine's time; a check's
+full prefill starts from the previous one's KV where the prompts begin alike."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Generator
+
+import pytest
+import torch
+
+from kvgate.runtime.config import EngineConfig
+from kvgate.runtime.engine import Engine
+from kvgate.runtime.loader import LoadedModel
+from kvgate.runtime.model import Run, forward
+from kvgate.runtime.planner import Chat, Planner
+from kvgate.runtime.quality import QualityConfig
+from kvgate.runtime.sampling import SamplingParams
+from kvgate.runtime.sequence import Output
+from kvgate.runtime.shadow import CREDIT_S, Shadow, common
+from tests.conftest import QUESTIONS
+from tests.kv import new_kv
+from tests.waiting import wait_until
+
+DOCS = [
+    "The lighthouse on Mirren Point was built in 1871 from granite quarried on the island itself. "
+    "Its keeper, Agnes Dunmore, kept the lamp lit for forty-one years without missing a night.",
+    "Mirren Point lies at the northern tip of the island of Calloway, where the ferry from Brask "
+    "docks twice a day in summer and once a day in winter, weather permitting.",
+]
+
+
+def engine_with(loaded: LoadedModel, tmp_path, share: float) -> Engine:
+    # Every blend checked, with targets a sound blend meets (the gate stays where it is); blends are the
+    # subject, so no prefix blocks.
+    quality = QualityConfig(shadow_rate=1.0, target_kl=10.0, target_top1=0.0, shadow_share=share)
+    return Engine(EngineConfig(cache_dir=tmp_path, quality=quality, prefix_caching=False), loaded)
+
+
+def checks(engine: Engine) -> int:
+    return int(dict(engine.gate.stats())["blend"]["checks"])
+
+
+def busy_with_a_long_answer(engine: Engine, chat_ids) -> tuple[int, threading.Event]:
+    """A request that decodes for a while (no end-of-sequence): the engine is never idle meanwhile."""
+    ended = threading.Event()
+
+    def callback(out: Output | BaseException) -> None:
+        if isinstance(out, BaseException) or out.finish_reason is not None:
+            ended.set()
+
+    params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    return engine.submit(chat_ids(QUESTIONS[0]), params, callback), ended
+
+
+def blend(engine: Engine) -> None:
+    """One token of a chat over DOCS, served as a blend (its check is then due)."""
+    planner = Planner(engine.reuser)
+    ids, plan = planner.chat(Chat([{"role": "user", "content": "Who kept the lamp?"}], [{"text": d} for d in DOCS]))
+
+    async def first() -> None:
+        async for out in engine.generate(ids, SamplingParams(max_tokens=1, temperature=0.0), plan):
+            assert not out.reuse or out.reuse.startswith("blend")
+
+    asyncio.run(first())
+
+
+@pytest.mark.parametrize("share", [0.5, 0.0])
+def test_a_busy_engine_checks_on_its_share_of_the_time_and_with_none_only_once_idle(
+    loaded: LoadedModel, tmp_path, chat_ids, share: float
+) -> None:
+    engine = engine_with(loaded, tmp_path, share)
+    try:
+        blend(engine)  # the documents' KV is stored as this prompt computed it
+        blend(engine)  # a blend over it, checked
+        wait_until(lambda: checks(engine) == 1 and not engine.shadow.busy, 60, "the first check, on an idle engine")
+        long_id, ended = busy_with_a_long_answer(engine, chat_ids)
+        blend(engine)
+        if share:
+            wait_until(lambda: checks(engine) == 2, 30, "a check while the engine decodes the long answer")
+            assert not ended.is_set()
+        else:
+            time.sleep(3)
+            assert checks(engine) == 1 and engine.shadow.busy and not ended.is_set()
+        engine.abort(long_id)
+        wait_until(lambda: checks(engine) == 2, 60, "the check, once the engine is idle")
+    finally:
+        engine.shutdown()
+
+
+def test_the_budget_is_the_share_of_busy_time_and_never_piles_up(engine: Engine) -> None:
+    shadow = Shadow(engine.gate, engine.reuser, engine.spans)  # the session engine: shadow_share 0.05
+    shadow.earn(2.0)
+    assert shadow.credit == pytest.approx(0.1)
+    assert not shadow.affordable  # nothing waits to be checked
+    shadow.earn(3600.0)
+    assert shadow.credit == CREDIT_S
+
+
+def run(check: Generator[float, None, torch.Tensor]) -> tuple[float, torch.Tensor]:
+    """Drive a check's parts to the end: the tokens it computed, and its result."""
+    tokens = 0.0
+    while True:
+        try:
+            tokens += next(check)
+        except StopIteration as stop:
+            return tokens, stop.value
+
+
+def test_a_check_starts_from_the_previous_checks_kv_where_the_prompts_agree(engine: Engine, chat_ids) -> None:
+    shadow = Shadow(engine.gate, engine.reuser, engine.spans)
+    first = chat_ids(QUESTIONS[1] + " " + QUESTIONS[2])
+    second = first[:-6] + chat_ids(QUESTIONS[3])[-9:]  # the same head, another ending
+    shared = common(first, second)
+    assert len(first) - 6 <= shared < len(second)
+    assert run(shadow.full(first))[0] == len(first)
+    computed, logits = run(shadow.full(second))
+    assert computed == len(second) - shared  # only what the second prompt does not share with the first
+    whole = forward(engine.model, [Run(new_kv(engine.loaded), second, 0)])[0]
+    assert torch.allclose(logits, whole, atol=1e-4)
+    assert run(shadow.full(second))[0] == 1  # the very same prompt: its last token, for the logits
