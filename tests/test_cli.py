@@ -234,6 +234,7 @@ BENCH_RUNS = [  # argv, the module its runner must import, the function it calls
     (["bench", "multiagent", "--data", __file__], "multiagent", "bench_multiagent", None),
     (["bench", "gateway", "--requests", "5"], "gateway", "bench_gateway", {}),
     (["bench", "front", "--runs", "1"], "front", "bench_front", ""),
+    (["bench", "precision", "--data", __file__], "precision", "bench_precision", ""),
 ]
 
 
