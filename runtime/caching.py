@@ -215,17 +215,32 @@ class Caches:
                 seq.gated = (reuse.mode, FULL)
                 return Reuse("full"), why
             reuse = Reuse(reuse.mode, None if ratio == self.gate.base(reuse.mode) else ratio)
-        if reuse.mode == "blend" and not plan.spans and plan.reuse.ratio is None:
-            tokens = sum(len(p) for p in plan.pieces)
-            reused = sum(len(p) for p, d in zip(plan.pieces, plan.documents) if d)
-            ratio = reuse.ratio if reuse.ratio is not None else self.reuser.blend.ratio
-            blend = cost(tokens, reused, self.reuser.kv_shape[0], replace(self.reuser.blend, ratio=ratio))
-            if blend >= tokens:
-                slower = f"reuse would be slower than full prefill here (cost model: {blend:.0f} vs {tokens} tokens)"
-                return Reuse("full"), slower
+        if reuse.mode in ("blend", "kvcomm") and plan.reuse.ratio is None and (slower := self.slower(seq, plan, reuse)):
+            return Reuse("full"), slower
         if gated:  # checks are of the gate's rung, whatever the calibration added on top
             seq.gated = (reuse.mode, rung)
         return reuse, why
+
+    def slower(self, seq: Sequence, plan: Plan, reuse: Reuse) -> str:
+        """Why the cost model says `reuse` would be slower than computing the prompt after its exact
+        head (a blend: the plan's pieces; spans: the prompt after the prefix `seq.kv` holds), or ""."""
+        if plan.spans:
+            head = len(seq.kv)
+            tokens = len(seq.prompt_ids) - head
+            reused = self.spans.sourced(plan.pieces, plan.spans, head, plan.scope)
+            ratio = reuse.ratio if reuse.ratio is not None else self.gate.base("kvcomm")
+            config = self.reuser.config(0.0, "naive") if ratio == 0 else self.reuser.config(ratio, reuse.mode)
+            what = "span reuse (KVCOMM) would be slower than computing the prompt after its exact prefix"
+        else:
+            tokens = sum(len(p) for p in plan.pieces)
+            reused = sum(len(p) for p, d in zip(plan.pieces, plan.documents) if d)
+            ratio = reuse.ratio if reuse.ratio is not None else self.reuser.blend.ratio
+            config = replace(self.reuser.blend, ratio=ratio)
+            what = "reuse would be slower than full prefill"
+        work = cost(tokens, reused, self.reuser.kv_shape[0], config)
+        if not reused or work < tokens:  # nothing to reuse: computed as it is, whatever the mode
+            return ""
+        return f"{what} here (cost model: {work:.0f} vs {tokens} tokens)"
 
     @property
     def targets(self) -> tuple[float, float]:

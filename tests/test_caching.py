@@ -1,6 +1,7 @@
 """runtime/caching.py's `choose`: which reuse a prompt gets. A ratio asked is run as asked; a ratio
 left to the server is the gate's rung or the stored calibration's, whichever recomputes more, and is
-priced at that ratio against full prefill; only a blend is priced."""
+priced at that ratio against full prefill (a blend) or against the prompt after its exact prefix
+(spans); other modes are never priced."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from kvgate.runtime.calibration import Calibration, model_fingerprint, path, sav
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel
+from kvgate.runtime.model import Run, forward
 from kvgate.runtime.reuse import Reuse
 from kvgate.runtime.sampling import SamplingParams
 from kvgate.runtime.sequence import Plan, Sequence
@@ -81,12 +83,33 @@ def test_a_blend_is_priced_at_the_ratio_it_would_run_at(engine: Engine) -> None:
     )
 
 
+def spans(engine: Engine, before: int, span: int) -> Plan:
+    """`before` tokens, then a span of `span` tokens whose source this engine holds, then a cue."""
+    ids = [6] * span
+    kv = engine.reuser.new_kv()
+    forward(engine.model, [Run(kv, ids, 0)])
+    engine.spans.store(kv, 0, ids, "", "said::solver")
+    return Plan([[5] * before, ids, [8] * 2], [False, False, False], Reuse("kvcomm"), spans=[False, True, False])
+
+
+def test_span_reuse_is_priced_against_computing_the_prompt_after_its_exact_prefix(engine: Engine) -> None:
+    layers = engine.reuser.kv_shape[0]
+    reuse, why = chosen(engine, spans(engine, 56, 4))
+    tokens = 56 + 4 + 2  # KVCOMM at ratio 0: the reused rows skip every layer but the first
+    work = (tokens + (tokens - 4) * (layers - 1)) / layers + OVERHEAD
+    assert reuse == Reuse("full") and why == (
+        "span reuse (KVCOMM) would be slower than computing the prompt after its exact prefix here "
+        f"(cost model: {work:.0f} vs {tokens} tokens)"
+    )
+    assert chosen(engine, spans(engine, 8, 80)) == (Reuse("kvcomm"), "")  # most of the prompt: it pays
+
+
 def test_a_ratio_asked_is_run_as_asked_even_where_the_cost_model_says_it_is_slower(engine: Engine) -> None:
     asked = replace(documents(3), reuse=Reuse("blend", 0.8))
     assert chosen(engine, asked) == (Reuse("blend", 0.8), "")
 
 
-def test_only_a_blend_is_priced(engine: Engine) -> None:
+def test_only_reuse_left_to_the_server_is_priced(engine: Engine) -> None:
     # A prefix reuse of a prompt too short for any blend to pay: reused as asked, never priced.
     tiny = Plan([[5] * 4, [6] * 2], [True, False], Reuse("prefix"))
     assert chosen(engine, tiny) == (Reuse("prefix"), "")
