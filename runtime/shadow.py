@@ -31,7 +31,7 @@ from kvgate.runtime.shared import Spans
 log = logging.getLogger("kvgate.engine")
 
 ROWS = 64  # tokens of a full prefill between two looks at the inbox: a request arriving waits little
-CREDIT_S = 1.0  # the most busy-time budget kept unspent: a long busy stretch buys no burst of checks after it
+MAX_BUDGET_S = 1.0  # the most busy-time budget kept unspent: a long busy stretch buys no burst of checks after it
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class Shadow:
         self.gate, self.reuser, self.spans = gate, reuser, spans
         self.jobs: deque[Job] = deque()
         self.running: Generator[float, None, None] | None = None
-        self.credit = 0.0  # seconds of busy time checks may still take
+        self.budget_s = 0.0  # busy time checks may still take, in seconds
         self.last: tuple[list[int], KVCache] | None = None  # the latest full prefill's prompt and KV
 
     def offer(self, plan: Plan, prompt_ids: list[int], mode: str, ratio: float, logits: torch.Tensor) -> None:
@@ -82,12 +82,12 @@ class Shadow:
 
     def earn(self, seconds: float) -> None:
         """The engine was busy for `seconds`: checks may take their share of it."""
-        self.credit = min(CREDIT_S, self.credit + self.gate.config.shadow_share * seconds)
+        self.budget_s = min(MAX_BUDGET_S, self.budget_s + self.gate.config.shadow_share * seconds)
 
     @property
     def affordable(self) -> bool:
         """A part may run while the engine is busy: one is waiting and the budget is not spent."""
-        return self.busy and self.credit > 0.0
+        return self.busy and self.budget_s > 0.0
 
     def step(self, charged: bool = False) -> None:
         """Run one part of the current check; `charged`: on busy time, paid from the budget."""
@@ -102,7 +102,7 @@ class Shadow:
             log.exception("a shadow check failed")
             self.running, self.last = None, None
         if charged:
-            self.credit -= time.perf_counter() - start
+            self.budget_s -= time.perf_counter() - start
 
     def check(self, job: Job) -> Generator[float, None, None]:
         probe = self.gate.probe(job.mode)

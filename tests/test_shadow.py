@@ -19,7 +19,7 @@ from kvgate.runtime.planner import Chat, Planner
 from kvgate.runtime.quality import QualityConfig
 from kvgate.runtime.sampling import SamplingParams
 from kvgate.runtime.sequence import Output
-from kvgate.runtime.shadow import CREDIT_S, Shadow, common
+from kvgate.runtime.shadow import MAX_BUDGET_S, Shadow, common
 from tests.conftest import QUESTIONS
 from tests.kv import new_kv
 from tests.waiting import wait_until
@@ -93,10 +93,10 @@ def test_a_busy_engine_checks_on_its_share_of_the_time_and_with_none_only_once_i
 def test_the_budget_is_the_share_of_busy_time_and_never_piles_up(engine: Engine) -> None:
     shadow = Shadow(engine.gate, engine.reuser, engine.spans)  # the session engine: shadow_share 0.05
     shadow.earn(2.0)
-    assert shadow.credit == pytest.approx(0.1)
+    assert shadow.budget_s == pytest.approx(0.1)
     assert not shadow.affordable  # nothing waits to be checked
     shadow.earn(3600.0)
-    assert shadow.credit == CREDIT_S
+    assert shadow.budget_s == MAX_BUDGET_S
 
 
 def run(check: Generator[float, None, torch.Tensor]) -> tuple[float, torch.Tensor]:
