@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from kvgate.chunk_cache import Tier, fingerprint
@@ -34,6 +34,7 @@ class Chat:
     """A chat request as the planner reads it."""
 
     messages: list[dict[str, Any]]
+    _: KW_ONLY  # the rest by name: a list passed in the wrong place would be read as tools
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     documents: list[dict[str, str]] | None = None  # each {"text"} or {"id"}

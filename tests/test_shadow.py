@@ -58,7 +58,8 @@ def busy_with_a_long_answer(engine: Engine, chat_ids) -> tuple[int, threading.Ev
 def blend(engine: Engine) -> None:
     """One token of a chat over DOCS, served as a blend (its check is then due)."""
     planner = Planner(engine.reuser)
-    ids, plan = planner.chat(Chat([{"role": "user", "content": "Who kept the lamp?"}], [{"text": d} for d in DOCS]))
+    messages = [{"role": "user", "content": "Who kept the lamp?"}]
+    ids, plan = planner.chat(Chat(messages, documents=[{"text": d} for d in DOCS]))
 
     async def first() -> None:
         async for out in engine.generate(ids, SamplingParams(max_tokens=1, temperature=0.0), plan):
