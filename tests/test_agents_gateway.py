@@ -199,7 +199,12 @@ def test_spans_stay_within_a_tenant_even_where_documents_are_shared(engine: Engi
     reader's context, so spans stay with their tenant."""
     settings = Settings(max_num_seqs=4, semantic_cache=False, tenant_scoped_kv=False)
     offsets = engine.spans.offsets
-    system = "You answer questions about tenants, and nothing else."  # no other test's: nobody has its KV
+    # No other test's: nobody has its KV. Long enough that reusing it pays (the cost model prices spans).
+    system = (
+        "You answer questions about tenants, and nothing else. A tenant is a team that holds its own keys, "
+        "its own limits and its own cached text; no tenant ever reads what another tenant wrote or was told. "
+        "When a question names no tenant, ask which one it means; when it names two, answer for each apart."
+    )
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "Which tenant asks this?"}]
     try:
         with serving(settings, engine) as base:
