@@ -225,9 +225,7 @@ class Engine:
                 continue
             start = time.perf_counter()
             self.step()
-            self.shadow.earn(time.perf_counter() - start)
-            if self.shadow.affordable:  # busy: a part of a check on its share of the time
-                self.shadow.step(charged=True)
+            self.shadow.busy_for(time.perf_counter() - start)  # a part of a check, on its share of the time
 
     def drain_inbox(self) -> None:
         with self.lock:

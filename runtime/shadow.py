@@ -84,6 +84,12 @@ class Shadow:
         """The engine was busy for `seconds`: checks may take their share of it."""
         self.budget_s = min(MAX_BUDGET_S, self.budget_s + self.gate.config.shadow_share * seconds)
 
+    def busy_for(self, seconds: float) -> None:
+        """The engine ran a step of `seconds`: earn the checks' share of it, and run a part if it is not spent."""
+        self.earn(seconds)
+        if self.affordable:
+            self.step(charged=True)
+
     @property
     def affordable(self) -> bool:
         """A part may run while the engine is busy: one is waiting and the budget is not spent."""
