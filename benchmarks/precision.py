@@ -49,7 +49,7 @@ def new_kv(loaded: LoadedModel) -> KVCache:
     return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, loaded.model.dtype, "cpu")
 
 
-def answer(loaded: LoadedModel, ids: list[int], tokens: int) -> tuple[Answer, KVCache]:
+def answer(loaded: LoadedModel, ids: list[int], tokens: int) -> Answer:
     kv = new_kv(loaded)
     began = time.perf_counter()
     first = forward(loaded.model, [Run(kv, ids, 0)])[0].float()
@@ -62,7 +62,7 @@ def answer(loaded: LoadedModel, ids: list[int], tokens: int) -> tuple[Answer, KV
             break
         logits = forward(loaded.model, [Run(kv, [out[-1]], len(kv))])[0]
     steps = max(1, len(out) - 1)
-    return Answer(out, first, ttft, (time.perf_counter() - began) / steps), kv
+    return Answer(out, first, ttft, (time.perf_counter() - began) / steps)
 
 
 def forced(loaded: LoadedModel, ids: list[int], reference: list[int]) -> torch.Tensor:
@@ -76,7 +76,7 @@ def measure(models: dict[str, LoadedModel], items: list[Item], tokens: int) -> R
     rows = Rows()
     for n, item in enumerate(items):
         order = DTYPES if n % 2 == 0 else DTYPES[::-1]  # alternate which runs first
-        answers = {d: answer(models[d], item.ids, tokens)[0] for d in order}
+        answers = {d: answer(models[d], item.ids, tokens) for d in order}
         for d in DTYPES:
             rows.ttft[d].append(answers[d].ttft)
             rows.step[d].append(answers[d].step)

@@ -229,7 +229,7 @@ class Caches:
             tokens = len(seq.prompt_ids) - head
             reused = self.spans.sourced(plan.pieces, plan.spans, head, plan.scope)
             ratio = reuse.ratio if reuse.ratio is not None else self.gate.base("kvcomm")
-            config = self.reuser.config(0.0, "naive") if ratio == 0 else self.reuser.config(ratio, reuse.mode)
+            config = self.spans.config(reuse.mode, ratio)
             what = "span reuse (KVCOMM) would be slower than computing the prompt after its exact prefix"
         else:
             tokens = sum(len(p) for p in plan.pieces)

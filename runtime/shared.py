@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 
 from kvgate.chunk_cache import ChunkKV
-from kvgate.runtime.blend import Piece, prefill
+from kvgate.runtime.blend import BlendConfig, Piece, prefill
 from kvgate.runtime.kernels import rope_shift
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.model import Run, forward
@@ -115,6 +115,11 @@ class Spans:
     def key(self, token_ids: list[int], scope: str) -> str:
         return self.reuser.key(token_ids, "span:" + scope)
 
+    def config(self, mode: str, ratio: float) -> BlendConfig:
+        """How spans reused under `mode` are blended. With nothing to recompute, no layer needs to run
+        over the reused tokens to pick some."""
+        return self.reuser.config(0.0, "naive") if mode == "naive" or ratio == 0 else self.reuser.config(ratio, mode)
+
     def source(self, token_ids: list[int], scope: str) -> tuple[ChunkKV, str, str] | None:
         """A span's source on the model's device (a lower tier gives it on the CPU), its slot and
         the context it was computed in."""
@@ -202,8 +207,7 @@ class Spans:
             note = f"kvcomm: {gated} of {len(sourced)} spans had no close anchor: computed, learnt"
         if not cached:  # nothing to reuse: the caller prefills the rest as usual
             return Shared(Prefilled(None, "full", reused=done, note=note), known)
-        # Nothing to recompute: no layer needs to run over the reused tokens to pick some.
-        blend = self.reuser.config(0.0, "naive") if mode == "naive" or ratio == 0 else self.reuser.config(ratio, mode)
+        blend = self.config(mode, ratio)
         pieces_kv = [Piece(ids, cached.get(id(s)) if s is not None else None) for ids, s in parts]
         found = torch.cat([torch.full((len(ids),), s is not None and id(s) in cached) for ids, s in parts])
         out = prefill(self.reuser.model, kv, pieces_kv, blend)
