@@ -30,6 +30,14 @@ $(TEST_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet --no-deps autogen-agentchat==0.7.5 autogen-core==0.7.5 autogen-ext==0.7.5
 	touch $@
 
+# CrewAI in a virtualenv of its own: crewai 1.15 needs the openai SDK below 3 and kvgate's test extras pin 3;
+# tests/test_frameworks_crewai.py runs a crew in it as a subprocess (about 1 GB, 95 s to install).
+CREWAI := .venv-crewai
+$(CREWAI)/.installed:
+	$(PYTHON) -m venv $(CREWAI)
+	$(CREWAI)/bin/pip install --quiet crewai==1.15.30
+	touch $@
+
 install: $(STAMP)
 
 serve: $(STAMP)
@@ -41,7 +49,7 @@ redis:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server; \
 	  else sudo apt-get update -qq && sudo apt-get install -y -qq redis-server; fi; }
 
-test: $(TEST_STAMP) redis
+test: $(TEST_STAMP) $(CREWAI)/.installed redis
 	$(BIN)/kvgate convert
 	$(BIN)/python -m pytest -q -rfEs
 

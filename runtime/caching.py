@@ -275,7 +275,7 @@ class Caches:
                 log.exception("request %d: storing its prefix blocks failed", seq.id)
         if chunks := self.chunks_for(seq):  # its answer: a span a later prompt may quote
             try:
-                chunks.keep(seq.kv, seq.all_ids, seq.tenant, seq.chunked)
+                chunks.keep(seq.kv, seq.all_ids, seq.tenant, seq.chunked, final=True)
             except Exception:
                 log.exception("request %d: storing its chunks failed", seq.id)
         turn = seq.turn

@@ -69,7 +69,7 @@ def cut(token_ids: Sequence[int], config: ChunkConfig = DEFAULT, breaks: Breaks 
     h = (h >> 40) & 0xFFFFFF  # 24 bits from the top: the well mixed ones
     hashed = set((torch.nonzero(h % (config.average - config.minimum) == 0).flatten() + w).tolist())
     lines: set[int] = set()
-    paragraphs: set[int] = set()
+    always: set[int] = set()  # cut whatever the distance from the last cut
     if breaks.newline:  # after the last of a run of newlines, a word following (a blank line: a paragraph)
         nl = torch.isin(t, torch.tensor(sorted(breaks.newline)))
         ends = nl[:-1] & ~nl[1:]
@@ -79,13 +79,21 @@ def cut(token_ids: Sequence[int], config: ChunkConfig = DEFAULT, breaks: Breaks 
             start = end - 1
             while start > 0 and nl[start - 1]:
                 start -= 1
-            paragraphs |= {start, end}  # the blank line a chunk of its own: written "\n\n" or "\n", "\n"
+            always |= {start, end}  # the blank line a chunk of its own: written "\n\n" or "\n", "\n"
+        # A line at least `minimum` long is cut before and after, so a text that begins or ends on a line
+        # break keeps its chunks whatever short line stands before or after it (a quoted answer, a document)
+        breaks_at = torch.nonzero(nl).flatten()
+        for start in sorted(lines):
+            after = breaks_at[torch.searchsorted(breaks_at, start) :]
+            end = int(after[0]) if len(after) else n
+            if end - start >= config.minimum:
+                always |= {start, end} - {n}
     cuts, last = [], 0
-    for end in sorted(hashed | lines | paragraphs):
+    for end in sorted(hashed | lines | always):
         while end - last > config.maximum:
             last += config.maximum
             cuts.append(last)
-        if end - last >= config.minimum or (end in paragraphs and end > last):
+        if end - last >= config.minimum or (end in always and end > last):
             cuts.append(end)
             last = end
     while n - last > config.maximum:
@@ -137,14 +145,23 @@ class Chunks:
     def find(self, token_ids: list[int], head: int, tenant: str) -> Found:
         """The prompt cut in chunks (the edge after the last cut: one more piece); found: the chunks
         wholly after the exact `head` that some tier holds, never the one holding the last token (its
-        logits start the answer)."""
+        logits start the answer). A piece not held may be held one token short: an answer that stopped
+        at its length has no KV for its last token (`keep(final=True)`); its last token is then
+        computed as a piece of its own."""
         pieces, found, start = [], [], 0
         for end in [*cut(token_ids, self.config, self.breaks), len(token_ids)]:
             ids = token_ids[start:end]
             if ids:
-                pieces.append(ids)
-                hit = head <= start and end < len(token_ids) and self.worth(ids) and self.touch(ids, tenant)
-                found.append(hit)
+                usable = head <= start and end < len(token_ids)
+                if usable and self.worth(ids) and self.touch(ids, tenant):
+                    pieces.append(ids)
+                    found.append(True)
+                elif usable and self.worth(ids[:-1]) and self.touch(ids[:-1], tenant):
+                    pieces += [ids[:-1], ids[-1:]]
+                    found += [True, False]
+                else:
+                    pieces.append(ids)
+                    found.append(False)
             start = end
         return Found(pieces, found)
 
@@ -159,10 +176,12 @@ class Chunks:
                 own.move_to_end(key)
         return True
 
-    def keep(self, kv: KVCache, token_ids: list[int], tenant: str, start: int = 0) -> int:
+    def keep(self, kv: KVCache, token_ids: list[int], tenant: str, start: int = 0, final: bool = False) -> int:
         """Store the KV of the chunks of `token_ids` from offset `start` on, as `kv` holds it (the KV
         of those tokens, in this context), keys moved to positions 0..T-1; skip those a tier holds
-        and the edge. Return where the next call may start: the last cut within `kv`."""
+        and the edge, unless `final`: a finished answer ends where it ends, so what `kv` holds after
+        the last cut is a chunk too (a later prompt that quotes the answer cuts it there, at the line
+        or paragraph that follows). Return where the next call may start: the last cut within `kv`."""
         begin = 0
         for end in cut(token_ids, self.config, self.breaks):
             if end > len(kv):
@@ -170,6 +189,8 @@ class Chunks:
             if begin >= start and self.worth(token_ids[begin:end]):
                 self.store_one(kv, token_ids[begin:end], begin, tenant)
             begin = end
+        if final and begin >= start and self.worth(token_ids[begin : len(kv)]):
+            self.store_one(kv, token_ids[begin : len(kv)], begin, tenant)
         return max(begin, start)
 
     def worth(self, ids: list[int]) -> bool:

@@ -32,7 +32,9 @@ def pieces(ids: list[int], cuts: list[int]) -> list[tuple[int, int]]:
     return list(zip([0, *cuts], cuts))
 
 
-def make(loaded: LoadedModel, config: ChunkConfig = SMALL, store: ChunkStore | None = None) -> Chunks:
+def make(
+    loaded: LoadedModel, config: ChunkConfig = SMALL, store: ChunkStore | None = None, breaks: Breaks | None = None
+) -> Chunks:
     model_fp, tokenizer_fp = fingerprint("model"), fingerprint("tokenizer")
     return Chunks(
         store or ChunkStore.from_config(),
@@ -40,6 +42,7 @@ def make(loaded: LoadedModel, config: ChunkConfig = SMALL, store: ChunkStore | N
         model_fp,
         lambda ids, scope: chunk_key(model_fp, tokenizer_fp, ids, scope),
         config=config,
+        breaks=breaks or Breaks(),
     )
 
 
@@ -83,6 +86,30 @@ def test_a_blank_line_always_cuts_so_pasted_documents_keep_their_chunks_in_any_o
 
     assert straddling(cut(ids, SMALL, breaks)) == []
     assert straddling(cut(ids, SMALL)) != []  # hashes alone cut where they may
+
+
+def test_a_long_line_is_cut_before_and_after_whatever_short_line_stands_next_to_it(loaded) -> None:
+    """A text that begins a line (an agent's answer quoted after "Context:", a document after its title) keeps
+    all its chunks, though the short line before it is closer to the last cut than the minimum."""
+    config, breaks, text = (
+        ChunkConfig(average=24, minimum=12, maximum=64),
+        Breaks.of(loaded.tokenizer),
+        ids_of(loaded, NOTES),
+    )
+    tail = ids_of(loaded, "\nWrite it up.")
+    answer = ids_of(loaded, "<|im_start|>assistant\n") + text  # where the notes were first written
+    quoted = ids_of(loaded, "Notes below.\nThe researcher said:\n") + text + tail
+    assert ids_of(loaded, "\n" + NOTES)[1:] == text  # the notes' first token is the same after a newline
+
+    def within(ids: list[int], at: int) -> list[tuple[int, int]]:
+        return [(s - at, e - at) for s, e in pieces(ids, [*cut(ids, config, breaks), len(ids)]) if s >= at]
+
+    in_answer, in_quote = within(answer, len(answer) - len(text)), within(quoted, len(quoted) - len(text) - len(tail))
+    assert in_answer[0][0] == 0 and len(in_answer) >= 3
+    assert in_quote[: len(in_answer)] == in_answer  # every chunk of the notes, the first one too
+    # Short lines are not cut apart: they stay together up to the minimum.
+    listing = ids_of(loaded, "".join(f"- item {i}\n" for i in range(30)))
+    assert all(e - s >= config.minimum for s, e in pieces(listing, cut(listing, config, breaks)))
 
 
 @pytest.mark.parametrize("sizes", [(0, 16, 48), (16, 16, 48), (4, 64, 48)])
@@ -137,6 +164,28 @@ def test_what_a_tier_holds_is_not_stored_again_and_the_edge_is_never_kept(loaded
     kv = prefilled(loaded, more)
     assert chunks.keep(kv, more, "t", last) >= last
     assert chunks.count > kept
+
+
+def test_a_finished_answer_keeps_its_edge_and_is_found_one_token_short(loaded) -> None:
+    """An answer ends where it ends: at finish what follows the last cut is kept too, so a later prompt that
+    quotes the answer (cut there by the line after it) finds all of it. An answer stopped at its length has
+    no KV for its last token: the quote's last chunk is found one token short, that token computed."""
+    breaks = Breaks.of(loaded.tokenizer)
+    prompt, answer = ids_of(loaded, "Write notes.\n"), ids_of(loaded, NOTES)
+    run = prompt + answer
+    kv = prefilled(loaded, run[:-1])  # the last sampled token was never fed
+    chunks = make(loaded, breaks=breaks)
+    edge = cut(run, SMALL, breaks)[-1]
+    assert chunks.keep(kv, run, "t") == edge and chunks.key(run[edge:-1], "t") not in chunks.store
+    chunks.keep(kv, run, "t", final=True)
+    assert chunks.key(run[edge:-1], "t") in chunks.store
+
+    quoted = ids_of(loaded, "Edit the notes below.\n") + answer + ids_of(loaded, "\n\nShorter, please.")
+    found = chunks.find(quoted, 0, "t")
+    assert [t for p in found.pieces for t in p] == quoted
+    reused = [p for p, f in zip(found.pieces, found.found) if f]
+    assert sum(map(len, reused)) == len(answer) - 1  # all of the answer but its last token
+    assert found.pieces[found.pieces.index(run[edge:-1]) + 1] == answer[-1:]
 
 
 def test_chunks_are_bounded_per_tenant_and_in_all_the_oldest_going_first(loaded) -> None:

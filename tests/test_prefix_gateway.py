@@ -77,7 +77,14 @@ def test_a_conversations_next_turn_reads_the_last_turns_prompt_and_answer(client
 
 
 def test_completions_read_prefix_blocks_too(client, model_name) -> None:
-    prompt = f"{SYSTEM}\n\nQuestion: what is charged per metre?\nAnswer:"
+    # A text of its own: the other tests' chat prompts left SYSTEM's lines as content-defined chunks, which a
+    # completion beginning with SYSTEM would find and blend, keeping its exact blocks only up to them.
+    customs = (
+        "You are the clerk of the customs house at Port Callow. Duty is charged per tonne of cargo landed, "
+        "wine and spirits at twice the rate of grain, timber at half. Manifests are lodged before noon on the "
+        "day of landing; late ones pay a fine of four shillings. Answer in one short sentence."
+    )
+    prompt = f"{customs}\n\nQuestion: what is charged per tonne?\nAnswer:"
     client.completions.create(model=model_name, prompt=prompt, max_tokens=4, temperature=0)
     raw = client.completions.with_raw_response.create(model=model_name, prompt=prompt, max_tokens=4, temperature=0)
     assert int(raw.headers["x-kvgate-reused-tokens"]) == raw.parse().usage.prompt_tokens - 1
