@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from kvgate.runtime.kernels import gather_rows, rope_shift, scatter_rows, token_deviation
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.model import attend, finish_layer, logits_of, project, project_keys
-from kvgate.runtime.rope import angles
+from kvgate.runtime.rope import token_angles
 
 
 @dataclass(frozen=True)
@@ -65,26 +65,45 @@ class Blended:
     recomputed_mask: torch.Tensor  # [N] bool: the reused tokens computed again
 
 
-def place(
-    kv: KVCache,
-    layer: int,
-    pieces: list[Piece],
-    shifts: list[tuple[torch.Tensor, torch.Tensor] | None],
-    start: int,
-) -> None:
+def place(kv: KVCache, layer: int, pieces: list[Piece], start: int, shift: Shift | None) -> None:
     """Write layer `layer` of every reused piece's KV at its offset in `kv` (the pieces begin at
-    `start`), keys RoPE-shifted there (`shifts`: each piece's cos/sin, None for none). Called per
+    `start`), then RoPE-shift the keys there in one pass (`shift`: None where none moves). Called per
     layer just before it runs, so a piece still loading is waited for one layer at a time."""
     offset = start
-    for piece, angle in zip(pieces, shifts):
+    for piece in pieces:
         n = len(piece.token_ids)
         if piece.cached is not None:
             keys, values = piece.cached.layer(layer)
-            if angle is not None:
-                keys = rope_shift(keys.to(kv.keys[layer].device), *angle)
             kv.keys[layer][:, offset : offset + n] = keys
             kv.values[layer][:, offset : offset + n] = values
         offset += n
+    if shift is not None:  # rows between the reused pieces are shifted by 0, and computed over after
+        rows = slice(shift.begin, shift.end)
+        kv.keys[layer][:, rows] = rope_shift(kv.keys[layer][:, rows].contiguous(), shift.cos, shift.sin)
+
+
+@dataclass(frozen=True)
+class Shift:
+    """Where the reused keys lie in the KV, [begin, end), and each token's cos/sin [end - begin, head_dim]."""
+
+    begin: int
+    end: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def of(cls, model: PreTrainedModel, pieces: list[Piece], start: int, device: torch.device) -> Shift | None:
+        """Each reused piece's tokens moved from 0..T-1 to their offset; None where none moves."""
+        deltas, offset = [], start
+        for piece in pieces:
+            deltas.append(torch.full((len(piece.token_ids),), offset if piece.reused else 0))
+            offset += len(piece.token_ids)
+        moved = torch.nonzero(torch.cat(deltas)).flatten() if deltas else torch.empty(0)
+        if len(moved) == 0:
+            return None
+        begin, end = int(moved[0]), int(moved[-1]) + 1
+        cos, sin = token_angles(model, torch.cat(deltas)[begin:end], device)
+        return cls(start + begin, start + end, cos, sin)
 
 
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float):
@@ -208,8 +227,7 @@ def blend(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: Blen
     n = len(reused_all)
     total = start + n
     kv.reserve(total)
-    starts = (start + torch.tensor([0] + [len(p.token_ids) for p in pieces[:-1]]).cumsum(0)).tolist()
-    shifts = [angles(model, s, kv.keys[0].device) if p.reused and s else None for p, s in zip(pieces, starts)]
+    shift = Shift.of(model, pieces, start, kv.keys[0].device)
     ids = torch.tensor([t for p in pieces for t in p.token_ids], device=model.device)
     h = inner.embed_tokens(ids)
     positions = torch.arange(start, total, device=model.device)
@@ -222,7 +240,7 @@ def blend(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: Blen
 
     last = len(inner.layers) - 1
     for i, layer in enumerate(inner.layers):
-        place(kv, i, pieces, shifts, start)
+        place(kv, i, pieces, start, shift)
         cos, sin = cos_all[sel], sin_all[sel]
         if i in checks:
             j = checks.index(i)

@@ -27,12 +27,19 @@ def can_shift(model: PreTrainedModel) -> bool:
 
 def angles(model: PreTrainedModel, delta: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [head_dim] (fp32) of a shift by `delta` positions."""
+    cos, sin = token_angles(model, torch.tensor([delta]), device)
+    return cos[0], sin[0]
+
+
+def token_angles(
+    model: PreTrainedModel, deltas: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, head_dim] (fp32) of a shift of each token by its own `deltas` [T] positions (0: none)."""
     if not can_shift(model):
         raise ValueError(f"rope type {rope_type(model)!r} does not allow shifting cached keys")
-    position = torch.tensor([[delta]], device=device)
     probe = torch.empty(0, device=device)  # rotary_emb reads only its device and dtype (fp32)
-    cos, sin = model.model.rotary_emb(probe, position)  # [1, 1, head_dim]
-    return cos[0, 0], sin[0, 0]
+    cos, sin = model.model.rotary_emb(probe, deltas.to(device)[None])  # [1, T, head_dim]
+    return cos[0], sin[0]
 
 
 def shift(model: PreTrainedModel, keys: torch.Tensor, delta: int) -> torch.Tensor:

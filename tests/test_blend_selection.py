@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvgate.chunk_cache import ChunkKV
-from kvgate.runtime.blend import BlendConfig, Piece, choose, first_tokens, place, question_attention
+from kvgate.runtime.blend import BlendConfig, Piece, Shift, choose, first_tokens, place, question_attention
 from kvgate.runtime.kernels import rope_shift
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import LoadedModel
@@ -73,16 +73,20 @@ def test_place_writes_each_reused_piece_at_its_offset_with_its_keys_shifted_ther
     kv.reserve(start + 9)
     for i in range(layers):
         kv.keys[i].zero_(), kv.values[i].zero_()
-    shifts = [angles(model, 5, torch.device("cpu")), None, angles(model, 11, torch.device("cpu"))]
-    place(kv, 2, pieces, shifts, start)
+    shift = Shift.of(model, pieces, start, torch.device("cpu"))
+    assert shift is not None and (shift.begin, shift.end) == (5, 14)  # from the first reused row to the last
+    place(kv, 2, pieces, start, shift)
     keys, values = kv.keys[2], kv.values[2]
-    assert torch.equal(keys[:, 5:9], rope_shift(first.keys[2], *shifts[0]))
+    cpu = torch.device("cpu")
+    assert torch.allclose(keys[:, 5:9], rope_shift(first.keys[2], *angles(model, 5, cpu)), atol=1e-6)
     assert torch.equal(values[:, 5:9], first.values[2])
     assert torch.equal(values[:, 11:14], second.values[2])
-    assert torch.allclose(keys[:, 11:14], rope_shift(second.keys[2], *shifts[2]))
+    assert torch.allclose(keys[:, 11:14], rope_shift(second.keys[2], *angles(model, 11, cpu)), atol=1e-6)
     assert not keys[:, :5].any() and not keys[:, 9:11].any() and not values[:, 9:11].any()  # prefix and fresh rows
     assert not kv.keys[1].any() and not kv.keys[3].any()  # one layer at a time
-    place(kv, 3, pieces, [None, None, None], start)  # no shift: the cached keys as they are
+    # Nothing moves (a piece reused where it was cached): no shift, the cached keys as they are.
+    assert Shift.of(model, [Piece([0] * 3, second), Piece([0] * 2)], 0, cpu) is None
+    place(kv, 3, pieces, start, None)
     assert torch.equal(kv.keys[3][:, 11:14], second.keys[3])
 
 
@@ -95,7 +99,8 @@ def test_place_moves_a_tier_s_keys_to_the_cache_s_device_before_shifting_them(lo
     cached = ChunkKV("k", tuple(range(4)), torch.randn(shape), torch.randn(shape), model="m")
     kv = KVCache(layers, kv_heads, head_dim, torch.float32, meta)
     kv.reserve(9)
-    place(kv, 0, [Piece([0] * 4, cached)], [angles(model, 5, meta)], 5)
+    pieces = [Piece([0] * 4, cached)]
+    place(kv, 0, pieces, 5, Shift.of(model, pieces, 5, meta))
     assert kv.keys[0].device == meta
 
 
