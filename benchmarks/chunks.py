@@ -10,10 +10,13 @@ chunks) and the same without chunks. Per MuSiQue item (6 documents of ~300 words
   through the `documents` field (read once in the first order, then asked in the other), the reuse kvgate
   offers when a client marks its documents. The 16-token greedy answers are compared with full prefill's.
 Tokens found: reused + recomputed (blend recomputes some of what it found) over the documents' tokens.
+Fidelity against full prefill, per path: the first token's KL over full prefill's top 20 (a token missing from
+the path's top 20 is given the path's 20th logprob), how many leading answer tokens agree, and whole answers.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import tempfile
@@ -60,11 +63,36 @@ class Results:
     reused: list[float] = field(default_factory=list)  # reused / the documents' tokens
     chunks_equal: int = 0
     documents_equal: int = 0
+    chunks_kl: list[float] = field(default_factory=list)
+    documents_kl: list[float] = field(default_factory=list)
+    chunks_lead: list[int] = field(default_factory=list)
+    documents_lead: list[int] = field(default_factory=list)
     how: list[str] = field(default_factory=list)
 
 
 def recomputed(reply: Reply) -> int:
     return int(reply.headers.get("x-kvgate-recomputed-tokens", 0))
+
+
+def first_kl(truth: Reply, served: Reply) -> float:
+    """KL(full prefill || served) of the first token, over full prefill's top 20."""
+    p = {e["token"]: e["logprob"] for e in truth.logprobs[0]["top_logprobs"]}
+    q = {e["token"]: e["logprob"] for e in served.logprobs[0]["top_logprobs"]}
+    floor = min(q.values())
+    return sum(math.exp(lp) * (lp - q.get(token, floor)) for token, lp in p.items())
+
+
+def leading(truth: Reply, served: Reply) -> int:
+    """How many of the answer's first tokens are full prefill's."""
+    n = 0
+    for a, b in zip(truth.logprobs, served.logprobs):
+        if a["token"] != b["token"]:
+            break
+        n += 1
+    return n
+
+
+SCORED = {"logprobs": True, "top_logprobs": 20}
 
 
 def run_item(results: Results, item: Rag, i: int, on: str, off: str, model: str, tokens: int) -> None:
@@ -73,20 +101,24 @@ def run_item(results: Results, item: Rag, i: int, on: str, off: str, model: str,
         into.append(stream(url, pasted(model, item.passages, item.question)).ttft)
     order = random.Random(i).sample(item.passages, len(item.passages))
     other = f"In one sentence: {item.question}"
-    truth = stream(on, pasted(model, order, other, kvgate={"reuse": "full"}))
-    served = stream(on, pasted(model, order, other))
+    truth = stream(on, pasted(model, order, other, kvgate={"reuse": "full"}, **SCORED))
+    served = stream(on, pasted(model, order, other, **SCORED))
     results.full.append(truth.ttft)
     results.chunks.append(served.ttft)
     results.found.append((served.cached + recomputed(served)) / tokens)
     results.reused.append(served.cached / tokens)
     results.chunks_equal += served.text == truth.text
+    results.chunks_kl.append(first_kl(truth, served))
+    results.chunks_lead.append(leading(truth, served))
     results.how.append(served.headers.get("x-kvgate-reuse", ""))
     stream(on, marked(model, item.passages, item.question))  # the documents read once, in the first order
-    documents_truth = stream(on, marked(model, order, other, kvgate={"reuse": "full"}))
-    documents = stream(on, marked(model, order, other))
+    documents_truth = stream(on, marked(model, order, other, kvgate={"reuse": "full"}, **SCORED))
+    documents = stream(on, marked(model, order, other, **SCORED))
     results.documents_full.append(documents_truth.ttft)
     results.documents.append(documents.ttft)
     results.documents_equal += documents.text == documents_truth.text
+    results.documents_kl.append(first_kl(documents_truth, documents))
+    results.documents_lead.append(leading(documents_truth, documents))
 
 
 def report(r: Results, items: int) -> str:
@@ -116,6 +148,10 @@ def report(r: Results, items: int) -> str:
         ["documents' tokens reused (`cached_tokens`)", "", f"{mean(r.reused):.1%}", ""],
         ["16-token greedy answers equal to full prefill's: chunks", "", f"{r.chunks_equal} of {items}", ""],
         ["... through `documents`", "", f"{r.documents_equal} of {items}", ""],
+        ["first-token KL from full prefill (top 20), mean: chunks", "", f"{mean(r.chunks_kl):.4f}", ""],
+        ["... through `documents`", "", f"{mean(r.documents_kl):.4f}", ""],
+        ["leading answer tokens equal to full prefill's, mean of 16: chunks", "", f"{mean(r.chunks_lead):.1f}", ""],
+        ["... through `documents`", "", f"{mean(r.documents_lead):.1f}", ""],
     ]
     how = "\n".join(f"- item {i}: `x-kvgate-reuse: {h}`" for i, h in enumerate(r.how))
     return f"{table(['row', 'seconds', 'ratio', 'target'], rows)}\n\n{how}\n"

@@ -153,6 +153,7 @@ class Reply:
     tokens: int
     cached: int = 0
     headers: dict[str, str] = field(default_factory=dict)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # per token, when asked: token, logprob, top_logprobs
 
     @property
     def ttft(self) -> float:
@@ -162,7 +163,7 @@ class Reply:
 def stream(url: str, body: dict[str, Any]) -> Reply:
     """A streamed chat completion: when its first content came, its text, its usage."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    began, first, text, usage = time.perf_counter(), None, "", {}
+    began, first, text, usage, logprobs = time.perf_counter(), None, "", {}, []
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{url}: {r.status_code} {r.read().decode()[:400]}")
@@ -177,9 +178,10 @@ def stream(url: str, body: dict[str, Any]) -> Reply:
                 if first is None and (content or choice.get("finish_reason")):
                     first = time.perf_counter()
                 text += content
+                logprobs += (choice.get("logprobs") or {}).get("content") or ()
     end = time.perf_counter()
     cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
-    return Reply(began, first or end, end, text, usage.get("completion_tokens", 0), cached, headers)
+    return Reply(began, first or end, end, text, usage.get("completion_tokens", 0), cached, headers, logprobs)
 
 
 # ---- the workloads --------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ class Settings(BaseSettings):
     chunk_cache_redis_codec: Literal["int8", "int4"] | None = None
     chunk_cache_lmcache_bytes: int = Field(0, ge=0)  # > 0: an LMCache tier (needs kvgate[lmcache])
     recompute_ratio: float | None = Field(None, ge=0.0, le=1.0)
+    blend_select: Literal["deviation", "attention"] = "deviation"  # which reused tokens blend recomputes
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     semantic_cache: bool = True  # the semantic response cache
     semantic_cache_path: Path | None = None  # its SQLite file; None: <cache_dir>/semantic.sqlite3 (Redis if redis_url)
@@ -221,6 +222,7 @@ class Settings(BaseSettings):
             threads=self.threads,
             chunk_cache=self.chunk_cache_config(),
             recompute_ratio=self.recompute_ratio,
+            blend_select=self.blend_select,
             queue_order=self.queue_order,
             kvcomm_ratio=self.kvcomm_recompute_ratio,
             documents_in_context=self.documents_in_context,

@@ -55,6 +55,9 @@ class EngineConfig:
     queue_order: str = "fcfs"
     # Blend's recompute ratio; None: the calibrated one (`kvgate calibrate`), else the default.
     recompute_ratio: float | None = None
+    # Which reused tokens blend recomputes: "deviation" (CacheBlend's) or "attention" (weighted by what
+    # the question pays each; runtime/blend.py).
+    blend_select: str = "deviation"
     # A prompt of mostly new documents (within a tenant's scope) is prefilled in full and their KV
     # kept as it computed them; False: each new document is computed alone, then blended.
     documents_in_context: bool = True

@@ -84,7 +84,7 @@ class Engine:
     def make_reuser(self, calibration: Calibration | None) -> Reuser:
         c = self.config
         ratio = c.recompute_ratio if c.recompute_ratio is not None else calibration.ratio if calibration else None
-        blend = BlendConfig() if ratio is None else BlendConfig(ratio=ratio)
+        blend = BlendConfig(select=c.blend_select) if ratio is None else BlendConfig(ratio=ratio, select=c.blend_select)
         store = ChunkStore.from_config(c.chunk_cache)
         limit = calibration.deviation_limit if calibration and c.recompute_ratio is None else None
         return Reuser(self.model, self.tokenizer, store, self.model_fp, blend, deviation_limit=limit)

@@ -49,6 +49,14 @@ def test_chunked_prefill_gives_the_same_answer(loaded: LoadedModel, engine: Engi
         small.shutdown()
 
 
+def test_blend_selects_as_configured(loaded: LoadedModel) -> None:
+    attention = Engine(EngineConfig(blend_select="attention", recompute_ratio=0.2), loaded)
+    try:
+        assert attention.reuser.blend.select == "attention" and attention.reuser.blend.ratio == 0.2
+    finally:
+        attention.shutdown()
+
+
 def test_max_tokens_and_eos(engine: Engine, chat_ids) -> None:
     short = engine.generate_sync(chat_ids(QUESTIONS[2]), SamplingParams(max_tokens=3, temperature=0))
     assert short.finish_reason == "length" and len(short.token_ids) == 3

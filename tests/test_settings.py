@@ -57,3 +57,10 @@ def test_keys_are_required_once_any_are_configured() -> None:
     assert Settings(api_keys={"sk-a": "a"}).keys_required
     assert not Settings(api_keys={"sk-a": "a"}, require_api_key=False).keys_required
     assert Settings(require_api_key=True).keys_required  # keys created through the admin API only
+
+
+def test_blend_select_reaches_the_engine_config_and_only_known_ways_are_taken() -> None:
+    assert Settings().engine_config().blend_select == "deviation"
+    assert Settings(blend_select="attention").engine_config().blend_select == "attention"
+    with pytest.raises(pydantic.ValidationError):
+        Settings(blend_select="random")
