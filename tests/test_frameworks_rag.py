@@ -54,4 +54,4 @@ def test_a_rag_chain_reuses_the_documents_it_pasted_in_another_order(prefix_base
     cache_read = [m.usage_metadata["input_token_details"].get("cache_read", 0) for m in replies]
     pasted = sum(len(loaded.tokenizer.encode(p, add_special_tokens=False)) for p in passages)
     assert cache_read[0] < 40  # new, but for the template's opening
-    assert cache_read[1] >= 0.6 * pasted, (cache_read, pasted)  # reused; what blend recomputed is not counted
+    assert cache_read[1] >= 0.8 * pasted, (cache_read, pasted)  # reused; what blend recomputed is not counted
