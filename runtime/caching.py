@@ -37,10 +37,14 @@ class Caches:
         calibration: Calibration | None,
         in_context: bool = True,
         chunks: Chunks | None = None,
+        blended: Blocks | None = None,
     ) -> None:
         self.reuser, self.spans, self.cost = reuser, spans, cost  # cost: seconds to prefill n tokens
         self.blocks = blocks  # None: no automatic prefix caching
         self.chunks = chunks  # None: no content-defined chunks
+        # A blended prompt's KV, kept in blocks of a chain of their own, so that the same tokens asked again
+        # read it whole (they would blend the same chunks again) and never as exact. None: not kept.
+        self.blended = blended
         self.gate, self.calibration = gate, calibration
         self.in_context = in_context  # new documents' KV kept as their first prompt computed it
 
@@ -101,6 +105,12 @@ class Caches:
         # Blocks found need not be stored again: only from the block where the found ones end.
         seq.kept = 0 if resumed or blocks is None else found - found % blocks.size
         seq.fidelity = EXACT if seq.cached_tokens else ""
+        again = self.blended_for(seq)
+        if again is not None and (read := again.attach(seq.kv, seq.prompt_ids, seq.tenant)):
+            seq.blended = read
+            seq.cached_tokens += read
+            seq.reuse = f"blend; {read} tokens as a blend of the same tokens left them"
+            seq.fidelity = self.fidelity("blend", self.reuser.blend.ratio, 0)
         seq.plan = self.chunked(seq)
 
     def chunked(self, seq: Sequence) -> Plan | None:
@@ -133,6 +143,16 @@ class Caches:
         full = seq.plan is not None and seq.plan.reuse.mode == "full"
         return None if seq.ingest or full else self.blocks
 
+    def blended_for(self, seq: Sequence) -> Blocks | None:
+        """The blocks blended prompts leave, for a plain prompt that may blend chunks (not a program's, not
+        documents' (`chunks_for`), not one that asked for prefix or full)."""
+        plan = seq.plan
+        if self.blended is None or self.chunks_for(seq) is None or seq.turn is not None:
+            return None
+        if plan is not None and (plan.spans or plan.reuse.mode not in ("naive", "blend")):
+            return None
+        return self.blended
+
     def chunks_for(self, seq: Sequence) -> Chunks | None:
         """The content-defined chunks a sequence reads and leaves: those of a plain prompt or a
         program's; none for documents (kept under their own keys), an ingest or full prefill."""
@@ -151,7 +171,7 @@ class Caches:
         if plan is None or plan.spans:
             seq.planned = True
             if plan is None:
-                seq.exact = len(seq.prompt_ids)
+                seq.exact = seq.exact if seq.blended else len(seq.prompt_ids)
                 return None
             reuse, why = self.choose(seq, plan)
             own = self.gate.base("kvcomm" if reuse.mode == "kvcomm" else "blend")
@@ -173,10 +193,11 @@ class Caches:
         blended = done.mode in ("naive", "blend")
         label = done.mode if blended or not head else seq.reuse  # else all it reused: the exact head
         seq.reuse = "; ".join(x for x in (label, plan.note, done.note, why) if x)
-        seq.exact = len(seq.prompt_ids)
-        if blended:  # exact up to the first document placed from its own KV
-            lead = next((i for i, d in enumerate(rest.documents) if d), len(rest.pieces))
-            seq.exact = head + sum(len(p) for p in rest.pieces[:lead])
+        if not seq.blended:  # else exact up to where a blend's blocks were read, as start() left it
+            seq.exact = len(seq.prompt_ids)
+            if blended:  # exact up to the first document placed from its own KV
+                lead = next((i for i, d in enumerate(rest.documents) if d), len(rest.pieces))
+                seq.exact = head + sum(len(p) for p in rest.pieces[:lead])
         if done.reused:
             seq.fidelity = self.fidelity(done.mode, done.ratio, sum(rest.documents))
         return done.logits
@@ -254,6 +275,10 @@ class Caches:
         try:
             if blocks := self.blocks_for(seq):
                 seq.kept = blocks.keep(seq.kv, seq.prompt_ids[: seq.exact], seq.tenant, seq.kept)
+            again = self.blended_for(seq)
+            if again is not None and seq.exact < len(seq.prompt_ids) and seq.cached_tokens > seq.exact:
+                read = seq.exact + seq.blended if seq.blended else 0  # the chain's blocks from its first
+                again.keep(seq.kv, seq.prompt_ids, seq.tenant, read)
             if chunks := self.chunks_for(seq):
                 seq.chunked = chunks.keep(seq.kv, seq.prompt_ids, seq.tenant)
             if plan is not None and seq.in_context:
@@ -302,11 +327,13 @@ def make_caches(
     """The caches an engine's config asks for (cost: seconds to prefill n tokens)."""
     store, model_fp = reuser.store, reuser.model_fp
     blocks = Blocks(store, model_fp, reuser.tokenizer_fp, cost, config.prefix_block) if config.prefix_caching else None
-    chunks = None
+    chunks = blended = None
     if config.content_chunks:
         chunks = Chunks(store, reuser.model, model_fp, reuser.key, cost, config.chunks, Breaks.of(reuser.tokenizer))
+        if config.prefix_caching:
+            blended = Blocks(store, model_fp, reuser.tokenizer_fp, cost, config.prefix_block, namespace="blended")
     calibrated = calibration if config.recompute_ratio is None else None
-    return Caches(reuser, blocks, spans, cost, gate, calibrated, config.documents_in_context, chunks)
+    return Caches(reuser, blocks, spans, cost, gate, calibrated, config.documents_in_context, chunks, blended)
 
 
 def after(plan: Plan, done: int) -> Plan:

@@ -42,11 +42,13 @@ class Blocks:
         cost: Callable[[int], float] = lambda tokens: tokens / 300,
         size: int = BLOCK,
         max_branches: int = 1 << 16,
+        namespace: str = "block",
     ) -> None:
         if size < 1:
             raise ValueError(f"a block holds at least one token, got size={size}")
         self.store, self.model_fp, self.tokenizer_fp = store, model_fp, tokenizer_fp
         self.cost, self.size = cost, size  # cost: seconds to compute n tokens (an entry's value)
+        self.namespace = namespace  # "block": exact KV; another: a chain of its own (a blend's KV, runtime/caching.py)
         # parent key -> {child key: its tokens}, for the children this process stored; the parents
         # seen latest last, `max_branches` children in all.
         self.children: OrderedDict[str, dict[str, tuple[int, ...]]] = OrderedDict()
@@ -54,7 +56,7 @@ class Blocks:
         self.lock = threading.Lock()
 
     def key(self, parent: str, token_ids: Sequence[int], tenant: str) -> str:
-        return chunk_key(self.model_fp, self.tokenizer_fp, token_ids, f"block:{tenant}:{parent}")
+        return chunk_key(self.model_fp, self.tokenizer_fp, token_ids, f"{self.namespace}:{tenant}:{parent}")
 
     def root(self, tenant: str) -> str:
         return self.key("", (), tenant)

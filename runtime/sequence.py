@@ -118,6 +118,7 @@ class Sequence:
     planned: bool = False  # the plan's (or the turn's) reuse has run
     ingest: bool = False  # only compute and store the plan's documents: no answer
     exact: int = 0  # leading prompt tokens whose KV is full prefill's own (what prefix blocks may keep)
+    blended: int = 0  # prompt tokens read from the blocks an earlier blend of the same tokens left
     kept: int = 0  # where storing its prefix blocks goes on (the blocks before are stored)
     chunked: int = 0  # where keeping its content-defined chunks goes on
     missing: list[Missing] | None = None  # the plan's documents no tier holds (None: not looked yet)

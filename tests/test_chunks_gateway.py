@@ -66,6 +66,27 @@ def test_documents_pasted_in_the_prompt_are_reused_in_another_order(client, mode
     assert reply.choices[0].message.content
 
 
+def test_a_blended_prompt_asked_again_is_read_whole_as_the_blend_left_it_and_never_as_exact(client, model_name) -> None:
+    """A prompt that blended chunks leaves its exact blocks only up to its first chunk; its KV is kept in a chain
+    of blocks of its own, so the same prompt asked again reads all but its last token (as a repeat does with
+    prefix caching) and answers as it did, while `prefix` (exact KV only) still reads none of it."""
+    docs, question = passages(104)
+    ask(client, model_name, pasted(docs, question))
+    again = pasted(docs[::-1], "Which river is named in the context?")
+    raw, first, _ = ask(client, model_name, again)
+    assert "chunks found by content" in raw.headers["x-kvgate-reuse"]
+    raw, repeat, reused = ask(client, model_name, again)
+    assert (
+        raw.headers["x-kvgate-reuse"].startswith("blend")
+        and "as a blend of the same tokens" in raw.headers["x-kvgate-reuse"]
+    ), raw.headers["x-kvgate-reuse"]
+    assert reused == repeat.usage.prompt_tokens - 1 and int(raw.headers["x-kvgate-recomputed-tokens"]) == 0
+    assert "ratio=" in raw.headers["x-kvgate-fidelity"]  # not "exact"
+    assert repeat.choices[0].message.content == first.choices[0].message.content
+    _, _, exact = ask(client, model_name, again, {"reuse": "prefix"})
+    assert exact < 40  # the template's opening: the blend's KV is never read as exact
+
+
 def test_prefix_and_full_read_no_chunk(client, model_name) -> None:
     docs, question = passages(102)
     ask(client, model_name, pasted(docs, question))

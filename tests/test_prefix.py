@@ -72,6 +72,18 @@ def test_a_prompt_finds_only_its_tenants_blocks(loaded, pieces) -> None:
     assert blocks.root("tenant-a") != blocks.root("tenant-b")
 
 
+def test_a_chain_of_another_namespace_is_apart_in_one_store(loaded, pieces) -> None:
+    """A blend's KV is kept as blocks of a namespace of its own (runtime/caching.py): the exact chain never
+    reads them, whatever the tenant is called."""
+    ids = [t for p in pieces[:3] for t in p]
+    store = ChunkStore.from_config()
+    exact, blended = make(store), make(store, namespace="blended")
+    blended.keep(prefilled(loaded, ids), ids, "t")
+    assert exact.attach(new_kv(loaded), ids, "t") == 0 and exact.attach(new_kv(loaded), ids, "blended:t") == 0
+    assert blended.attach(new_kv(loaded), ids, "t") == len(ids) - 1
+    assert exact.root("blended:t") != blended.root("t") and exact.root("ed:t") != blended.root("t")
+
+
 def test_a_prompt_that_differs_early_finds_nothing_after(loaded, pieces) -> None:
     head, vell, ost, q1, _ = pieces
     blocks = make()
