@@ -241,8 +241,10 @@ def test_the_model_under_load_fails_nothing_and_keeps_its_memory(tmp_path: Path)
     """Two tenants: `calm` (2 clients, one sequence a request) and `flood` (4 clients, 4 sequences a request:
     16 wanted, twice its share of 8, so about half its requests are refused and sent again at once)."""
     # The model and its converted weights from the user cache, as `kvgate serve` runs them; no disk or semantic tier.
-    # No prefix blocks: they fill the memory tier up to its budget by design; what is checked is the rest.
-    settings = {"semantic_cache": False, "chunk_cache_disk_bytes": 0, "max_num_seqs": 8, "prefix_caching": False}
+    # No prefix blocks, no content-defined chunks: they fill the memory tier up to its budget by design (each
+    # sampled answer's last chunk, ~1 MiB, is kept: an answer's end is a cut); what is checked is the rest.
+    off = {"prefix_caching": False, "content_chunks": False}
+    settings = {"semantic_cache": False, "chunk_cache_disk_bytes": 0, "max_num_seqs": 8, **off}
     with kvgate(tmp_path, 180, max_waiting_seqs_per_tenant=8, **settings) as server:
         model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         tenants = [Tenant(2, chat(model, 8), "sk-calm"), Tenant(4, chat(model, 8, n=4), "sk-flood")]
