@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from kvgate.bench.commands import MUSIQUE
+from kvgate.chunk_cache import ChunkKV
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.planner import Chat, Planner
@@ -77,6 +78,12 @@ def phase(engine: Engine, planner: Planner, items, requests: int, until) -> tupl
     return hit, ratios
 
 
+def stored(engine: Engine, planner: Planner, items: list[tuple[str, list[str]]]) -> list[ChunkKV]:
+    """The stored KV of the items' documents (those a tier holds), to perturb in place."""
+    entries = [engine.reuser.store.get(engine.reuser.key(planner.tokens(d))) for _, docs in items for d in docs]
+    return [e for e in entries if e is not None]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=MUSIQUE)
@@ -98,8 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             items = rows(args.data, args.items, args.docs, args.words)
             began = time.perf_counter()
             settled, sound = phase(engine, planner, items, args.requests, lambda r: r == FULL)
-            entries = [engine.reuser.store.get(engine.reuser.key(planner.tokens(d))) for _, docs in items for d in docs]
-            entries = [e for e in entries if e is not None]
+            entries = stored(engine, planner, items)
             saved = [e.values.clone() for e in entries]
             for e in entries:
                 e.values.mul_(-3.0)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvgate.bench.commands import MUSIQUE, OUTPUT
-from kvgate.bench.gate import rows
+from kvgate.bench.gate import rows, stored
 from kvgate.bench.report import table, write_section
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.engine import Engine
@@ -87,12 +87,8 @@ def blend_stats(engine: Engine) -> dict[str, float]:
 
 
 def perturb(engine: Engine, items: Items) -> None:
-    planner = Planner(engine.reuser)
-    for _, docs in items:
-        for d in docs:
-            entry = engine.reuser.store.get(engine.reuser.key(planner.tokens(d)))
-            if entry is not None:
-                entry.values.mul_(-3.0)
+    for entry in stored(engine, Planner(engine.reuser), items):
+        entry.values.mul_(-3.0)
 
 
 def main(argv: list[str] | None = None) -> int:
