@@ -140,13 +140,20 @@ def fidelity_metrics(
         "checks": (CounterMetricFamily, "kvgate_shadow_checks", "reused requests checked against full prefill"),
         "kl": (GaugeMetricFamily, "kvgate_reuse_fidelity_kl", "mean first-token KL(full || reuse) of the checks"),
         "top1": (GaugeMetricFamily, "kvgate_reuse_fidelity_top1", "share of checks whose first token agreed"),
+        "answer": (
+            GaugeMetricFamily,
+            "kvgate_reuse_fidelity_answer",
+            "mean share of the answer's first 16 tokens full prefill's greedy choice repeats before they differ",
+        ),
         "window_kl": (
             GaugeMetricFamily,
             "kvgate_reuse_fidelity_window_kl",
             "mean KL, latest checks of the ratio served",
         ),
         "window_top1": (GaugeMetricFamily, "kvgate_reuse_fidelity_window_top1", "top-1 agreement of those checks"),
-        "ratio": (GaugeMetricFamily, "kvgate_reuse_gate_ratio", "recompute ratio served (1: full prefill)"),
+        "ratio": (GaugeMetricFamily, "kvgate_reuse_gate_ratio", "highest recompute ratio served (1: full prefill)"),
+        "ladders": (GaugeMetricFamily, "kvgate_reuse_gate_ladders", "ladders: the mode's, and KVCOMM's per shape"),
+        "withheld": (GaugeMetricFamily, "kvgate_reuse_gate_withheld", "ladders serving full prefill: reuse withheld"),
     }
     families = {key: kind(name, doc, labels=["model", "mode"]) for key, (kind, name, doc) in kinds.items()}
     for mode, stats in gate:

@@ -17,7 +17,7 @@ from kvgate.runtime.calibration import Calibration
 from kvgate.runtime.chunks import Breaks, Chunks
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.prefix import Blocks
-from kvgate.runtime.quality import FULL, Gate
+from kvgate.runtime.quality import FULL, Gate, shape_key
 from kvgate.runtime.reuse import Reuse, Reuser
 from kvgate.runtime.sequence import Missing, Plan, Sequence
 from kvgate.runtime.shared import Spans
@@ -182,8 +182,11 @@ class Caches:
             seq.cached_tokens, seq.recomputed_tokens = done.reused, done.recomputed
             seq.reuse = "; ".join(x for x in (label, done.note, why) if x)
             spans = done.reused > head and done.mode != "full"
+            if not spans and seq.gated is not None and seq.gated[1] != FULL:
+                seq.gated = None  # no span reused (no close anchor): a check would compare dense with dense
             seq.exact = head if spans else len(seq.prompt_ids)
-            seq.fidelity = self.fidelity("kvcomm", ratio, 0) if spans else EXACT if seq.cached_tokens else ""
+            key = seq.gated[0] if seq.gated is not None else "kvcomm"
+            seq.fidelity = self.fidelity(key, ratio, 0) if spans else EXACT if seq.cached_tokens else ""
             return done.logits
         rest = after(plan, head)
         reuse, why = self.choose(seq, rest) if any(rest.documents) else (Reuse("full"), "")
@@ -204,11 +207,13 @@ class Caches:
 
     def fidelity(self, mode: str, ratio: float, documents: int) -> str:
         """How far reusing KV at `ratio` moves the first token from full prefill's: the latest shadow
-        checks of that mode at that ratio, else what calibration measured for as many documents."""
+        checks of that mode (or KVCOMM shape's key) at that ratio, else what calibration measured for
+        as many documents."""
         checked = self.gate.measured(mode, ratio)
         if checked is not None:
-            kl, top1, n = checked
-            return f"kl={kl:.4f}; top1={top1:.3f}; ratio={ratio:g}; source=shadow; checks={n}"
+            kl, top1, answer, n = checked
+            answered = f"; answer={answer:.3f}" if answer is not None else ""
+            return f"kl={kl:.4f}; top1={top1:.3f}{answered}; ratio={ratio:g}; source=shadow; checks={n}"
         calibrated = self.calibration.measured(documents, ratio) if self.calibration and mode == "blend" else None
         if calibrated is not None:
             return f"kl={calibrated['kl']:.4f}; top1={calibrated['top1']:.3f}; ratio={ratio:g}; source=calibration"
@@ -224,8 +229,9 @@ class Caches:
         if seq.in_context:
             return Reuse("full"), "documents new to the cache: prefilled in full, their KV kept as computed here"
         gated = reuse.ratio is None and reuse.mode == ("kvcomm" if plan.spans else "blend")
+        key = self.gated(seq, plan, reuse.mode)
         if gated:
-            rung, why = self.gate.serve(reuse.mode)
+            rung, why = self.gate.serve(key)
             ratio = rung
             if reuse.mode == "blend" and self.calibration is not None:
                 planned, note = self.calibration.ratio_for(sum(plan.documents), *self.targets)
@@ -233,14 +239,20 @@ class Caches:
                     return Reuse("full"), note
                 ratio = max(ratio, planned)
             if ratio == FULL:
-                seq.gated = (reuse.mode, FULL)
+                seq.gated = (key, FULL)
                 return Reuse("full"), why
             reuse = Reuse(reuse.mode, None if ratio == self.gate.base(reuse.mode) else ratio)
         if reuse.mode in ("blend", "kvcomm") and plan.reuse.ratio is None and (slower := self.slower(seq, plan, reuse)):
             return Reuse("full"), slower
         if gated:  # checks are of the gate's rung, whatever the calibration added on top
-            seq.gated = (reuse.mode, rung)
+            seq.gated = (key, rung)
         return reuse, why
+
+    def gated(self, seq: Sequence, plan: Plan, mode: str) -> str:
+        """The quality gate's ladder for a plan: KVCOMM's of the agent pairs its spans join, else the mode's."""
+        if mode != "kvcomm" or not plan.spans:
+            return mode
+        return shape_key(mode, self.spans.shape(plan.pieces, plan.spans, len(seq.kv), plan.scope, plan.agent))
 
     def slower(self, seq: Sequence, plan: Plan, reuse: Reuse) -> str:
         """Why the cost model says `reuse` would be slower than computing the prompt after its exact

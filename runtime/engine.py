@@ -348,8 +348,7 @@ class Engine:
 
     def sample(self, seq: Sequence, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> None:
         params = seq.params
-        if seq.gated is not None and seq.plan is not None and not seq.output_ids:
-            self.shadow.offer(seq.plan, seq.prompt_ids, *seq.gated, logits)
+        self.shadow.served(seq, logits)  # a check due of the first token, and of the answer's leading ones
         chosen = penalise(logits, params, seq.output_ids)
         if seq.matcher is not None:
             if allowed is None:

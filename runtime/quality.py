@@ -9,12 +9,17 @@ one rung; meeting it with a margin over a whole `window`, it steps one down. At 
 nothing is reused, so there the checks run the other way: the reuse one rung below is computed
 on spare capacity and compared with the full prefill that was served, so the gate learns when
 reuse has recovered.
+
+KVCOMM keeps a ladder per shape: the agent pairs a prompt's reused spans join (the reading agent,
+the agents that wrote or first read them), so that a pipeline whose offsets do not generalise is
+withheld alone. A rung checked fewer than `min_checks` times is checked on every request it serves
+(a shape is seen far more rarely than the server's one blend); then at `shadow_rate`.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -33,6 +38,7 @@ class QualityConfig:
     max_pending: int = 8  # checks waiting for spare capacity; more are dropped
     # Share of the engine's busy time checks may take while requests are running (0: only when idle).
     shadow_share: float = 0.05
+    shapes: int = 1024  # KVCOMM shapes with a ladder of their own; past it the least recently served goes
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.shadow_rate <= 1.0:
@@ -43,6 +49,8 @@ class QualityConfig:
             raise ValueError(f"min_checks {self.min_checks} must be in 1..window ({self.window})")
         if any(not 0.0 <= r < FULL for r in self.ratios):
             raise ValueError(f"gate ratios {self.ratios} must lie in [0, 1)")
+        if self.shapes < 1:
+            raise ValueError(f"shapes {self.shapes} must be at least 1")
 
 
 @dataclass
@@ -50,6 +58,8 @@ class Totals:
     checks: int = 0
     kl: float = 0.0  # summed
     agree: int = 0
+    answered: int = 0  # checks that compared the answer's leading tokens
+    answer: float = 0.0  # their share of leading tokens equal, summed
 
 
 class Ladder:
@@ -59,8 +69,10 @@ class Ladder:
         self.rungs = [base, *sorted(r for r in set(config.ratios) if r > base), FULL]
         self.at = 0
         self.checks: deque[tuple[float, bool]] = deque(maxlen=config.window)
+        self.answers: deque[float] = deque(maxlen=config.window)  # the checks' answer agreement, reported only
         self.why = ""  # the last climb's reason, while above the first rung
         self.totals = Totals()
+        self.asked = 0  # checks made due at this rung
 
     @property
     def ratio(self) -> float:
@@ -78,60 +90,100 @@ class Ladder:
     def move(self, by: int, why: str = "") -> None:
         self.at += by
         self.checks.clear()
+        self.answers.clear()
+        self.asked = 0
         self.why = why if self.at else ""
 
 
+def shape_key(mode: str, shape: str) -> str:
+    """The key of a mode's ladder for one shape ("" : the mode's own)."""
+    return f"{mode}/{shape}" if shape else mode
+
+
+def mode_of(key: str) -> str:
+    """The reuse mode of a ladder's key."""
+    return key.split("/", 1)[0]
+
+
 class Gate:
-    """The ladders of the gated reuse modes. Read from any thread, moved by the engine's."""
+    """The ladders of the gated reuse modes, and of KVCOMM's shapes, by key (`shape_key`). Read from any
+    thread, moved by the engine's."""
 
     def __init__(self, config: QualityConfig, base: dict[str, float]) -> None:
         self.config = config
         self.ladders = {mode: Ladder(ratio, config) for mode, ratio in base.items()}
+        self.shapes: OrderedDict[str, Ladder] = OrderedDict()  # bounded by config.shapes, least recent first
         self.credit = 0.0  # shadow_rate accumulated: a check is due at each whole one
         self.due_count = 0  # checks that came due
         self.dropped = 0  # of those, dropped: too many were waiting
         self.lock = threading.Lock()
 
-    def base(self, mode: str) -> float:
-        return self.ladders[mode].rungs[0]
+    def ladder(self, key: str) -> Ladder:
+        """A key's ladder; a shape's is made at its mode's own ratio when new. Under the lock."""
+        if key in self.ladders:
+            return self.ladders[key]
+        ladder = self.shapes.get(key)
+        if ladder is None:
+            ladder = self.shapes[key] = Ladder(self.ladders[mode_of(key)].rungs[0], self.config)
+            while len(self.shapes) > self.config.shapes:
+                self.shapes.popitem(last=False)
+        self.shapes.move_to_end(key)
+        return ladder
 
-    def serve(self, mode: str) -> tuple[float, str]:
-        """The recompute ratio to serve `mode` with (FULL: no reuse), and why when above its own."""
-        ladder = self.ladders[mode]
+    def base(self, key: str) -> float:
+        return self.ladders[mode_of(key)].rungs[0]
+
+    def serve(self, key: str) -> tuple[float, str]:
+        """The recompute ratio to serve `key` with (FULL: no reuse), and why when above its own."""
         with self.lock:
+            ladder = self.ladder(key)
             ratio, why, raised = ladder.ratio, ladder.why, ladder.at > 0
         if not raised:
             return ratio, ""
+        which = "quality gate (this agent pair)" if key != mode_of(key) else "quality gate"
         if ratio == FULL:
-            return FULL, f"quality gate: {why}; reuse withheld until shadow checks recover"
-        return ratio, f"quality gate: {why}; recompute raised to {ratio:.0%}"
+            return FULL, f"{which}: {why}; reuse withheld until shadow checks recover"
+        return ratio, f"{which}: {why}; recompute raised to {ratio:.0%}"
 
-    def due(self) -> bool:
-        """Whether the request being served now gets a check (every 1/shadow_rate-th, evenly)."""
+    def due(self, key: str | None = None) -> bool:
+        """Whether the request being served now under `key` gets a check: every one while its rung has
+        been checked fewer than `min_checks` times, then every 1/shadow_rate-th, evenly."""
         if self.config.shadow_rate <= 0.0:
             return False
-        self.credit += self.config.shadow_rate
-        if self.credit < 1.0:
-            return False
-        self.credit -= 1.0
+        learning = False
+        if key is not None:
+            with self.lock:
+                ladder = self.ladder(key)
+                learning = ladder.asked < self.config.min_checks
+                ladder.asked += 1
+        if not learning:
+            self.credit += self.config.shadow_rate
+            if self.credit < 1.0:
+                return False
+            self.credit -= 1.0
         self.due_count += 1
         return True
 
-    def probe(self, mode: str) -> float:
-        return self.ladders[mode].probe
+    def probe(self, key: str) -> float:
+        with self.lock:
+            return self.ladder(key).probe
 
-    def record(self, mode: str, ratio: float, kl: float, agree: bool) -> None:
-        """A check of `mode` at `ratio` (the rung it probed when it was taken). A check of a rung
-        the mode has since left says nothing about where it stands: it only counts in the totals."""
-        ladder = self.ladders[mode]
+    def record(self, key: str, ratio: float, kl: float, agree: bool, answer: float | None = None) -> None:
+        """A check of `key` at `ratio` (the rung it probed when it was taken); `answer`: the share of the
+        answer's leading tokens equal (reported, not decided on). A check of a rung the ladder has since
+        left says nothing about where it stands: it only counts in the totals."""
         c = self.config
         with self.lock:
-            ladder.totals.checks += 1
-            ladder.totals.kl += kl
-            ladder.totals.agree += agree
+            ladder = self.ladder(key)
+            totals = ladder.totals
+            totals.checks, totals.kl, totals.agree = totals.checks + 1, totals.kl + kl, totals.agree + agree
+            if answer is not None:
+                totals.answered, totals.answer = totals.answered + 1, totals.answer + answer
             if ratio != ladder.probe:
                 return
             ladder.checks.append((kl, agree))
+            if answer is not None:
+                ladder.answers.append(answer)
             n = len(ladder.checks)
             mean_kl, top1 = ladder.means()
             missed = mean_kl > c.target_kl or top1 < c.target_top1
@@ -148,28 +200,38 @@ class Gate:
             elif ladder.at and n >= c.window and mean_kl <= RECOVER * c.target_kl and top1 >= c.target_top1:
                 ladder.move(-1, ladder.why)
 
-    def measured(self, mode: str, ratio: float) -> tuple[float, float, int] | None:
-        """The mean KL and top-1 of the latest checks of `mode` at `ratio`, and how many; None if none."""
-        ladder = self.ladders.get(mode)
+    def measured(self, key: str, ratio: float) -> tuple[float, float, float | None, int] | None:
+        """The mean KL, top-1 and answer agreement (None: not compared) of the latest checks of `key` at
+        `ratio`, and how many; None if none."""
         with self.lock:
+            ladder = self.ladders.get(key) or self.shapes.get(key)
             if ladder is None or ladder.probe != ratio or not ladder.checks:
                 return None
-            return (*ladder.means(), len(ladder.checks))
+            answers = ladder.answers
+            return (*ladder.means(), sum(answers) / len(answers) if answers else None, len(ladder.checks))
 
     def stats(self) -> Iterable[tuple[str, dict[str, float]]]:
-        """Per mode: lifetime checks, their mean KL and top-1, the window's, and the ratio served."""
+        """Per mode, over its ladders (KVCOMM: one per shape): lifetime checks, their mean KL, top-1 and
+        answer agreement, the windows' KL and top-1, the highest ratio served, how many ladders and how
+        many of them withhold reuse."""
         with self.lock:
-            for mode, ladder in self.ladders.items():
-                t = ladder.totals
-                kl, top1 = ladder.means() if ladder.checks else (float("nan"), float("nan"))
+            for mode, own in self.ladders.items():
+                ladders = [own, *(ladder for key, ladder in self.shapes.items() if mode_of(key) == mode)]
+                checks = sum(ladder.totals.checks for ladder in ladders)
+                answered = sum(ladder.totals.answered for ladder in ladders)
+                window = [check for ladder in ladders for check in ladder.checks]
+                nan = float("nan")
                 yield (
                     mode,
                     {
-                        "checks": t.checks,
-                        "kl": t.kl / t.checks if t.checks else float("nan"),
-                        "top1": t.agree / t.checks if t.checks else float("nan"),
-                        "window_kl": kl,
-                        "window_top1": top1,
-                        "ratio": ladder.ratio,
+                        "checks": checks,
+                        "kl": sum(ladder.totals.kl for ladder in ladders) / checks if checks else nan,
+                        "top1": sum(ladder.totals.agree for ladder in ladders) / checks if checks else nan,
+                        "answer": sum(ladder.totals.answer for ladder in ladders) / answered if answered else nan,
+                        "window_kl": sum(k for k, _ in window) / len(window) if window else nan,
+                        "window_top1": sum(a for _, a in window) / len(window) if window else nan,
+                        "ratio": max(ladder.ratio for ladder in ladders),
+                        "ladders": len(ladders),
+                        "withheld": sum(ladder.ratio == FULL for ladder in ladders),
                     },
                 )

@@ -125,7 +125,7 @@ class Sequence:
     fresh: dict[str, ChunkKV] = field(default_factory=dict)  # documents computed for this prompt
     in_context: set[str] = field(default_factory=set)  # new documents whose KV this prompt's full prefill leaves
     reusing: Steps[torch.Tensor | None] | None = None  # the reuse underway, spread over steps
-    gated: tuple[str, float] | None = None  # the gated reuse mode served and its ratio (FULL: none reused)
+    gated: tuple[str, float] | None = None  # the gate's key served (a mode or KVCOMM shape) and its ratio (FULL: none)
     shared: Shared | None = None  # a span prefill whose lessons wait for the prompt's KV to complete
     matcher: Any = None  # the grammar's state (an llguidance LLMatcher) when params.grammar is set
     arrival: float = field(default_factory=time.monotonic)

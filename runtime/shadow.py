@@ -9,6 +9,11 @@ a server that always has work still checks (at that share of its throughput).
 
 A check's full prefill starts from the previous one's KV where their prompts begin alike: that KV
 is full prefill's own, so a run of requests over one context costs one prefill of it in checks.
+
+Besides the first token, a check measures the answer as a user meets it: the served answer's first
+`ANSWER` tokens are fed after the other side's prompt (teacher-forced), and the check counts how many
+leading positions the other side's greedy choice equals the served side's. For a greedy request that
+is how many tokens of the two answers are equal before they first differ.
 """
 
 from __future__ import annotations
@@ -23,24 +28,28 @@ import torch
 
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.model import Run, forward
-from kvgate.runtime.quality import FULL, Gate
+from kvgate.runtime.quality import FULL, Gate, mode_of
 from kvgate.runtime.reuse import Reuse, Reuser
-from kvgate.runtime.sequence import Plan
+from kvgate.runtime.sequence import Plan, Sequence
 from kvgate.runtime.shared import Spans
 
 log = logging.getLogger("kvgate.engine")
 
 ROWS = 64  # tokens of a full prefill between two looks at the inbox: a request arriving waits little
+ANSWER = 16  # the answer's leading tokens a check compares
 MAX_BUDGET_S = 1.0  # the most busy-time budget kept unspent: a long busy stretch buys no burst of checks after it
 
 
 @dataclass(frozen=True)
 class Job:
+    seq: int  # the served sequence's id
     prompt_ids: list[int]
     plan: Plan
-    mode: str  # the gated mode: "blend" or "kvcomm"
+    mode: str  # the gate's key: "blend", or a KVCOMM shape's (runtime/quality.py: shape_key)
     ratio: float  # the rung served (FULL: full prefill was)
     logits: torch.Tensor  # the first token's, as served
+    answer: list[int]  # the served answer's tokens, as they are sampled (the sequence's own list)
+    greedy: list[int]  # the served side's greedy choice at each of the answer's first ANSWER positions
 
 
 def compare(reference: torch.Tensor, other: torch.Tensor) -> tuple[float, bool]:
@@ -66,15 +75,25 @@ class Shadow:
         self.running: Generator[float, None, None] | None = None
         self.budget_s = 0.0  # busy time checks may still take, in seconds
         self.last: tuple[list[int], KVCache] | None = None  # the latest full prefill's prompt and KV
+        self.followed: dict[int, list[int]] = {}  # sequence id -> its job's greedy choices, while its check waits
 
-    def offer(self, plan: Plan, prompt_ids: list[int], mode: str, ratio: float, logits: torch.Tensor) -> None:
-        """A request was served: check it if one is due and there is room (else it is dropped)."""
-        if not self.gate.due():
+    def served(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """A token of `seq` is sampled from `logits`: its first offers a check (when one is due and
+        there is room, else it is dropped); while a check waits, the next ones' greedy choices are kept."""
+        followed = self.followed.get(seq.id)
+        if followed is not None:
+            if len(followed) < ANSWER:
+                followed.append(int(logits.argmax()))
+            return
+        if seq.gated is None or seq.plan is None or seq.output_ids or not self.gate.due(seq.gated[0]):
             return
         if len(self.jobs) >= self.gate.config.max_pending:
             self.gate.dropped += 1
             return
-        self.jobs.append(Job(list(prompt_ids), plan, mode, ratio, logits.detach().float().clone()))
+        first = logits.detach().float().clone()
+        job = Job(seq.id, list(seq.prompt_ids), seq.plan, *seq.gated, first, seq.output_ids, [int(first.argmax())])
+        self.jobs.append(job)
+        self.followed[seq.id] = job.greedy
 
     @property
     def busy(self) -> bool:
@@ -112,16 +131,32 @@ class Shadow:
 
     def check(self, job: Job) -> Generator[float, None, None]:
         probe = self.gate.probe(job.mode)
-        if job.ratio == FULL:  # full prefill was served: compute the reuse it withheld
-            reference, other = job.logits, (yield from self.reuse(job, probe))
-        else:
-            reference, other = (yield from self.full(job.prompt_ids)), job.logits
-            probe = job.ratio
-        kl, agree = compare(reference, other)
-        self.gate.record(job.mode, probe, kl, agree)
+        try:
+            if job.ratio == FULL:  # full prefill was served: compute the reuse it withheld
+                kv, other = yield from self.reuse(job, probe)
+                reference = job.logits
+            else:
+                kv, reference = yield from self.full(job.prompt_ids)
+                other, probe = job.logits, job.ratio
+            kl, agree = compare(reference, other)
+            same = yield from self.answer(kv, int((other if job.ratio == FULL else reference).argmax()), job)
+        finally:
+            self.followed.pop(job.seq, None)
+        self.gate.record(job.mode, probe, kl, agree, same)
 
-    def full(self, ids: list[int]) -> Generator[float, None, torch.Tensor]:
-        """Full prefill's first-token logits, from the previous check's KV where the prompts agree."""
+    def answer(self, kv: KVCache, first: int, job: Job) -> Generator[float, None, float]:
+        """The share of the served answer's leading tokens (up to ANSWER) whose greedy choice the other
+        side, its prompt's KV in `kv` and its first choice `first`, makes too: the served tokens fed."""
+        n = min(len(job.greedy), len(job.answer), ANSWER)
+        choices = [first]
+        if n > 1:
+            logits = forward(self.reuser.model, [Run(kv, job.answer[: n - 1], len(kv))], every=True)
+            choices += logits.argmax(-1).tolist()
+            yield float(n - 1)
+        return common(choices, job.greedy[:n]) / max(n, 1)
+
+    def full(self, ids: list[int]) -> Generator[float, None, tuple[KVCache, torch.Tensor]]:
+        """Full prefill's KV and first-token logits, from the previous check's KV where the prompts agree."""
         kv, same = self.reuser.new_kv(), 0
         if self.last is not None:
             same = min(common(self.last[0], ids), len(ids) - 1)  # the last token is computed: its logits
@@ -134,17 +169,17 @@ class Shadow:
             logits = forward(self.reuser.model, [Run(kv, ids[start : start + ROWS], start)])[0]
             yield float(min(ROWS, len(ids) - start))
         assert logits is not None
-        self.last = (list(ids), kv)
-        return logits
+        self.last = (list(ids), kv)  # rows after the prompt (an answer fed) are cut by the next check
+        return kv, logits
 
-    def reuse(self, job: Job, ratio: float) -> Generator[float, None, torch.Tensor]:
+    def reuse(self, job: Job, ratio: float) -> Generator[float, None, tuple[KVCache, torch.Tensor]]:
         plan, kv = job.plan, self.reuser.new_kv()
         asked = Reuse("blend", None if ratio == self.gate.base(job.mode) else ratio)
-        if job.mode == "kvcomm":
+        if mode_of(job.mode) == "kvcomm":
             done = self.spans.prefill(kv, plan.pieces, plan.spans, "kvcomm", plan.agent, plan.scope, ratio).prefilled
         else:
             done = yield from self.reuser.prefilling(kv, plan.pieces, plan.documents, asked, plan.scope)
         if done.logits is not None:
-            return done.logits
+            return kv, done.logits
         rest = job.prompt_ids[len(kv) :]
-        return forward(self.reuser.model, [Run(kv, rest, len(kv))])[0]
+        return kv, forward(self.reuser.model, [Run(kv, rest, len(kv))])[0]

@@ -48,6 +48,7 @@ def test_a_blend_reports_the_shadow_checks_of_the_ratio_it_ran(engine: Engine) -
     assert fields(served.fidelity) == {
         "kl": f"{window['window_kl']:.4f}",
         "top1": f"{window['window_top1']:.3f}",
+        "answer": f"{window['answer']:.3f}",  # one token answered: whether it was full prefill's
         "ratio": f"{engine.gate.base('blend'):g}",
         "source": "shadow",
         "checks": "1",

@@ -64,6 +64,8 @@ def test_requests_tokens_reuse_and_tiers_are_counted(url, model_name):
         labels = (("mode", mode), ("model", model_name))
         assert ("kvgate_reuse_gate_ratio", labels) in after and ("kvgate_shadow_checks_total", labels) in after
     assert value(after, "kvgate_reuse_gate_ratio", mode="blend", model=model_name) < 1.0
+    assert value(after, "kvgate_reuse_gate_ladders", mode="blend", model=model_name) == 1  # KVCOMM: one per shape
+    assert value(after, "kvgate_reuse_gate_withheld", mode="blend", model=model_name) == 0
     assert ("kvgate_shadow_due_total", ()) in after and ("kvgate_shadow_dropped_total", ()) in after
 
 

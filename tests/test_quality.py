@@ -3,6 +3,8 @@ that close it when the stored KV is perturbed and open it again once the KV is s
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -10,8 +12,9 @@ from kvgate.bench.gate import ask as ask_engine
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel
+from kvgate.runtime.model import Run, forward
 from kvgate.runtime.planner import Planner
-from kvgate.runtime.quality import FULL, Gate, QualityConfig
+from kvgate.runtime.quality import FULL, Gate, QualityConfig, shape_key
 from kvgate.runtime.reuse import Reuse
 from kvgate.runtime.sampling import SamplingParams
 from kvgate.runtime.sequence import Plan, Result, Sequence
@@ -73,8 +76,37 @@ def test_the_shadow_rate_checks_evenly_and_zero_never() -> None:
     assert not any(Gate(QualityConfig(), {"blend": 0.15}).due() for _ in range(100))
 
 
+def test_a_rung_checked_fewer_than_min_checks_times_is_checked_on_every_request() -> None:
+    gate = Gate(QualityConfig(shadow_rate=0.25, min_checks=2, window=4), {"blend": 0.15})
+    assert [gate.due("blend") for _ in range(6)] == [True, True, False, False, False, True]
+    for _ in range(2):
+        gate.record("blend", 0.15, *BAD)  # climbs: the new rung is unknown, so checked at once again
+    assert [gate.due("blend") for _ in range(3)] == [True, True, False]
+    assert not any(Gate(QualityConfig(), {"blend": 0.15}).due("blend") for _ in range(100))
+
+
+def test_kvcomm_shapes_climb_apart_and_say_so() -> None:
+    gate = Gate(CONFIG, {"blend": 0.15, "kvcomm": 0.0})
+    bad, good = shape_key("kvcomm", "reviewer-reads-support"), shape_key("kvcomm", "critic-reads-solver")
+    for ratio in (0.0, 0.0, 0.5, 0.5):
+        gate.record(bad, ratio, *BAD)
+    ratio, why = gate.serve(bad)
+    assert ratio == FULL and "quality gate (this agent pair)" in why and "withheld" in why
+    assert gate.serve(good) == (0.0, "") and gate.serve("blend") == (0.15, "")
+    kvcomm = dict(gate.stats())["kvcomm"]
+    assert kvcomm["ladders"] == 3 and kvcomm["withheld"] == 1 and kvcomm["checks"] == 4 and kvcomm["ratio"] == FULL
+
+
+def test_shapes_are_bounded_the_least_recently_served_goes() -> None:
+    gate = Gate(replace(CONFIG, shapes=2), {"kvcomm": 0.0})
+    for shape in ("a", "b", "a", "c"):
+        gate.serve(shape_key("kvcomm", shape))
+    assert list(gate.shapes) == ["kvcomm/a", "kvcomm/c"]
+    assert dict(gate.stats())["kvcomm"]["ladders"] == 3  # the mode's own, and two shapes
+
+
 def test_bad_configs_are_refused() -> None:
-    for bad in ({"shadow_rate": 1.5}, {"window": 2, "min_checks": 3}, {"ratios": (1.0,)}):
+    for bad in ({"shadow_rate": 1.5}, {"window": 2, "min_checks": 3}, {"ratios": (1.0,)}, {"shapes": 0}):
         with pytest.raises(ValueError):
             QualityConfig(**bad)
 
@@ -145,16 +177,25 @@ def test_a_blend_slower_than_full_prefill_is_not_run_and_says_why(gated) -> None
     assert result.cached_tokens == 0
 
 
-def test_kvcomm_spans_climb_their_own_ladder(gated) -> None:
+def test_kvcomm_spans_climb_the_ladder_of_their_agent_pairs(gated) -> None:
     engine, _ = gated
-    plan = Plan([[1, 2], [3, 4]], [False, False], Reuse("kvcomm"), spans=[False, True])
+    plan = Plan([[1, 2], [3, 4]], [False, False], Reuse("kvcomm"), spans=[False, True], agent="agent-reviewer")
     seq = Sequence([1, 2, 3, 4], SamplingParams(), engine.reuser.new_kv(), frozenset(), 100, plan=plan)
-    assert engine.caches.choose(seq, plan) == (Reuse("kvcomm"), "") and seq.gated == ("kvcomm", 0.0)
+    key = engine.caches.gated(seq, plan, "kvcomm")
+    assert engine.caches.choose(seq, plan) == (Reuse("kvcomm"), "") and seq.gated == (key, 0.0)
     blend = dict(engine.gate.stats())["blend"]["ratio"]
     for _ in range(2):
-        engine.gate.record("kvcomm", 0.0, 0.5, False)
+        engine.gate.record(key, 0.0, 0.5, False)
     reuse, why = engine.caches.choose(seq, plan)
-    assert reuse == Reuse("kvcomm", 0.5) and "quality gate" in why and seq.gated == ("kvcomm", 0.5)
+    assert reuse == Reuse("kvcomm", 0.5) and "quality gate (this agent pair)" in why and seq.gated == (key, 0.5)
     assert dict(engine.gate.stats())["blend"]["ratio"] == blend  # one mode's checks never move another
-    asked = Plan(plan.pieces, plan.documents, Reuse("kvcomm", 0.0), spans=plan.spans)
+    asked = Plan(plan.pieces, plan.documents, Reuse("kvcomm", 0.0), spans=plan.spans, agent=plan.agent)
     assert engine.caches.choose(seq, asked) == (Reuse("kvcomm", 0.0), "")  # a ratio asked is not gated
+
+    # Another reader of the same span is another pair; so is the same reader of a span another agent wrote.
+    other = Plan(plan.pieces, plan.documents, Reuse("kvcomm"), spans=plan.spans, agent="agent-critic")
+    assert engine.caches.choose(seq, other) == (Reuse("kvcomm"), "")
+    kv = engine.reuser.new_kv()
+    forward(engine.model, [Run(kv, [3, 4], 0)])
+    engine.spans.store(kv, 0, [3, 4], "", "wrote::agent-support")
+    assert engine.caches.gated(seq, plan, "kvcomm") != key

@@ -17,8 +17,9 @@ from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.planner import Chat, Planner
 from kvgate.runtime.quality import QualityConfig
+from kvgate.runtime.reuse import Reuse
 from kvgate.runtime.sampling import SamplingParams
-from kvgate.runtime.sequence import Output
+from kvgate.runtime.sequence import Output, Plan
 from kvgate.runtime.shadow import MAX_BUDGET_S, Shadow, common
 from tests.conftest import QUESTIONS
 from tests.kv import new_kv
@@ -117,8 +118,40 @@ def test_a_check_starts_from_the_previous_checks_kv_where_the_prompts_agree(engi
     shared = common(first, second)
     assert len(first) - 6 <= shared < len(second)
     assert run(shadow.full(first))[0] == len(first)
-    computed, logits = run(shadow.full(second))
+    computed, (_, logits) = run(shadow.full(second))
     assert computed == len(second) - shared  # only what the second prompt does not share with the first
     whole = forward(engine.model, [Run(new_kv(engine.loaded), second, 0)])[0]
     assert torch.allclose(logits, whole, atol=1e-4)
     assert run(shadow.full(second))[0] == 1  # the very same prompt: its last token, for the logits
+
+
+def greedy(engine: Engine, ids: list[int], plan=None, tokens: int = 8) -> list[int]:
+    """A greedy answer of `tokens` tokens served by the engine (as `plan` says)."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+
+    async def answer() -> list[int]:
+        got: list[int] = []
+        async for out in engine.generate(ids, params, plan):
+            got += out.token_ids
+        return got
+
+    return asyncio.run(answer())
+
+
+def test_a_check_counts_the_answers_leading_tokens_full_prefill_would_choose_too(loaded: LoadedModel, tmp_path) -> None:
+    engine = engine_with(loaded, tmp_path, 0.0)
+    try:
+        blend(engine)  # the documents' KV stored, read back as a blend, checked
+        wait_until(lambda: checks(engine) == 1 and not engine.shadow.busy, 60, "the first check")
+        planner = Planner(engine.reuser)
+        for text in DOCS:  # a fault no real part produces on demand: stored KV perturbed, the answer moves
+            engine.reuser.store.get(engine.reuser.key(planner.tokens(text))).values.mul_(-3.0)
+        messages = [{"role": "user", "content": "Who kept the lamp?"}]
+        ids, plan = planner.chat(Chat(messages, documents=[{"text": d} for d in DOCS]))
+        served = greedy(engine, ids, plan)
+        wait_until(lambda: checks(engine) == 2 and not engine.shadow.busy, 60, "the answer's check")
+        truth = greedy(engine, ids, Plan([ids], [False], Reuse("full")))
+        assert truth != served
+        assert engine.gate.ladders["blend"].answers[-1] == common(truth, served) / len(served)
+    finally:
+        engine.shutdown()
