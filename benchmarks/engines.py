@@ -154,20 +154,21 @@ class Reply:
     cached: int = 0
     headers: dict[str, str] = field(default_factory=dict)
     logprobs: list[dict[str, Any]] = field(default_factory=list)  # per token, when asked: token, logprob, top_logprobs
+    prompt: int = 0  # prompt tokens
 
     @property
     def ttft(self) -> float:
         return self.first - self.began
 
 
-def stream(url: str, body: dict[str, Any]) -> Reply:
+def stream(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Reply:
     """A streamed chat completion: when its first content came, its text, its usage."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     began, first, text, usage, logprobs = time.perf_counter(), None, "", {}, []
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=600) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{url}: {r.status_code} {r.read().decode()[:400]}")
-        headers = dict(r.headers)
+        answered = dict(r.headers)
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -181,7 +182,8 @@ def stream(url: str, body: dict[str, Any]) -> Reply:
                 logprobs += (choice.get("logprobs") or {}).get("content") or ()
     end = time.perf_counter()
     cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
-    return Reply(began, first or end, end, text, usage.get("completion_tokens", 0), cached, headers, logprobs)
+    tokens, prompt = usage.get("completion_tokens", 0), usage.get("prompt_tokens", 0)
+    return Reply(began, first or end, end, text, tokens, cached, answered, logprobs, prompt)
 
 
 # ---- the workloads --------------------------------------------------------------------------------
