@@ -58,12 +58,12 @@ class Planner:
             plan = self.documents(chat)
         elif chat.program is not None:
             plan = self.spans(chat)
-        elif chat.mode is not None:  # a plain prompt, the reuse asked kept: "full" reuses nothing at all
-            prompt = chat_prompt(self.tokenizer, chat.messages, chat.add_generation_prompt, chat.tools)
-            return prompt, Plan([prompt], [False], Reuse(chat.mode, chat.ratio), chat.scope)
         if plan is not None:
             return [t for piece in plan.pieces for t in piece], plan
-        return chat_prompt(self.tokenizer, chat.messages, chat.add_generation_prompt, chat.tools), None
+        prompt = chat_prompt(self.tokenizer, chat.messages, chat.add_generation_prompt, chat.tools)
+        if chat.mode is not None:  # a plain prompt (a program's too), the reuse asked kept: "prefix" finds no chunk
+            return prompt, Plan([prompt], [False], Reuse(chat.mode, chat.ratio), chat.scope)
+        return prompt, None
 
     def documents(self, chat: Chat) -> Plan:
         """[head][documents...][tail]; documents have no anchors: kvcomm is blend for them."""

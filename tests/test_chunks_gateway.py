@@ -93,6 +93,10 @@ def test_prefix_and_full_read_no_chunk(client, model_name) -> None:
     again = pasted(docs[::-1], "Which town trades in salt?")
     raw, _, reused = ask(client, model_name, again, {"reuse": "prefix"})
     assert reused < 40 and "chunks" not in raw.headers.get("x-kvgate-reuse", "")
+    program = {"x-kvgate-program-id": "prefix-reader"}  # a program's prompt asking prefix: its own context only
+    other = pasted(docs[2:] + docs[:2], "Which town trades in salt?")  # an order no prefix blocks hold
+    raw, _, reused = ask(client, model_name, other, {"reuse": "prefix"}, extra_headers=program)
+    assert reused < 40 and "chunks" not in raw.headers.get("x-kvgate-reuse", "")
     raw, _, reused = ask(client, model_name, again, {"reuse": "full"})
     assert reused == 0 and raw.headers["x-kvgate-reuse"] == "full"
     again = pasted(docs[1:] + docs[:1], "Who is the mayor?")  # another order: no prefix blocks hold it
