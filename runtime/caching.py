@@ -135,7 +135,8 @@ class Caches:
         if not any(found.found):
             return None
         note = f"{sum(found.found)} chunks found by content"
-        return Plan(found.pieces, found.found, reuse, chunks.scope(seq.tenant), note=note)
+        agent = plan.agent if plan is not None else ""
+        return Plan(found.pieces, found.found, reuse, chunks.scope(seq.tenant), note=note, agent=agent)
 
     def blocks_for(self, seq: Sequence) -> Blocks | None:
         """The prefix blocks a sequence reads and leaves: none for an ingest, nor for a prompt that
@@ -202,7 +203,8 @@ class Caches:
                 lead = next((i for i, d in enumerate(rest.documents) if d), len(rest.pieces))
                 seq.exact = head + sum(len(p) for p in rest.pieces[:lead])
         if done.reused:
-            seq.fidelity = self.fidelity(done.mode, done.ratio, sum(rest.documents))
+            key = seq.gated[0] if seq.gated is not None else done.mode
+            seq.fidelity = self.fidelity(key, done.ratio, sum(rest.documents))
         return done.logits
 
     def fidelity(self, mode: str, ratio: float, documents: int) -> str:
@@ -249,10 +251,11 @@ class Caches:
         return reuse, why
 
     def gated(self, seq: Sequence, plan: Plan, mode: str) -> str:
-        """The quality gate's ladder for a plan: KVCOMM's of the agent pairs its spans join, else the mode's."""
-        if mode != "kvcomm" or not plan.spans:
-            return mode
-        return shape_key(mode, self.spans.shape(plan.pieces, plan.spans, len(seq.kv), plan.scope, plan.agent))
+        """The quality gate's ladder for a plan: a program's prompt climbs its shape's (KVCOMM: the agent
+        pairs its spans join; chunks found in it: its reader), any other the mode's."""
+        if mode == "kvcomm" and plan.spans:
+            return shape_key(mode, self.spans.shape(plan.pieces, plan.spans, len(seq.kv), plan.scope, plan.agent))
+        return shape_key(mode, plan.agent) if seq.turn is not None and plan.agent else mode
 
     def slower(self, seq: Sequence, plan: Plan, reuse: Reuse) -> str:
         """Why the cost model says `reuse` would be slower than computing the prompt after its exact

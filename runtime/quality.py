@@ -10,10 +10,14 @@ nothing is reused, so there the checks run the other way: the reuse one rung bel
 on spare capacity and compared with the full prefill that was served, so the gate learns when
 reuse has recovered.
 
-KVCOMM keeps a ladder per shape: the agent pairs a prompt's reused spans join (the reading agent,
-the agents that wrote or first read them), so that a pipeline whose offsets do not generalise is
-withheld alone. A rung checked fewer than `min_checks` times is checked on every request it serves
-(a shape is seen far more rarely than the server's one blend); then at `shadow_rate`.
+A program's prompt climbs a ladder of its shape: for KVCOMM the agent pairs its reused spans join
+(the reading agent, the agents that wrote or first read them), for chunks found in it the reading
+agent; so a pipeline whose reuse does not generalise is withheld alone. A shape's ladder also holds
+the answer to `target_answer` (agents read each other's answers: a drift compounds down the
+pipeline), and has two rungs, its reuse and none (the prompt after its exact prefix computed): a
+recompute ratio rarely pays on short agent prompts, and each rung would take another `min_checks`
+checks of a shape seen far more rarely than the server's one blend. A rung checked fewer than
+`min_checks` times is checked on every request it serves, then at `shadow_rate`.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ class QualityConfig:
     max_pending: int = 8  # checks waiting for spare capacity; more are dropped
     # Share of the engine's busy time checks may take while requests are running (0: only when idle).
     shadow_share: float = 0.05
-    shapes: int = 1024  # KVCOMM shapes with a ladder of their own; past it the least recently served goes
+    shapes: int = 1024  # shapes with a ladder of their own; past it the least recently served goes
+    # A shape's checks: the mean share of the answer's leading tokens equal to full prefill's, at least.
+    target_answer: float = 0.9
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.shadow_rate <= 1.0:
@@ -65,8 +71,9 @@ class Totals:
 class Ladder:
     """One reuse mode's rungs, where it stands, and the checks of that rung."""
 
-    def __init__(self, base: float, config: QualityConfig) -> None:
-        self.rungs = [base, *sorted(r for r in set(config.ratios) if r > base), FULL]
+    def __init__(self, base: float, config: QualityConfig, shape: bool = False) -> None:
+        self.rungs = [base, FULL] if shape else [base, *sorted(r for r in set(config.ratios) if r > base), FULL]
+        self.target_answer = config.target_answer if shape else 0.0
         self.at = 0
         self.checks: deque[tuple[float, bool]] = deque(maxlen=config.window)
         self.answers: deque[float] = deque(maxlen=config.window)  # the checks' answer agreement, reported only
@@ -86,6 +93,17 @@ class Ladder:
     def means(self) -> tuple[float, float]:
         n = len(self.checks)
         return sum(k for k, _ in self.checks) / n, sum(a for _, a in self.checks) / n
+
+    @property
+    def answer(self) -> float | None:
+        """The mean answer agreement of the rung's checks; None: none compared an answer."""
+        return sum(self.answers) / len(self.answers) if self.answers else None
+
+    def meets(self, config: QualityConfig, margin: float = 1.0) -> bool:
+        """Whether the rung's checks meet the targets (KL with `margin` under its own)."""
+        kl, top1 = self.means()
+        answer = self.answer
+        return kl <= margin * config.target_kl and top1 >= config.target_top1 and (answer or 1.0) >= self.target_answer
 
     def move(self, by: int, why: str = "") -> None:
         self.at += by
@@ -124,7 +142,7 @@ class Gate:
             return self.ladders[key]
         ladder = self.shapes.get(key)
         if ladder is None:
-            ladder = self.shapes[key] = Ladder(self.ladders[mode_of(key)].rungs[0], self.config)
+            ladder = self.shapes[key] = Ladder(self.ladders[mode_of(key)].rungs[0], self.config, shape=True)
             while len(self.shapes) > self.config.shapes:
                 self.shapes.popitem(last=False)
         self.shapes.move_to_end(key)
@@ -185,19 +203,14 @@ class Gate:
             if answer is not None:
                 ladder.answers.append(answer)
             n = len(ladder.checks)
-            mean_kl, top1 = ladder.means()
-            missed = mean_kl > c.target_kl or top1 < c.target_top1
+            recovered = n >= c.window and ladder.meets(c, RECOVER)
             if ladder.ratio == FULL:  # the checks are of the rung below: recovered, go back to it
-                if n >= c.window and mean_kl <= RECOVER * c.target_kl and top1 >= c.target_top1:
+                if recovered:
                     ladder.move(-1, ladder.why)
                 return
-            if missed and n >= c.min_checks:
-                why = (
-                    f"first-token KL {mean_kl:.3f}, top-1 {top1:.0%} over the last {n} shadow checks at "
-                    f"{ratio:.0%} recompute (target KL <= {c.target_kl:g}, top-1 >= {c.target_top1:.0%})"
-                )
-                ladder.move(+1, why)
-            elif ladder.at and n >= c.window and mean_kl <= RECOVER * c.target_kl and top1 >= c.target_top1:
+            if n >= c.min_checks and not ladder.meets(c):
+                ladder.move(+1, why_missed(ladder, c, n, ratio))
+            elif ladder.at and recovered:
                 ladder.move(-1, ladder.why)
 
     def measured(self, key: str, ratio: float) -> tuple[float, float, float | None, int] | None:
@@ -235,3 +248,15 @@ class Gate:
                         "withheld": sum(ladder.ratio == FULL for ladder in ladders),
                     },
                 )
+
+
+def why_missed(ladder: Ladder, c: QualityConfig, n: int, ratio: float) -> str:
+    kl, top1 = ladder.means()
+    answer, targets = ladder.answer, f"target KL <= {c.target_kl:g}, top-1 >= {c.target_top1:.0%}"
+    answered = ""
+    if ladder.target_answer and answer is not None:
+        answered, targets = f", answers {answer:.2f}", f"{targets}, answers >= {ladder.target_answer:.2f}"
+    return (
+        f"first-token KL {kl:.3f}, top-1 {top1:.0%}{answered} over the last {n} shadow checks at "
+        f"{ratio:.0%} recompute ({targets})"
+    )

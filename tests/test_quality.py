@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from kvgate.agents.programs import Turn
 from kvgate.bench.gate import ask as ask_engine
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.engine import Engine
@@ -88,13 +89,29 @@ def test_a_rung_checked_fewer_than_min_checks_times_is_checked_on_every_request(
 def test_kvcomm_shapes_climb_apart_and_say_so() -> None:
     gate = Gate(CONFIG, {"blend": 0.15, "kvcomm": 0.0})
     bad, good = shape_key("kvcomm", "reviewer-reads-support"), shape_key("kvcomm", "critic-reads-solver")
-    for ratio in (0.0, 0.0, 0.5, 0.5):
-        gate.record(bad, ratio, *BAD)
+    for _ in range(2):
+        gate.record(bad, 0.0, *BAD)
+    gate.record(bad, 0.0, *BAD)  # landed after the climb: the totals only
+    gate.record(bad, 0.0, *GOOD)  # at full prefill a check probes the rung below
     ratio, why = gate.serve(bad)
     assert ratio == FULL and "quality gate (this agent pair)" in why and "withheld" in why
     assert gate.serve(good) == (0.0, "") and gate.serve("blend") == (0.15, "")
     kvcomm = dict(gate.stats())["kvcomm"]
     assert kvcomm["ladders"] == 3 and kvcomm["withheld"] == 1 and kvcomm["checks"] == 4 and kvcomm["ratio"] == FULL
+
+
+def test_a_shape_is_also_held_to_its_answers_the_modes_own_ladder_is_not() -> None:
+    gate = Gate(CONFIG, {"blend": 0.15, "kvcomm": 0.0})
+    shape = shape_key("kvcomm", "reviewer-reads-support")
+    for key in (shape, "blend"):  # first tokens as full prefill's, answers apart after a few tokens
+        gate.record(key, gate.probe(key), *GOOD, 0.25)
+        gate.record(key, gate.probe(key), *GOOD, 0.5)
+    ratio, why = gate.serve(shape)
+    assert ratio == FULL and "answers 0.38" in why and "answers >= 0.90" in why
+    assert gate.serve("blend") == (0.15, "")
+    for _ in range(CONFIG.window):  # answers as full prefill's again: the shape's reuse comes back
+        gate.record(shape, 0.0, *GOOD, 1.0)
+    assert gate.serve(shape) == (0.0, "")
 
 
 def test_shapes_are_bounded_the_least_recently_served_goes() -> None:
@@ -186,8 +203,8 @@ def test_kvcomm_spans_climb_the_ladder_of_their_agent_pairs(gated) -> None:
     blend = dict(engine.gate.stats())["blend"]["ratio"]
     for _ in range(2):
         engine.gate.record(key, 0.0, 0.5, False)
-    reuse, why = engine.caches.choose(seq, plan)
-    assert reuse == Reuse("kvcomm", 0.5) and "quality gate (this agent pair)" in why and seq.gated == (key, 0.5)
+    reuse, why = engine.caches.choose(seq, plan)  # a shape's rungs: its reuse, or the prompt after its exact prefix
+    assert reuse == Reuse("full") and "quality gate (this agent pair)" in why and seq.gated == (key, FULL)
     assert dict(engine.gate.stats())["blend"]["ratio"] == blend  # one mode's checks never move another
     asked = Plan(plan.pieces, plan.documents, Reuse("kvcomm", 0.0), spans=plan.spans, agent=plan.agent)
     assert engine.caches.choose(seq, asked) == (Reuse("kvcomm", 0.0), "")  # a ratio asked is not gated
@@ -199,3 +216,12 @@ def test_kvcomm_spans_climb_the_ladder_of_their_agent_pairs(gated) -> None:
     forward(engine.model, [Run(kv, [3, 4], 0)])
     engine.spans.store(kv, 0, [3, 4], "", "wrote::agent-support")
     assert engine.caches.gated(seq, plan, "kvcomm") != key
+
+
+def test_chunks_found_in_a_programs_prompt_climb_the_ladder_of_its_reader(gated) -> None:
+    engine, _ = gated
+    chunks = Plan([[1, 2], [3, 4]], [False, True], Reuse("blend"), agent="agent-critic")
+    seq = Sequence([1, 2, 3, 4], SamplingParams(), engine.reuser.new_kv(), frozenset(), 100, plan=chunks)
+    assert engine.caches.gated(seq, chunks, "blend") == "blend"  # a plain prompt: the server's blend
+    seq.turn = Turn("pipeline-7", 0.0)
+    assert engine.caches.gated(seq, chunks, "blend") == shape_key("blend", "agent-critic")

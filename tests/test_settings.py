@@ -64,3 +64,10 @@ def test_blend_select_reaches_the_engine_config_and_only_known_ways_are_taken() 
     assert Settings(blend_select="attention").engine_config().blend_select == "attention"
     with pytest.raises(pydantic.ValidationError):
         Settings(blend_select="random")
+
+
+def test_the_answer_target_of_agent_programs_reaches_the_gate() -> None:
+    assert Settings().engine_config().quality.target_answer == 0.9
+    assert Settings(fidelity_answer=0.5).engine_config().quality.target_answer == 0.5
+    with pytest.raises(pydantic.ValidationError):
+        Settings(fidelity_answer=1.5)
