@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             due = checked.gate.due_count - before[0]
             done = blend_stats(checked)["checks"] - before[1]
             dropped = checked.gate.dropped - before[2]
-            ratio_sound = blend_stats(checked)["ratio"]
+            ratio_sound, answer_sound = blend_stats(checked)["ratio"], blend_stats(checked)["answer"]
             perturb(checked, items)
             at, marks = blend_stats(checked)["checks"], {}
 
@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         ["checks completed", f"{done:.0f} ({done / due:.0%} of due)" if due else "0", ">= 80%"],
         ["checks dropped (max_pending waiting)", str(dropped), ""],
         ["ratio served, sound store", f"{ratio_sound:.0%}", ""],
+        ["checks' answer agreement, sound store (leading tokens equal, a share)", f"{answer_sound:.2f}", ""],
         ["perturbed store under load: checks until the first raise", f"{marks.get('raised', 'none')}", ""],
         [
             "... and until full prefill",

@@ -19,6 +19,13 @@ from kvgate.runtime.loader import LoadedModel
 @contextmanager
 def gateway(settings: Settings, loaded: LoadedModel | None = None) -> Iterator[tuple[str, str]]:
     """The gateway on a free loopback port; yields its base URL and the served model's name."""
+    with gateway_engine(settings, loaded) as (url, name, _):
+        yield url, name
+
+
+@contextmanager
+def gateway_engine(settings: Settings, loaded: LoadedModel | None = None) -> Iterator[tuple[str, str, Engine]]:
+    """`gateway`, and its engine (to see what the engine does between requests)."""
     engine = Engine(settings.engine_config(), loaded)
     server = uvicorn.Server(
         uvicorn.Config(
@@ -31,7 +38,7 @@ def gateway(settings: Settings, loaded: LoadedModel | None = None) -> Iterator[t
         time.sleep(0.05)
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield f"http://127.0.0.1:{port}/v1", settings.served_model_name or engine.loaded.name
+        yield f"http://127.0.0.1:{port}/v1", settings.served_model_name or engine.loaded.name, engine
     finally:
         server.should_exit = True
         thread.join(timeout=10)

@@ -10,7 +10,8 @@ pipeline runs on two servers over one loaded model, each with caches of its own:
 - kvgate: every turn a program turn (`x-kvgate-program-id`), reuse left to the server (KVCOMM with its
   anchors, the cost model and the quality gate); its answers are the ones later agents read;
 - plain: the same prompts twice, `reuse: full` (dense: the truth) and `reuse: prefix` (prefix-only: the
-  exact prefix blocks earlier prompts left, what vLLM's prefix cache gives).
+  exact prefix blocks earlier prompts left, what vLLM's prefix cache gives), once kvgate's shadow
+  checks of the turn are done (the two servers share the cores).
 
 Reported per shape, over the readers' turns (agents 2..n) after the warm-up pipelines: time to first
 token of each, kvgate's against dense and prefix-only, the tokens each reused, and greedy agreement
@@ -23,6 +24,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,8 +35,9 @@ from kvgate.bench.commands import GSM8K, OUTPUT
 from kvgate.bench.engines import Reply, stream
 from kvgate.bench.multiagent import questions
 from kvgate.bench.report import table, write_section
-from kvgate.bench.server import gateway
+from kvgate.bench.server import gateway, gateway_engine
 from kvgate.gateway.settings import Settings
+from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import load
 
 RULES = [
@@ -155,7 +158,9 @@ def body(model: str, messages: list[dict[str, str]], tokens: int, **more: Any) -
     return {"model": model, "messages": messages, "max_tokens": tokens, "temperature": 0, **SCORED, **more}
 
 
-def run_pipeline(shape: Shape, question: str, i: int, urls: tuple[str, str], model: str, into: Turns | None) -> None:
+def run_pipeline(
+    shape: Shape, question: str, i: int, urls: tuple[str, str], model: str, into: Turns | None, checked: Engine
+) -> None:
     """One question through the pipeline; the readers' turns measured `into` (None: a warm-up)."""
     kvgate, plain = urls
     answers: list[str] = []
@@ -163,6 +168,7 @@ def run_pipeline(shape: Shape, question: str, i: int, urls: tuple[str, str], mod
         asked = messages(shape, question, answers)
         program = {"x-kvgate-program-id": f"{shape.name.replace(', ', '-').replace(' ', '-')}-{i}-{k}"}
         served = stream(kvgate, body(model, asked, shape.tokens), program)
+        idle(checked)  # its shadow checks done before the other server is timed: they share the cores
         truth = stream(plain, body(model, asked, shape.tokens, kvgate={"reuse": "full"}))
         prefix = stream(plain, body(model, asked, shape.tokens, kvgate={"reuse": "prefix"}))
         answers.append(served.text.strip())
@@ -178,6 +184,12 @@ def run_pipeline(shape: Shape, question: str, i: int, urls: tuple[str, str], mod
         into.prefix_agreement.append(agreement(truth, prefix))
         into.kl.append(first_kl(truth, served))
         into.how[served_as(served)] += 1
+
+
+def idle(engine: Engine, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while engine.shadow.busy and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def rows(shape: Shape, t: Turns) -> list[str]:
@@ -202,13 +214,14 @@ def bench_shapes(settings: Settings, data: Path, pipelines: int, warmup: int, ou
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
         served = base.model_copy(update={"chunk_cache_dir": Path(a)})
         plain = base.model_copy(update={"chunk_cache_dir": Path(b)})
-        with gateway(served, loaded) as (on, model), gateway(plain, loaded) as (off, _):
+        with gateway_engine(served, loaded) as (on, model, engine), gateway(plain, loaded) as (off, _):
             urls = on.removesuffix("/v1"), off.removesuffix("/v1")
             for shape in SHAPES:
                 turns = measured[shape.name] = Turns()
                 for i, question in enumerate(asked):
-                    run_pipeline(shape, question, i, urls, model, turns if i >= warmup else None)
+                    run_pipeline(shape, question, i, urls, model, turns if i >= warmup else None, engine)
                     print(f"{shape.name}: pipeline {i + 1}/{len(asked)}", file=sys.stderr, flush=True)
+            gate, config = dict(engine.gate.stats()), engine.gate.config
     header = ["shape", "prompt tokens", "TTFT s: dense / prefix / kvgate", "vs dense", "vs prefix-only",
               "reused: prefix / kvgate", "greedy agreement (prefix-only's)", "first-token KL"]  # fmt: skip
     how = "\n".join(
@@ -222,7 +235,14 @@ def bench_shapes(settings: Settings, data: Path, pipelines: int, warmup: int, ou
         "prefix` on a server of their own. Greedy agreement: the share of dense's answer tokens the served answer "
         "repeats before they first differ.\n\n"
         + table(header, [rows(s, measured[s.name]) for s in SHAPES])
-        + f"\n\nHow kvgate served the readers' turns:\n{how}\n"
+        + f"\n\nHow kvgate served the readers' turns:\n{how}\n\nThe quality gate at the end (every shape's "
+        f"first {config.min_checks} requests checked, then shadow_rate {config.shadow_rate:g}): "
+        + "; ".join(
+            f"{mode}: {s['checks']:.0f} checks, answers {s['answer']:.2f}, {s['ladders'] - 1:.0f} shapes, "
+            f"{s['withheld']:.0f} withheld"
+            for mode, s in gate.items()
+        )
+        + "\n"
     )
     write_section(output, "kvcomm-shapes", "KVCOMM on pipelines of other shapes", command, text)
     return text
