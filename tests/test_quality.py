@@ -3,6 +3,7 @@ that close it when the stored KV is perturbed and open it again once the KV is s
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 import pytest
@@ -216,6 +217,22 @@ def test_kvcomm_spans_climb_the_ladder_of_their_agent_pairs(gated) -> None:
     forward(engine.model, [Run(kv, [3, 4], 0)])
     engine.spans.store(kv, 0, [3, 4], "", "wrote::agent-support")
     assert engine.caches.gated(seq, plan, "kvcomm") != key
+
+
+def test_a_span_prefill_that_reused_no_span_is_not_checked(gated) -> None:
+    """No source held (or no anchor close enough): the prompt was computed densely, and a check would
+    compare full prefill with itself, vouching for a shape that reused nothing."""
+    engine, _ = gated
+    ids = engine.reuser.tokenizer.encode("A message no agent has read before, about granite.")
+    plan = Plan([ids[:3], ids[3:]], [False, False], Reuse("kvcomm"), spans=[False, True], agent="agent-new")
+    due = engine.gate.due_count
+
+    async def first() -> None:
+        async for _ in engine.generate(ids, SamplingParams(max_tokens=1, temperature=0), plan):
+            pass
+
+    asyncio.run(first())
+    assert engine.gate.due_count == due and not engine.shadow.busy
 
 
 def test_chunks_found_in_a_programs_prompt_climb_the_ladder_of_its_reader(gated) -> None:
