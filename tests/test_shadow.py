@@ -20,7 +20,7 @@ from kvgate.runtime.quality import QualityConfig
 from kvgate.runtime.reuse import Reuse
 from kvgate.runtime.sampling import SamplingParams
 from kvgate.runtime.sequence import Output, Plan
-from kvgate.runtime.shadow import MAX_BUDGET_S, Shadow, common
+from kvgate.runtime.shadow import MAX_BUDGET_S, Job, Shadow, common
 from tests.conftest import QUESTIONS
 from tests.kv import new_kv
 from tests.waiting import wait_until
@@ -155,3 +155,13 @@ def test_a_check_counts_the_answers_leading_tokens_full_prefill_would_choose_too
         assert engine.gate.ladders["blend"].answers[-1] == common(truth, served) / len(served)
     finally:
         engine.shutdown()
+
+
+def test_an_answer_is_compared_token_by_token_up_to_where_the_choices_part(engine: Engine, chat_ids) -> None:
+    shadow = Shadow(engine.gate, engine.reuser, engine.spans)
+    ids = chat_ids(QUESTIONS[4])
+    truth = greedy(engine, ids, Plan([ids], [False], Reuse("full")))
+    for greedy_choices, share in ((truth, 1.0), (truth[:5] + [0] * 3, 5 / 8)):
+        kv, logits = run(shadow.full(ids))[1]
+        job = Job(0, ids, Plan([ids], [False]), "blend", 0.15, logits, truth, greedy_choices)
+        assert run(shadow.answer(kv, int(logits.argmax()), job)) == (7.0, share)
