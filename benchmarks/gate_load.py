@@ -6,6 +6,7 @@ request is served as a blend. Two engines over one loaded model take turns in on
 nothing (`shadow_rate` 0), one checks at the default `shadow_rate` and `shadow_share`. Reported:
 - the checks that came due and how many completed (the rest were dropped, `max_pending` waiting);
 - throughput (requests per second) of each engine, and the checking one's cost;
+- the gaps between a stream's tokens on each (a check's part runs between two steps: the stall it makes);
 - then, still under load, the stored KV perturbed in place (values x -3: a fault no real part
   produces on demand): the checks until the gate serves full prefill.
 The gate's targets are ones a sound blend of these documents meets (`--kl`, `--top1`), so that the
@@ -20,7 +21,7 @@ import asyncio
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvgate.bench.commands import MUSIQUE, OUTPUT
@@ -40,16 +41,23 @@ Items = list[tuple[str, list[str]]]
 class Served:
     requests: int = 0
     seconds: float = 0.0
+    gaps: list[float] = field(default_factory=list)  # seconds between a stream's successive tokens
 
     @property
     def rate(self) -> float:
         return self.requests / self.seconds if self.seconds else 0.0
 
 
-async def ask(engine: Engine, planner: Planner, question: str, docs: list[str], tokens: int) -> None:
+async def ask(engine: Engine, planner: Planner, question: str, docs: list[str], tokens: int) -> list[float]:
+    """One request; the gaps between its tokens."""
     ids, plan = planner.chat(Chat([{"role": "user", "content": question}], documents=[{"text": d} for d in docs]))
+    gaps, last = [], None
     async for _ in engine.generate(ids, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True), plan):
-        pass
+        now = time.perf_counter()
+        if last is not None:
+            gaps.append(now - last)
+        last = now
+    return gaps
 
 
 def under_load(engine: Engine, items: Items, clients: int, seconds: float, tokens: int, until=None) -> Served:
@@ -61,7 +69,7 @@ def under_load(engine: Engine, items: Items, clients: int, seconds: float, token
     async def client(deadline: float) -> None:
         while time.monotonic() < deadline and not (until and until()):
             question, docs = items[next(next_item) % len(items)]
-            await ask(engine, planner, question, docs, tokens)
+            served.gaps += await ask(engine, planner, question, docs, tokens)
             served.requests += 1
 
     async def run() -> None:
@@ -72,6 +80,11 @@ def under_load(engine: Engine, items: Items, clients: int, seconds: float, token
     asyncio.run(run())
     served.seconds = time.perf_counter() - began
     return served
+
+
+def spread(gaps: list[float]) -> tuple[float, float, float]:
+    ordered = sorted(gaps) or [0.0]
+    return ordered[len(ordered) // 2], ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], ordered[-1]
 
 
 def warm(engine: Engine, items: Items, tokens: int) -> None:
@@ -130,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                     turn = under_load(engine, items, args.clients, args.seconds, args.tokens)
                     served[name].requests += turn.requests
                     served[name].seconds += turn.seconds
+                    served[name].gaps += turn.gaps
             due = checked.gate.due_count - before[0]
             done = blend_stats(checked)["checks"] - before[1]
             dropped = checked.gate.dropped - before[2]
@@ -155,6 +169,16 @@ def main(argv: list[str] | None = None) -> int:
         ["throughput, no checks", f"{served['no checks'].rate:.2f} requests/s ({served['no checks'].requests})", ""],
         ["throughput, checked", f"{served['checked'].rate:.2f} requests/s ({served['checked'].requests})", ""],
         ["throughput cost of checking", f"{cost:.1%}", "<= 5%"],
+        [
+            "inter-token gap p50 / p99 / max, no checks",
+            " / ".join(f"{x * 1000:.0f} ms" for x in spread(served["no checks"].gaps)),
+            "",
+        ],
+        [
+            "... checked (a check's part runs between two steps)",
+            " / ".join(f"{x * 1000:.0f} ms" for x in spread(served["checked"].gaps)),
+            "",
+        ],
         ["checks due (shadow_rate of requests)", str(due), ""],
         ["checks completed", f"{done:.0f} ({done / due:.0%} of due)" if due else "0", ">= 80%"],
         ["checks dropped (max_pending waiting)", str(dropped), ""],
