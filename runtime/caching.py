@@ -251,11 +251,10 @@ class Caches:
         return reuse, why
 
     def gated(self, seq: Sequence, plan: Plan, mode: str) -> str:
-        """The quality gate's ladder for a plan: a program's prompt climbs its shape's (KVCOMM: the agent
-        pairs its spans join; chunks found in it: its reader), any other the mode's."""
-        if mode == "kvcomm" and plan.spans:
-            return shape_key(mode, self.spans.shape(plan.pieces, plan.spans, len(seq.kv), plan.scope, plan.agent))
-        return shape_key(mode, plan.agent) if seq.turn is not None and plan.agent else mode
+        """The quality gate's ladder for a plan: an agent program's prompt climbs its reader's (the agent
+        pairs that end at it: KVCOMM's spans or chunks found in it), any other the mode's."""
+        program = bool(plan.spans) or seq.turn is not None
+        return shape_key(mode, plan.agent) if program and plan.agent else mode
 
     def slower(self, seq: Sequence, plan: Plan, reuse: Reuse) -> str:
         """Why the cost model says `reuse` would be slower than computing the prompt after its exact

@@ -10,9 +10,10 @@ nothing is reused, so there the checks run the other way: the reuse one rung bel
 on spare capacity and compared with the full prefill that was served, so the gate learns when
 reuse has recovered.
 
-A program's prompt climbs a ladder of its shape: for KVCOMM the agent pairs its reused spans join
-(the reading agent, the agents that wrote or first read them), for chunks found in it the reading
-agent; so a pipeline whose reuse does not generalise is withheld alone. A shape's ladder also holds
+A program's prompt climbs a ladder of its shape, per reuse mode: its reading agent (the agent pairs
+that end at it; keyed by the pairs themselves, a pipeline's 7 readers made 26 ladders, because which
+spans have a source varies from request to request, and each learnt slower), so a pipeline whose
+reuse does not generalise is withheld alone. A shape's ladder also holds
 the answer to `target_answer` (agents read each other's answers: a drift compounds down the
 pipeline), and has two rungs, its reuse and none (the prompt after its exact prefix computed): a
 recompute ratio rarely pays on short agent prompts, and each rung would take another `min_checks`

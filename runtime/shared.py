@@ -131,27 +131,15 @@ class Spans:
             return None
         return entry.to(self.reuser.model.device), *found
 
-    def held(self, pieces: list[list[int]], spans: list[bool], head: int, scope: str) -> list[tuple[int, str]]:
-        """The spans after `head` this process holds a source of: their tokens and their slots."""
-        offset, found = 0, []
+    def sourced(self, pieces: list[list[int]], spans: list[bool], head: int, scope: str) -> int:
+        """How many tokens after `head` lie in spans this process holds a source of."""
+        offset, tokens = 0, 0
         for ids, is_span in zip(pieces, spans):
             if is_span and offset >= head:
                 with self.lock:
-                    slot = self.slots.get(self.key(ids, scope))
-                if slot is not None:
-                    found.append((len(ids), slot[0]))
+                    tokens += len(ids) if self.key(ids, scope) in self.slots else 0
             offset += len(ids)
-        return found
-
-    def sourced(self, pieces: list[list[int]], spans: list[bool], head: int, scope: str) -> int:
-        """How many tokens after `head` lie in spans this process holds a source of."""
-        return sum(tokens for tokens, _ in self.held(pieces, spans, head, scope))
-
-    def shape(self, pieces: list[list[int]], spans: list[bool], head: int, scope: str, reader: str) -> str:
-        """The agent pairs reusing these spans joins, as a digest: the reader and the slots of the spans
-        it would read (the quality gate checks each shape apart)."""
-        slots = sorted({slot for _, slot in self.held(pieces, spans, head, scope)})
-        return hashlib.blake2b("\n".join([reader, *slots]).encode(), digest_size=8).hexdigest()
+        return tokens
 
     def store(self, kv: KVCache, start: int, token_ids: list[int], scope: str, slot: str, context: str = "") -> None:
         key = self.key(token_ids, scope)
