@@ -159,7 +159,7 @@ class Gate:
             ratio, why, raised = ladder.ratio, ladder.why, ladder.at > 0
         if not raised:
             return ratio, ""
-        which = "quality gate (this agent pair)" if key != mode_of(key) else "quality gate"
+        which = "quality gate (this agent)" if key != mode_of(key) else "quality gate"
         if ratio == FULL:
             return FULL, f"{which}: {why}; reuse withheld until shadow checks recover"
         return ratio, f"{which}: {why}; recompute raised to {ratio:.0%}"

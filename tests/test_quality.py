@@ -94,7 +94,7 @@ def test_kvcomm_shapes_climb_apart_and_say_so() -> None:
     gate.record(bad, 0.0, *BAD)  # landed after the climb: the totals only
     gate.record(bad, 0.0, *GOOD)  # at full prefill a check probes the rung below
     ratio, why = gate.serve(bad)
-    assert ratio == FULL and "quality gate (this agent pair)" in why and "withheld" in why
+    assert ratio == FULL and "quality gate (this agent)" in why and "withheld" in why
     assert gate.serve(good) == (0.0, "") and gate.serve("blend") == (0.15, "")
     kvcomm = dict(gate.stats())["kvcomm"]
     assert kvcomm["ladders"] == 3 and kvcomm["withheld"] == 1 and kvcomm["checks"] == 4 and kvcomm["ratio"] == FULL
@@ -204,7 +204,7 @@ def test_kvcomm_spans_climb_the_ladder_of_their_reader(gated) -> None:
     for _ in range(2):
         engine.gate.record(key, 0.0, 0.5, False)
     reuse, why = engine.caches.choose(seq, plan)  # a shape's rungs: its reuse, or the prompt after its exact prefix
-    assert reuse == Reuse("full") and "quality gate (this agent pair)" in why and seq.gated == (key, FULL)
+    assert reuse == Reuse("full") and "quality gate (this agent)" in why and seq.gated == (key, FULL)
     assert dict(engine.gate.stats())["blend"]["ratio"] == blend  # one mode's checks never move another
     asked = Plan(plan.pieces, plan.documents, Reuse("kvcomm", 0.0), spans=plan.spans, agent=plan.agent)
     assert engine.caches.choose(seq, asked) == (Reuse("kvcomm", 0.0), "")  # a ratio asked is not gated
