@@ -248,6 +248,7 @@ class Engine:
     def finish(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
         self.callbacks.pop(seq.id, None)
+        self.shadow.ended(seq.id)
         seq.kv.release()  # what it left to later prompts is stored by now
 
     def step(self) -> None:

@@ -40,7 +40,7 @@ ANSWER = 16  # the answer's leading tokens a check compares
 MAX_BUDGET_S = 1.0  # the most busy-time budget kept unspent: a long busy stretch buys no burst of checks after it
 
 
-@dataclass(frozen=True)
+@dataclass
 class Job:
     seq: int  # the served sequence's id
     prompt_ids: list[int]
@@ -50,6 +50,7 @@ class Job:
     logits: torch.Tensor  # the first token's, as served
     answer: list[int]  # the served answer's tokens, as they are sampled (the sequence's own list)
     greedy: list[int]  # the served side's greedy choice at each of the answer's first ANSWER positions
+    over: bool = False  # the sequence left the engine: its answer is as long as it gets
 
 
 def compare(reference: torch.Tensor, other: torch.Tensor) -> tuple[float, bool]:
@@ -75,15 +76,15 @@ class Shadow:
         self.running: Generator[float, None, None] | None = None
         self.budget_s = 0.0  # busy time checks may still take, in seconds
         self.last: tuple[list[int], KVCache] | None = None  # the latest full prefill's prompt and KV
-        self.followed: dict[int, list[int]] = {}  # sequence id -> its job's greedy choices, while its check waits
+        self.followed: dict[int, Job] = {}  # sequence id -> its job, while its check waits
 
     def served(self, seq: Sequence, logits: torch.Tensor) -> None:
         """A token of `seq` is sampled from `logits`: its first offers a check (when one is due and
         there is room, else it is dropped); while a check waits, the next ones' greedy choices are kept."""
         followed = self.followed.get(seq.id)
         if followed is not None:
-            if len(followed) < ANSWER:
-                followed.append(int(logits.argmax()))
+            if len(followed.greedy) < ANSWER:
+                followed.greedy.append(int(logits.argmax()))
             return
         if seq.gated is None or seq.plan is None or seq.output_ids or not self.gate.due(seq.gated[0]):
             return
@@ -93,7 +94,12 @@ class Shadow:
         first = logits.detach().float().clone()
         job = Job(seq.id, list(seq.prompt_ids), seq.plan, *seq.gated, first, seq.output_ids, [int(first.argmax())])
         self.jobs.append(job)
-        self.followed[seq.id] = job.greedy
+        self.followed[seq.id] = job
+
+    def ended(self, seq_id: int) -> None:
+        """A sequence left the engine (finished or aborted): its check compares the answer it has."""
+        if (job := self.followed.get(seq_id)) is not None:
+            job.over = True
 
     @property
     def busy(self) -> bool:
@@ -139,6 +145,8 @@ class Shadow:
                 kv, reference = yield from self.full(job.prompt_ids)
                 other, probe = job.logits, job.ratio
             kl, agree = compare(reference, other)
+            while len(job.greedy) < ANSWER and not job.over:  # compared once written (an early check saw 2 tokens)
+                yield 0.0
             same = yield from self.answer(kv, int((other if job.ratio == FULL else reference).argmax()), job)
         finally:
             self.followed.pop(job.seq, None)

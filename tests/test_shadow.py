@@ -16,11 +16,11 @@ from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.planner import Chat, Planner
-from kvgate.runtime.quality import QualityConfig
+from kvgate.runtime.quality import Gate, QualityConfig
 from kvgate.runtime.reuse import Reuse
 from kvgate.runtime.sampling import SamplingParams
 from kvgate.runtime.sequence import Output, Plan
-from kvgate.runtime.shadow import MAX_BUDGET_S, Job, Shadow, common
+from kvgate.runtime.shadow import ANSWER, MAX_BUDGET_S, Job, Shadow, common
 from tests.conftest import QUESTIONS
 from tests.kv import new_kv
 from tests.waiting import wait_until
@@ -165,3 +165,24 @@ def test_an_answer_is_compared_token_by_token_up_to_where_the_choices_part(engin
         kv, logits = run(shadow.full(ids))[1]
         job = Job(0, ids, Plan([ids], [False]), "blend", 0.15, logits, truth, greedy_choices)
         assert run(shadow.answer(kv, int(logits.argmax()), job)) == (7.0, share)
+
+
+def test_a_check_compares_the_answer_once_it_is_written_or_its_sequence_ended(engine: Engine, chat_ids) -> None:
+    gate = Gate(QualityConfig(), {"blend": 0.15})
+    shadow = Shadow(gate, engine.reuser, engine.spans)
+    ids = chat_ids(QUESTIONS[5])
+    truth = greedy(engine, ids, Plan([ids], [False], Reuse("full")), tokens=ANSWER)
+    for written in (ANSWER, 3):
+        logits = forward(engine.model, [Run(new_kv(engine.loaded), ids, 0)])[0]
+        job = Job(0, ids, Plan([ids], [False]), "blend", 0.15, logits, truth[:1], truth[:1])
+        check = shadow.check(job)
+        while next(check) != 0.0:  # full prefill's parts, then it waits for the answer
+            pass
+        assert next(check) == 0.0  # still waiting: one token written
+        job.answer += truth[1:written]
+        job.greedy += truth[1:written]
+        if written < ANSWER:
+            assert next(check) == 0.0
+            job.over = True  # the sequence ended with what it wrote
+        run(check)
+        assert gate.ladders["blend"].answers[-1] == 1.0 and len(job.greedy) == written
