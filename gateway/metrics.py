@@ -143,7 +143,7 @@ def fidelity_metrics(
         "answer": (
             GaugeMetricFamily,
             "kvgate_reuse_fidelity_answer",
-            "mean share of the answer's first 16 tokens full prefill's greedy choice repeats before they differ",
+            "mean share of the answer's first 32 tokens full prefill's greedy choice repeats before they differ",
         ),
         "window_kl": (
             GaugeMetricFamily,

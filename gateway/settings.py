@@ -116,7 +116,7 @@ class Settings(BaseSettings):
     shadow_share: float = Field(0.05, ge=0.0, lt=1.0)  # of the busy engine's time, checks take at most this
     fidelity_kl: float = Field(0.05, ge=0.0)  # target: mean first-token KL of the checks, at most
     fidelity_top1: float = Field(0.95, ge=0.0, le=1.0)  # target: first tokens agreeing with full prefill
-    # target of an agent program's reuse: the share of the answer's first 16 tokens full prefill's repeats
+    # target of an agent program's reuse: the share of the answer's first 32 tokens full prefill's repeats
     fidelity_answer: float = Field(0.9, ge=0.0, le=1.0)
     gate_window: int = Field(16, ge=1)  # checks of a recompute ratio that decide whether it holds
     gate_min_checks: int = Field(8, ge=1)  # checks before a ratio may be raised

@@ -36,7 +36,7 @@ from kvgate.runtime.shared import Spans
 log = logging.getLogger("kvgate.engine")
 
 ROWS = 64  # tokens of a full prefill between two looks at the inbox: a request arriving waits little
-ANSWER = 16  # the answer's leading tokens a check compares
+ANSWER = 32  # the answer's leading tokens a check compares (agents' answers run 24-48 tokens in bench shapes)
 MAX_BUDGET_S = 1.0  # the most busy-time budget kept unspent: a long busy stretch buys no burst of checks after it
 
 
