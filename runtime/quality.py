@@ -17,8 +17,8 @@ reuse does not generalise is withheld alone. A shape's ladder also holds
 the answer to `target_answer` (agents read each other's answers: a drift compounds down the
 pipeline), and has two rungs, its reuse and none (the prompt after its exact prefix computed): a
 recompute ratio rarely pays on short agent prompts, and each rung would take another `min_checks`
-checks of a shape seen far more rarely than the server's one blend. A rung checked fewer than
-`min_checks` times is checked on every request it serves, then at `shadow_rate`.
+checks of a shape seen far more rarely than the server's one blend. A shape's rung checked fewer
+than `min_checks` times is checked on every request it serves, then at `shadow_rate`.
 """
 
 from __future__ import annotations
@@ -165,12 +165,14 @@ class Gate:
         return ratio, f"{which}: {why}; recompute raised to {ratio:.0%}"
 
     def due(self, key: str | None = None) -> bool:
-        """Whether the request being served now under `key` gets a check: every one while its rung has
-        been checked fewer than `min_checks` times, then every 1/shadow_rate-th, evenly."""
+        """Whether the request being served now under `key` gets a check: for a shape, every one while its
+        rung has been checked fewer than `min_checks` times; then, and for a mode's own ladder always, every
+        1/shadow_rate-th, evenly. (A mode's own ladder checked eagerly would withhold this model's blends
+        within ~24 requests at the default targets, which no ratio meets: a product call not taken here.)"""
         if self.config.shadow_rate <= 0.0:
             return False
         learning = False
-        if key is not None:
+        if key is not None and key != mode_of(key):
             with self.lock:
                 ladder = self.ladder(key)
                 learning = ladder.asked < self.config.min_checks

@@ -79,8 +79,11 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
     # are about (documents, programs, spans) and compare first turns with nothing reused; tests/test_prefix*.py,
     # test_chunks*.py, test_documents.py and test_tenant_kv.py run a server with both on (`prefix_engine`),
     # as every server has them by default.
+    # The quality gate checks nothing on these shared servers: what it withholds would depend on the tests
+    # run before (an agent's first requests are all checked); it is tested on engines of its own
+    # (test_quality.py, test_shadow.py, test_fidelity.py).
     chunks = tmp_path_factory.mktemp("chunks")
-    off = {"prefix_caching": False, "content_chunks": False}
+    off = {"prefix_caching": False, "content_chunks": False, "shadow_rate": 0.0}
     return Settings(max_num_seqs=8, chunk_cache_dir=chunks, semantic_cache=False, **off)
 
 

@@ -77,13 +77,16 @@ def test_the_shadow_rate_checks_evenly_and_zero_never() -> None:
     assert not any(Gate(QualityConfig(), {"blend": 0.15}).due() for _ in range(100))
 
 
-def test_a_rung_checked_fewer_than_min_checks_times_is_checked_on_every_request() -> None:
+def test_a_shapes_rung_checked_fewer_than_min_checks_times_is_checked_on_every_request() -> None:
     gate = Gate(QualityConfig(shadow_rate=0.25, min_checks=2, window=4), {"blend": 0.15})
-    assert [gate.due("blend") for _ in range(6)] == [True, True, False, False, False, True]
+    shape = shape_key("blend", "agent-critic")
+    assert [gate.due(shape) for _ in range(6)] == [True, True, False, False, False, True]
     for _ in range(2):
-        gate.record("blend", 0.15, *BAD)  # climbs: the new rung is unknown, so checked at once again
-    assert [gate.due("blend") for _ in range(3)] == [True, True, False]
-    assert not any(Gate(QualityConfig(), {"blend": 0.15}).due("blend") for _ in range(100))
+        gate.record(shape, 0.15, *BAD)  # climbs: the new rung is unknown, so checked at once again
+    assert [gate.due(shape) for _ in range(3)] == [True, True, False]
+    fresh = Gate(QualityConfig(shadow_rate=0.25, min_checks=2, window=4), {"blend": 0.15})
+    assert [fresh.due("blend") for _ in range(4)] == [False, False, False, True]  # the mode's own: the rate alone
+    assert not any(Gate(QualityConfig(), {"blend": 0.15}).due(shape) for _ in range(100))
 
 
 def test_kvcomm_shapes_climb_apart_and_say_so() -> None:
