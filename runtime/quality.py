@@ -70,14 +70,14 @@ class Totals:
 
 
 class Ladder:
-    """One reuse mode's rungs, where it stands, and the checks of that rung."""
+    """One reuse mode's (or shape's) rungs, where it stands, and the checks of that rung."""
 
     def __init__(self, base: float, config: QualityConfig, shape: bool = False) -> None:
         self.rungs = [base, FULL] if shape else [base, *sorted(r for r in set(config.ratios) if r > base), FULL]
         self.target_answer = config.target_answer if shape else 0.0
         self.at = 0
         self.checks: deque[tuple[float, bool]] = deque(maxlen=config.window)
-        self.answers: deque[float] = deque(maxlen=config.window)  # the checks' answer agreement, reported only
+        self.answers: deque[float] = deque(maxlen=config.window)  # the checks' answer agreement (decides for a shape)
         self.why = ""  # the last climb's reason, while above the first rung
         self.totals = Totals()
         self.asked = 0  # checks made due at this rung
@@ -104,7 +104,8 @@ class Ladder:
         """Whether the rung's checks meet the targets (KL with `margin` under its own)."""
         kl, top1 = self.means()
         answer = self.answer
-        return kl <= margin * config.target_kl and top1 >= config.target_top1 and (answer or 1.0) >= self.target_answer
+        answered = answer is None or answer >= self.target_answer  # a mean of 0.0 is a miss, not "none"
+        return kl <= margin * config.target_kl and top1 >= config.target_top1 and answered
 
     def move(self, by: int, why: str = "") -> None:
         self.at += by
@@ -125,8 +126,8 @@ def mode_of(key: str) -> str:
 
 
 class Gate:
-    """The ladders of the gated reuse modes, and of KVCOMM's shapes, by key (`shape_key`). Read from any
-    thread, moved by the engine's."""
+    """The ladders of the gated reuse modes, and of agent programs' shapes, by key (`shape_key`). Read from
+    any thread, moved by the engine's."""
 
     def __init__(self, config: QualityConfig, base: dict[str, float]) -> None:
         self.config = config
@@ -143,7 +144,7 @@ class Gate:
             return self.ladders[key]
         ladder = self.shapes.get(key)
         if ladder is None:
-            ladder = self.shapes[key] = Ladder(self.ladders[mode_of(key)].rungs[0], self.config, shape=True)
+            ladder = self.shapes[key] = Ladder(self.base(key), self.config, shape=True)
             while len(self.shapes) > self.config.shapes:
                 self.shapes.popitem(last=False)
         self.shapes.move_to_end(key)
@@ -191,8 +192,8 @@ class Gate:
 
     def record(self, key: str, ratio: float, kl: float, agree: bool, answer: float | None = None) -> None:
         """A check of `key` at `ratio` (the rung it probed when it was taken); `answer`: the share of the
-        answer's leading tokens equal (reported, not decided on). A check of a rung the ladder has since
-        left says nothing about where it stands: it only counts in the totals."""
+        answer's leading tokens equal (decided on by a shape's ladder only). A check of a rung the ladder
+        has since left says nothing about where it stands: it only counts in the totals."""
         c = self.config
         with self.lock:
             ladder = self.ladder(key)
@@ -227,7 +228,7 @@ class Gate:
             return (*ladder.means(), sum(answers) / len(answers) if answers else None, len(ladder.checks))
 
     def stats(self) -> Iterable[tuple[str, dict[str, float]]]:
-        """Per mode, over its ladders (KVCOMM: one per shape): lifetime checks, their mean KL, top-1 and
+        """Per mode, over its ladders (its own and its shapes'): lifetime checks, their mean KL, top-1 and
         answer agreement, the windows' KL and top-1, the highest ratio served, how many ladders and how
         many of them withhold reuse."""
         with self.lock:

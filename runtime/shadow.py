@@ -45,7 +45,7 @@ class Job:
     seq: int  # the served sequence's id
     prompt_ids: list[int]
     plan: Plan
-    mode: str  # the gate's key: "blend", or a KVCOMM shape's (runtime/quality.py: shape_key)
+    mode: str  # the gate's key: a mode's, or an agent program's shape's (runtime/quality.py: shape_key)
     ratio: float  # the rung served (FULL: full prefill was)
     logits: torch.Tensor  # the first token's, as served
     answer: list[int]  # the served answer's tokens, as they are sampled (the sequence's own list)
@@ -139,15 +139,15 @@ class Shadow:
         probe = self.gate.probe(job.mode)
         try:
             if job.ratio == FULL:  # full prefill was served: compute the reuse it withheld
-                kv, other = yield from self.reuse(job, probe)
-                reference = job.logits
+                kv, computed = yield from self.reuse(job, probe)
+                reference, other = job.logits, computed
             else:
-                kv, reference = yield from self.full(job.prompt_ids)
-                other, probe = job.logits, job.ratio
+                kv, computed = yield from self.full(job.prompt_ids)
+                reference, other, probe = computed, job.logits, job.ratio
             kl, agree = compare(reference, other)
             while len(job.greedy) < ANSWER and not job.over:  # compared once written (an early check saw 2 tokens)
                 yield 0.0
-            same = yield from self.answer(kv, int((other if job.ratio == FULL else reference).argmax()), job)
+            same = yield from self.answer(kv, int(computed.argmax()), job)
         finally:
             self.followed.pop(job.seq, None)
         self.gate.record(job.mode, probe, kl, agree, same)

@@ -115,6 +115,10 @@ def test_a_shape_is_also_held_to_its_answers_the_modes_own_ladder_is_not() -> No
     for _ in range(CONFIG.window):  # answers as full prefill's again: the shape's reuse comes back
         gate.record(shape, 0.0, *GOOD, 1.0)
     assert gate.serve(shape) == (0.0, "")
+    other = shape_key("kvcomm", "critic-reads-solver")
+    for _ in range(2):  # answers that part at once: a mean of 0.0 misses too
+        gate.record(other, 0.0, *GOOD, 0.0)
+    assert gate.serve(other)[0] == FULL
 
 
 def test_shapes_are_bounded_the_least_recently_served_goes() -> None:
