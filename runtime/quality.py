@@ -4,11 +4,11 @@ A share of the requests served with reuse (`shadow_rate`) is checked: the engine
 same prompt in full, on idle capacity and on a share of its busy time (`shadow_share`), and
 compares the two first-token distributions (runtime/shadow.py). Each reuse mode climbs a ladder
 of recompute ratios: its own (calibrated) ratio, the larger `ratios`, then full prefill. The
-checks of the rung being served decide: missing the target after `min_checks`, the mode climbs
-one rung; meeting it with a margin over a whole `window`, it steps one down. At full prefill
-nothing is reused, so there the checks run the other way: the reuse one rung below is computed
-on spare capacity and compared with the full prefill that was served, so the gate learns when
-reuse has recovered.
+checks of the rung being served decide: missing the target after `min_checks` (or sooner, once
+even perfect checks to come could not meet it), the mode climbs one rung; meeting it with a
+margin over a whole `window`, it steps one down. At full prefill nothing is reused, so there the
+checks run the other way: the reuse one rung below is computed on spare capacity and compared
+with the full prefill that was served, so the gate learns when reuse has recovered.
 
 A program's prompt climbs a ladder of its shape, per reuse mode: its reading agent (the agent pairs
 that end at it; keyed by the pairs themselves, a pipeline's 7 readers made 26 ladders, because which
@@ -91,19 +91,20 @@ class Ladder:
         """The ratio a check measures: the served one, or at full prefill the one below it."""
         return self.rungs[self.at - 1] if self.ratio == FULL else self.ratio
 
-    def means(self) -> tuple[float, float]:
-        n = len(self.checks)
-        return sum(k for k, _ in self.checks) / n, sum(a for _, a in self.checks) / n
+    def means(self, pad: int = 0) -> tuple[float, float]:
+        """The mean KL and top-1 of the rung's checks, with `pad` perfect checks more."""
+        n = len(self.checks) + pad
+        return sum(k for k, _ in self.checks) / n, (sum(a for _, a in self.checks) + pad) / n
 
-    @property
-    def answer(self) -> float | None:
-        """The mean answer agreement of the rung's checks; None: none compared an answer."""
-        return sum(self.answers) / len(self.answers) if self.answers else None
+    def answer(self, pad: int = 0) -> float | None:
+        """The mean answer agreement of the rung's checks, with `pad` perfect ones more; None: none compared."""
+        return (sum(self.answers) + pad) / (len(self.answers) + pad) if self.answers else None
 
-    def meets(self, config: QualityConfig, margin: float = 1.0) -> bool:
-        """Whether the rung's checks meet the targets (KL with `margin` under its own)."""
-        kl, top1 = self.means()
-        answer = self.answer
+    def meets(self, config: QualityConfig, margin: float = 1.0, pad: int = 0) -> bool:
+        """Whether the rung's checks meet the targets (KL with `margin` under its own); with `pad` perfect
+        checks more, whether it still can."""
+        kl, top1 = self.means(pad)
+        answer = self.answer(pad)
         answered = answer is None or answer >= self.target_answer  # a mean of 0.0 is a miss, not "none"
         return kl <= margin * config.target_kl and top1 >= config.target_top1 and answered
 
@@ -212,7 +213,9 @@ class Gate:
                 if recovered:
                     ladder.move(-1, ladder.why)
                 return
-            if n >= c.min_checks and not ladder.meets(c):
+            # Fewer than min_checks checks decide once they miss even if every check still to come is perfect:
+            # the decision min_checks would make, made as soon as it is certain.
+            if not ladder.meets(c, pad=max(0, c.min_checks - n)):
                 ladder.move(+1, why_missed(ladder, c, n, ratio))
             elif ladder.at and recovered:
                 ladder.move(-1, ladder.why)
@@ -256,7 +259,7 @@ class Gate:
 
 def why_missed(ladder: Ladder, c: QualityConfig, n: int, ratio: float) -> str:
     kl, top1 = ladder.means()
-    answer, targets = ladder.answer, f"target KL <= {c.target_kl:g}, top-1 >= {c.target_top1:.0%}"
+    answer, targets = ladder.answer(), f"target KL <= {c.target_kl:g}, top-1 >= {c.target_top1:.0%}"
     answered = ""
     if ladder.target_answer and answer is not None:
         answered, targets = f", answers {answer:.2f}", f"{targets}, answers >= {ladder.target_answer:.2f}"
