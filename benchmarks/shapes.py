@@ -39,6 +39,7 @@ from kvgate.bench.server import gateway, gateway_engine
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import load
+from kvgate.runtime.quality import FULL
 
 RULES = [
     "Answer only what was asked, and say so plainly when something cannot be known from the message.",
@@ -222,6 +223,13 @@ def bench_shapes(settings: Settings, data: Path, pipelines: int, warmup: int, ou
                     run_pipeline(shape, question, i, urls, model, turns if i >= warmup else None, engine)
                     print(f"{shape.name}: pipeline {i + 1}/{len(asked)}", file=sys.stderr, flush=True)
             gate, config = dict(engine.gate.stats()), engine.gate.config
+            with engine.gate.lock:
+                ladders = "\n".join(
+                    f"- {key}: {'withheld' if ladder.ratio == FULL else f'{ladder.ratio:.0%} recompute'}, "
+                    f"{ladder.totals.checks} checks, answers "
+                    f"{ladder.totals.answer / max(1, ladder.totals.answered):.2f}"
+                    for key, ladder in engine.gate.shapes.items()
+                )
     header = ["shape", "prompt tokens", "TTFT s: dense / prefix / kvgate", "vs dense", "vs prefix-only",
               "reused: prefix / kvgate", "greedy agreement (prefix-only's)", "first-token KL"]  # fmt: skip
     how = "\n".join(
@@ -242,7 +250,7 @@ def bench_shapes(settings: Settings, data: Path, pipelines: int, warmup: int, ou
             f"{s['withheld']:.0f} withheld"
             for mode, s in gate.items()
         )
-        + "\n"
+        + f"\n\nEach agent's ladders (lifetime checks and their answer agreement):\n{ladders}\n"
     )
     write_section(output, "kvcomm-shapes", "KVCOMM on pipelines of other shapes", command, text)
     return text
