@@ -183,8 +183,9 @@ class Caches:
             seq.cached_tokens, seq.recomputed_tokens = done.reused, done.recomputed
             seq.reuse = "; ".join(x for x in (label, done.note, why) if x)
             spans = done.reused > head and done.mode != "full"
-            if not spans and seq.gated is not None and seq.gated[1] != FULL:
-                seq.gated = None  # no span reused (no close anchor): a check would compare dense with dense
+            withheld = seq.gated is not None and seq.gated[1] == FULL
+            if not (spans or withheld and any(s.source is not None for s in seq.shared.spans)):
+                seq.gated = None  # nothing reused, or nothing to reuse: a check would compare dense with dense
             seq.exact = head if spans else len(seq.prompt_ids)
             key = seq.gated[0] if seq.gated is not None else "kvcomm"
             seq.fidelity = self.fidelity(key, ratio, 0) if spans else EXACT if seq.cached_tokens else ""

@@ -75,10 +75,15 @@ class Ladder:
     def __init__(self, base: float, config: QualityConfig, shape: bool = False) -> None:
         self.rungs = [base, FULL] if shape else [base, *sorted(r for r in set(config.ratios) if r > base), FULL]
         self.target_answer = config.target_answer if shape else 0.0
-        self.at = 0
+        # A shape's reuse is served once its checks show it keeps answers (where checks run at all): it
+        # comes back after min_checks of them, not a whole window.
+        self.recover_after = config.min_checks if shape else config.window
+        self.at = len(self.rungs) - 1 if shape and config.shadow_rate > 0 else 0
         self.checks: deque[tuple[float, bool]] = deque(maxlen=config.window)
         self.answers: deque[float] = deque(maxlen=config.window)  # the checks' answer agreement (decides for a shape)
         self.why = ""  # the last climb's reason, while above the first rung
+        if self.at:
+            self.why = f"a new agent's reuse, served once {config.min_checks} shadow checks meet the targets"
         self.totals = Totals()
         self.asked = 0  # checks made due at this rung
 
@@ -208,7 +213,7 @@ class Gate:
             if answer is not None:
                 ladder.answers.append(answer)
             n = len(ladder.checks)
-            recovered = n >= c.window and ladder.meets(c, RECOVER)
+            recovered = n >= ladder.recover_after and ladder.meets(c, RECOVER)
             if ladder.ratio == FULL:  # the checks are of the rung below: recovered, go back to it
                 if recovered:
                     ladder.move(-1, ladder.why)

@@ -139,7 +139,10 @@ class Shadow:
         probe = self.gate.probe(job.mode)
         try:
             if job.ratio == FULL:  # full prefill was served: compute the reuse it withheld
-                kv, computed = yield from self.reuse(job, probe)
+                probed = yield from self.reuse(job, probe)
+                if probed is None:  # nothing to reuse in this prompt (no span with a close anchor): says nothing
+                    return
+                kv, computed = probed
                 reference, other = job.logits, computed
             else:
                 kv, computed = yield from self.full(job.prompt_ids)
@@ -180,11 +183,14 @@ class Shadow:
         self.last = (list(ids), kv)  # rows after the prompt (an answer fed) are cut by the next check
         return kv, logits
 
-    def reuse(self, job: Job, ratio: float) -> Generator[float, None, tuple[KVCache, torch.Tensor]]:
+    def reuse(self, job: Job, ratio: float) -> Generator[float, None, tuple[KVCache, torch.Tensor] | None]:
+        """The withheld reuse's KV and first-token logits; None where it would reuse nothing."""
         plan, kv = job.plan, self.reuser.new_kv()
         asked = Reuse("blend", None if ratio == self.gate.base(job.mode) else ratio)
         if mode_of(job.mode) == "kvcomm":
             done = self.spans.prefill(kv, plan.pieces, plan.spans, "kvcomm", plan.agent, plan.scope, ratio).prefilled
+            if done.mode == "full":
+                return None
         else:
             done = yield from self.reuser.prefilling(kv, plan.pieces, plan.documents, asked, plan.scope)
         if done.logits is not None:

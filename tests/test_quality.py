@@ -26,6 +26,13 @@ GOOD, BAD = (0.001, True), (0.4, False)
 MEH = (0.08, True)  # over the KL target, but one more perfect check would bring the mean under it
 
 
+def earned(gate: Gate, key: str) -> None:
+    """A new shape is withheld until its checks (of the reuse it withholds) keep answers: min_checks of them."""
+    for _ in range(gate.config.min_checks):
+        gate.record(key, gate.probe(key), *GOOD, 1.0)
+    assert gate.serve(key) == (gate.base(key), "")
+
+
 def test_a_mode_climbs_one_rung_per_min_checks_missed_and_names_why() -> None:
     gate = Gate(CONFIG, {"blend": 0.15})
     assert gate.serve("blend") == (0.15, "")
@@ -49,6 +56,7 @@ def test_a_rung_climbs_before_min_checks_once_no_perfect_check_could_save_it() -
     gate.record("blend", 0.5, 0.0, False)  # top-1 3 of 4 at best: under 95%
     assert gate.serve("blend")[0] == FULL
     shape = shape_key("kvcomm", "critic")
+    earned(gate, shape)
     gate.record(shape, 0.0, *GOOD, 0.7)  # (0.7 + 3) / 4 = 0.925: could still meet 0.9
     assert gate.serve(shape)[0] == 0.0
     gate.record(shape, 0.0, *GOOD, 0.5)  # (1.2 + 2) / 4 = 0.8: cannot
@@ -97,17 +105,34 @@ def test_a_shapes_rung_checked_fewer_than_min_checks_times_is_checked_on_every_r
     gate = Gate(QualityConfig(shadow_rate=0.25, min_checks=2, window=4), {"blend": 0.15})
     shape = shape_key("blend", "agent-critic")
     assert [gate.due(shape) for _ in range(6)] == [True, True, False, False, False, True]
-    for _ in range(2):
-        gate.record(shape, 0.15, *BAD)  # climbs: the new rung is unknown, so checked at once again
+    earned(gate, shape)  # comes down to its reuse: the new rung is unknown, so checked at once again
     assert [gate.due(shape) for _ in range(3)] == [True, True, False]
     fresh = Gate(QualityConfig(shadow_rate=0.25, min_checks=2, window=4), {"blend": 0.15})
     assert [fresh.due("blend") for _ in range(4)] == [False, False, False, True]  # the mode's own: the rate alone
     assert not any(Gate(QualityConfig(), {"blend": 0.15}).due(shape) for _ in range(100))
 
 
+def test_a_new_shape_is_withheld_until_its_checks_keep_answers_where_checks_run() -> None:
+    gate = Gate(CONFIG, {"kvcomm": 0.0})
+    shape = shape_key("kvcomm", "reviewer")
+    ratio, why = gate.serve(shape)
+    assert ratio == FULL and "a new agent's reuse, served once 2 shadow checks meet the targets" in why
+    assert gate.probe(shape) == 0.0  # its checks compute the reuse it withholds
+    gate.record(shape, 0.0, *GOOD, 0.5)
+    gate.record(shape, 0.0, *GOOD, 1.0)
+    assert gate.serve(shape)[0] == FULL  # answers 0.75: not earned
+    for _ in range(CONFIG.window):  # the latest checks, up to a window, decide
+        gate.record(shape, 0.0, *GOOD, 1.0)
+    assert gate.serve(shape) == (0.0, "")
+    unchecked = Gate(replace(CONFIG, shadow_rate=0.0), {"kvcomm": 0.0})
+    assert unchecked.serve(shape) == (0.0, "")  # no checks: nothing could earn it, so reuse is served
+
+
 def test_kvcomm_shapes_climb_apart_and_say_so() -> None:
     gate = Gate(CONFIG, {"blend": 0.15, "kvcomm": 0.0})
     bad, good = shape_key("kvcomm", "reviewer-reads-support"), shape_key("kvcomm", "critic-reads-solver")
+    earned(gate, bad)
+    earned(gate, good)
     for _ in range(2):
         gate.record(bad, 0.0, *BAD)
     gate.record(bad, 0.0, *BAD)  # landed after the climb: the totals only
@@ -116,12 +141,13 @@ def test_kvcomm_shapes_climb_apart_and_say_so() -> None:
     assert ratio == FULL and "quality gate (this agent)" in why and "withheld" in why
     assert gate.serve(good) == (0.0, "") and gate.serve("blend") == (0.15, "")
     kvcomm = dict(gate.stats())["kvcomm"]
-    assert kvcomm["ladders"] == 3 and kvcomm["withheld"] == 1 and kvcomm["checks"] == 4 and kvcomm["ratio"] == FULL
+    assert kvcomm["ladders"] == 3 and kvcomm["withheld"] == 1 and kvcomm["checks"] == 8 and kvcomm["ratio"] == FULL
 
 
 def test_a_shape_is_also_held_to_its_answers_the_modes_own_ladder_is_not() -> None:
     gate = Gate(CONFIG, {"blend": 0.15, "kvcomm": 0.0})
     shape = shape_key("kvcomm", "reviewer-reads-support")
+    earned(gate, shape)
     for key in (shape, "blend"):  # first tokens as full prefill's, answers apart after a few tokens
         gate.record(key, gate.probe(key), *GOOD, 0.95)
         gate.record(key, gate.probe(key), *GOOD, 0.65)
@@ -132,6 +158,7 @@ def test_a_shape_is_also_held_to_its_answers_the_modes_own_ladder_is_not() -> No
         gate.record(shape, 0.0, *GOOD, 1.0)
     assert gate.serve(shape) == (0.0, "")
     other = shape_key("kvcomm", "critic-reads-solver")
+    earned(gate, other)
     for _ in range(2):  # answers that part at once: a mean of 0.0 misses too
         gate.record(other, 0.0, *GOOD, 0.0)
     assert gate.serve(other)[0] == FULL
@@ -222,6 +249,9 @@ def test_kvcomm_spans_climb_the_ladder_of_their_reader(gated) -> None:
     plan = Plan([[1, 2], [3, 4]], [False, False], Reuse("kvcomm"), spans=[False, True], agent="agent-reviewer")
     seq = Sequence([1, 2, 3, 4], SamplingParams(), engine.reuser.new_kv(), frozenset(), 100, plan=plan)
     key = engine.caches.gated(seq, plan, "kvcomm")
+    reuse, why = engine.caches.choose(seq, plan)  # a new reader: its spans' reuse checked before it is served
+    assert reuse == Reuse("full") and "a new agent's reuse" in why and seq.gated == (key, FULL)
+    earned(engine.gate, key)
     assert engine.caches.choose(seq, plan) == (Reuse("kvcomm"), "") and seq.gated == (key, 0.0)
     blend = dict(engine.gate.stats())["blend"]["ratio"]
     for _ in range(2):
@@ -234,6 +264,7 @@ def test_kvcomm_spans_climb_the_ladder_of_their_reader(gated) -> None:
 
     # Another reader of the same span climbs its own ladder.
     other = Plan(plan.pieces, plan.documents, Reuse("kvcomm"), spans=plan.spans, agent="agent-critic")
+    earned(engine.gate, engine.caches.gated(seq, other, "kvcomm"))
     assert engine.caches.choose(seq, other) == (Reuse("kvcomm"), "")
 
 
