@@ -17,8 +17,12 @@ reuse does not generalise is withheld alone. A shape's ladder also holds
 the answer to `target_answer` (agents read each other's answers: a drift compounds down the
 pipeline), and has two rungs, its reuse and none (the prompt after its exact prefix computed): a
 recompute ratio rarely pays on short agent prompts, and each rung would take another `min_checks`
-checks of a shape seen far more rarely than the server's one blend. A shape's rung checked fewer
-than `min_checks` times is checked on every request it serves, then at `shadow_rate`.
+checks of a shape seen far more rarely than the server's one blend. A new shape starts withheld
+and earns its reuse: its first `min_checks` checks (of the reuse it withholds, computed on spare
+capacity) must keep answers, since by the time a served reuse shows it moved them, the next agent has
+read them. A shape's rung checked fewer than `min_checks` times is checked on every request it
+serves, then at `shadow_rate`. With no checks (`shadow_rate` 0) nothing could earn it: shapes start
+at their reuse.
 """
 
 from __future__ import annotations
