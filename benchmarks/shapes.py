@@ -243,8 +243,9 @@ def bench_shapes(settings: Settings, data: Path, pipelines: int, warmup: int, ou
         "prefix` on a server of their own. Greedy agreement: the share of dense's answer tokens the served answer "
         "repeats before they first differ.\n\n"
         + table(header, [rows(s, measured[s.name]) for s in SHAPES])
-        + f"\n\nHow kvgate served the readers' turns:\n{how}\n\nThe quality gate at the end (every shape's "
-        f"first {config.min_checks} requests checked, then shadow_rate {config.shadow_rate:g}): "
+        + f"\n\nHow kvgate served the readers' turns:\n{how}\n\nThe quality gate at the end (a new shape "
+        f"withheld until {config.min_checks} checks keep answers; every shape's first {config.min_checks} requests "
+        f"on a rung checked, then shadow_rate {config.shadow_rate:g}): "
         + "; ".join(
             f"{mode}: {s['checks']:.0f} checks, answers {s['answer']:.2f}, {s['ladders'] - 1:.0f} shapes, "
             f"{s['withheld']:.0f} withheld"

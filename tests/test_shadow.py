@@ -16,7 +16,7 @@ from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.planner import Chat, Planner
-from kvgate.runtime.quality import Gate, QualityConfig
+from kvgate.runtime.quality import FULL, Gate, QualityConfig, shape_key
 from kvgate.runtime.reuse import Reuse
 from kvgate.runtime.sampling import SamplingParams
 from kvgate.runtime.sequence import Output, Plan
@@ -186,3 +186,16 @@ def test_a_check_compares_the_answer_once_it_is_written_or_its_sequence_ended(en
             job.over = True  # the sequence ended with what it wrote
         run(check)
         assert gate.ladders["blend"].answers[-1] == 1.0 and len(job.greedy) == written
+
+
+def test_a_check_of_withheld_reuse_that_would_reuse_nothing_records_nothing(engine: Engine, chat_ids) -> None:
+    """Served at full prefill, a shape's check computes the reuse withheld; where its spans have nothing to
+    reuse, that is full prefill again, and a check would vouch for a reuse it never saw."""
+    gate = Gate(QualityConfig(shadow_rate=1.0), {"kvcomm": 0.0})
+    shadow = Shadow(gate, engine.reuser, engine.spans)
+    ids = chat_ids("A message no agent has written before, about basalt columns.")
+    key = shape_key("kvcomm", "agent-unread")
+    plan = Plan([ids[:4], ids[4:]], [False, False], Reuse("kvcomm"), spans=[False, True], agent="agent-unread")
+    logits = forward(engine.model, [Run(new_kv(engine.loaded), ids, 0)])[0]
+    run(shadow.check(Job(0, ids, plan, key, FULL, logits, [], [], over=True)))
+    assert gate.ladder(key).totals.checks == 0 and not shadow.followed
