@@ -184,7 +184,7 @@ class Caches:
             seq.reuse = "; ".join(x for x in (label, done.note, why) if x)
             spans = done.reused > head and done.mode != "full"
             withheld = seq.gated is not None and seq.gated[1] == FULL
-            if not (spans or withheld and any(s.source is not None for s in seq.shared.spans)):
+            if not (spans or (withheld and any(s.source is not None for s in seq.shared.spans))):
                 seq.gated = None  # nothing reused, or nothing to reuse: a check would compare dense with dense
             seq.exact = head if spans else len(seq.prompt_ids)
             key = seq.gated[0] if seq.gated is not None else "kvcomm"

@@ -236,8 +236,7 @@ class Gate:
             ladder = self.ladders.get(key) or self.shapes.get(key)
             if ladder is None or ladder.probe != ratio or not ladder.checks:
                 return None
-            answers = ladder.answers
-            return (*ladder.means(), sum(answers) / len(answers) if answers else None, len(ladder.checks))
+            return (*ladder.means(), ladder.answer(), len(ladder.checks))
 
     def stats(self) -> Iterable[tuple[str, dict[str, float]]]:
         """Per mode, over its ladders (its own and its shapes'): lifetime checks, their mean KL, top-1 and
