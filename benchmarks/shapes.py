@@ -227,7 +227,7 @@ def bench_shapes(settings: Settings, data: Path, pipelines: int, warmup: int, ou
                 ladders = "\n".join(
                     f"- {key}: {'withheld' if ladder.ratio == FULL else f'{ladder.ratio:.0%} recompute'}, "
                     f"{ladder.totals.checks} checks, answers "
-                    f"{ladder.totals.answer / max(1, ladder.totals.answered):.2f}"
+                    + (f"{ladder.totals.answer / ladder.totals.answered:.2f}" if ladder.totals.answered else "none")
                     for key, ladder in engine.gate.shapes.items()
                 )
     header = ["shape", "prompt tokens", "TTFT s: dense / prefix / kvgate", "vs dense", "vs prefix-only",
