@@ -89,7 +89,7 @@ class Ladder:
         if self.at:
             self.why = f"a new agent's reuse, served once {config.min_checks} shadow checks meet the targets"
         self.totals = Totals()
-        self.asked = 0  # checks made due at this rung
+        self.asked = 0  # checks made due at this rung, less those that came to nothing (`Gate.void`)
 
     @property
     def ratio(self) -> float:
@@ -199,6 +199,14 @@ class Gate:
     def probe(self, key: str) -> float:
         with self.lock:
             return self.ladder(key).probe
+
+    def void(self, key: str, ratio: float) -> None:
+        """A check made due for `key` at `ratio` recorded nothing (dropped, or nothing to reuse): while the
+        ladder still probes that rung, it is asked again, so a shape earns its reuse from checks that compared."""
+        with self.lock:
+            ladder = self.ladder(key)
+            if ladder.probe == ratio and ladder.asked:
+                ladder.asked -= 1
 
     def record(self, key: str, ratio: float, kl: float, agree: bool, answer: float | None = None) -> None:
         """A check of `key` at `ratio` (the rung it probed when it was taken); `answer`: the share of the

@@ -90,6 +90,7 @@ class Shadow:
             return
         if len(self.jobs) >= self.gate.config.max_pending:
             self.gate.dropped += 1
+            self.gate.void(seq.gated[0], self.gate.probe(seq.gated[0]))
             return
         first = logits.detach().float().clone()
         job = Job(seq.id, list(seq.prompt_ids), seq.plan, *seq.gated, first, seq.output_ids, [int(first.argmax())])
@@ -141,6 +142,7 @@ class Shadow:
             if job.ratio == FULL:  # full prefill was served: compute the reuse it withheld
                 probed = yield from self.reuse(job, probe)
                 if probed is None:  # nothing to reuse in this prompt (no span with a close anchor): says nothing
+                    self.gate.void(job.mode, probe)
                     return
                 kv, computed = probed
                 reference, other = job.logits, computed

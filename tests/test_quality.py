@@ -112,6 +112,17 @@ def test_a_shapes_rung_checked_fewer_than_min_checks_times_is_checked_on_every_r
     assert not any(Gate(QualityConfig(), {"blend": 0.15}).due(shape) for _ in range(100))
 
 
+def test_a_check_that_came_to_nothing_is_asked_again_while_its_rung_stands() -> None:
+    gate = Gate(QualityConfig(shadow_rate=0.25, min_checks=2, window=4), {"kvcomm": 0.0})
+    shape = shape_key("kvcomm", "reviewer")
+    assert gate.due(shape) and gate.due(shape)
+    gate.void(shape, gate.probe(shape))  # dropped, or its prompt had nothing to reuse
+    assert gate.due(shape)  # the shape is still learning: checked again
+    assert not gate.due(shape)
+    gate.void(shape, 0.5)  # a check of a rung the ladder does not probe gives nothing back
+    assert not gate.due(shape)
+
+
 def test_a_new_shape_is_withheld_until_its_checks_keep_answers_where_checks_run() -> None:
     gate = Gate(CONFIG, {"kvcomm": 0.0})
     shape = shape_key("kvcomm", "reviewer")

@@ -197,5 +197,7 @@ def test_a_check_of_withheld_reuse_that_would_reuse_nothing_records_nothing(engi
     key = shape_key("kvcomm", "agent-unread")
     plan = Plan([ids[:4], ids[4:]], [False, False], Reuse("kvcomm"), spans=[False, True], agent="agent-unread")
     logits = forward(engine.model, [Run(new_kv(engine.loaded), ids, 0)])[0]
+    assert gate.due(key)
     run(shadow.check(Job(0, ids, plan, key, FULL, logits, [], [], over=True)))
     assert gate.ladder(key).totals.checks == 0 and not shadow.followed
+    assert gate.ladder(key).asked == 0  # asked again: the shape earns its reuse from checks that compared
