@@ -4,8 +4,10 @@ live in Redis when `redis_url` is set (stored hashed, shared by every process), 
 Every cache and pin is scoped by the tenant `authenticate` sets on the request.
 
 Where keys are not required, a bearer token that is no key is a tenant of its own, named by an HMAC of
-the token under a secret kept in `cache_dir` (no one computes a tenant's name without its token, even
-a guessable token's); callers without a token are one tenant, ANONYMOUS. A Redis that does not answer a
+the token under a secret (no one computes a tenant's name without its token, even a guessable token's):
+the settings' `tenant_secret`, else one made once in Redis when `redis_url` is set (every front on it
+names a token's tenant alike), else one kept in `cache_dir`. Callers without a token are one tenant,
+ANONYMOUS. A Redis that does not answer a
 key lookup or an admin call is a 503 (`redis_unavailable`) within TIMEOUT_S, never a 401 or a 500."""
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ KEY_ID = re.compile(r"^key-[0-9a-f]{16}$")
 TIMEOUT_S = 0.5  # a Redis command that takes longer is an outage
 ANONYMOUS = "anonymous"  # the tenant of callers without a token, where keys are not required
 SECRET_FILE = "tenant-secret"  # in cache_dir, mode 0600
+SECRET_KEY = "kvgate:tenant-secret"  # in Redis, where redis_url is set and tenant_secret is not
 # Redis out of reach (stopped, paused, unreachable, a cluster without its slots), not a wrong command.
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ClusterDownError, RedisClusterException)
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -109,14 +112,33 @@ class Keys:
             timeouts = {"socket_timeout": TIMEOUT_S, "socket_connect_timeout": TIMEOUT_S}
             self.redis = aioredis.from_url(settings.redis_url, **timeouts)
         self.cached: dict[str, tuple[float, Key | None]] = {}
-        self.secret = b"" if self.required else tenant_secret(settings.cache_dir)
+        self.secret: bytes | None = b""  # None: Redis's, fetched at the first token (`named`)
+        if settings.tenant_secret is not None:
+            self.secret = settings.tenant_secret.get_secret_value().encode()
+        elif not self.required and self.redis is None:
+            self.secret = tenant_secret(settings.cache_dir)
+        elif not self.required:
+            self.secret = None
         self.proxies = networks(settings.trusted_proxies)
 
     def tenant(self, token: str) -> str:
-        """The tenant of a caller without a key: its token's own, or ANONYMOUS without one."""
+        """The tenant of a caller without a key: its token's own, or ANONYMOUS without one. The secret
+        must be known: `named` fetches Redis's."""
         if not token:
             return ANONYMOUS
+        assert self.secret is not None, "the tenant secret is Redis's: call named()"
         return "anon-" + hmac.new(self.secret, token.encode(), hashlib.sha256).hexdigest()[:24]
+
+    async def named(self, token: str) -> str:
+        """`tenant`, fetching the secret every front shares from Redis the first time (REDIS_DOWN: 503)."""
+        if self.secret is None and token:
+            assert self.redis is not None
+            await self.redis.set(SECRET_KEY, secrets.token_hex(32), nx=True)  # the first front's stays
+            shared = await self.redis.get(SECRET_KEY)
+            if not shared:  # deleted between the two commands: the next request makes it again
+                raise RedisConnectionError("the tenant secret vanished from Redis")
+            self.secret = shared
+        return self.tenant(token)
 
     async def find(self, token: str) -> Key | None:
         hashed = digest(token)
@@ -251,7 +273,7 @@ async def authenticate(request: Request) -> None:
         said = "Incorrect API key provided." if token else "You didn't provide an API key (Authorization: Bearer)."
         raise APIError(401, said, code="invalid_api_key")
     request.state.key = key
-    request.state.tenant = key.tenant if key else keys.tenant(token)
+    request.state.tenant = key.tenant if key else await keys.named(token)
     limits = limits_of(request)
     if limits.rpm is None and limits.tpm is None:
         return

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvgate.agents import AgentConfig, AnchorConfig, PinPolicy, Prior
@@ -33,7 +33,8 @@ class UpstreamSettings(BaseModel):
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="forbid", frozen=True)
+    # hide_input_in_errors: a wrong value may be a secret (tenant_secret, a Redis URL with its password)
+    model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="forbid", frozen=True, hide_input_in_errors=True)
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -127,6 +128,9 @@ class Settings(BaseSettings):
     rate_limit_rpm: int | None = Field(None, ge=1)  # requests per minute of a key (or caller) without its own
     rate_limit_tpm: int | None = Field(None, ge=1)  # tokens per minute, likewise
     tenant_scoped_kv: bool = True  # document and prefix KV shared only within a tenant
+    # Names the tenants of bearer tokens that are no key (an HMAC under it): set it alike on every front.
+    # None: made once in Redis when redis_url is set (every front agrees), else in cache_dir (this machine).
+    tenant_secret: SecretStr | None = None
     admin_key: str | None = None  # set: admin endpoints need it as the bearer token
     # Proxy mode: [{name, base_url, models: [names] or {name: upstream name}, api_key, max_in_flight}].
     upstreams: list[UpstreamSettings] = Field(default_factory=list)
@@ -154,6 +158,13 @@ class Settings(BaseSettings):
     # ---- set by a front for the runtime workers it starts (gateway/workers.py), not by hand
     worker_secret: SecretStr | None = None  # set: every request but /health must carry it
     exit_with_pid: int | None = None  # set: this server stops once that process is no longer its parent
+
+    @field_validator("tenant_secret")
+    @classmethod
+    def long_secret(cls, secret: SecretStr | None) -> SecretStr | None:
+        if secret is not None and len(secret.get_secret_value()) < 32:
+            raise ValueError("tenant_secret must be at least 32 characters")  # never the value itself
+        return secret
 
     @classmethod
     def load(cls, config_file: str | Path | None = None, **overrides: Any) -> Settings:

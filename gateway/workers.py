@@ -76,7 +76,7 @@ def worker_settings(settings: Settings, index: int, port: int, secret: str) -> d
         metrics_access="public",  # the front scrapes it (with the secret) and decides who sees it
         worker_secret=secret,
     )
-    for name in ("rate_limit_rpm", "rate_limit_tpm", "admin_key"):
+    for name in ("rate_limit_rpm", "rate_limit_tpm", "admin_key", "tenant_secret"):  # the front's to use
         values.pop(name, None)
     return values
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import redis
+from pydantic import ValidationError
 
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.keys import (
@@ -23,6 +24,7 @@ from kvgate.gateway.keys import (
     CACHE_S,
     REDIS_PREFIX,
     SECRET_FILE,
+    SECRET_KEY,
     Key,
     Keys,
     authenticate,
@@ -236,3 +238,42 @@ def test_a_server_that_requires_keys_keeps_no_tenant_secret(tmp_path: Path) -> N
     assert not (tmp_path / "keyed" / SECRET_FILE).exists()  # no keyless tenants to name
     store(tmp_path / "open", api_keys={"sk-a": "a"}, require_api_key=False)
     assert (tmp_path / "open" / SECRET_FILE).exists()
+
+
+async def test_fronts_on_one_redis_name_a_tokens_tenant_alike_whatever_their_cache_dirs(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Two machines: each its own cache_dir, one Redis. The first front makes the secret there; every
+    other front takes that one, so a token's documents and answers are its own on any of them."""
+    one, two = store(tmp_path / "a", redis_url=redis_url), store(tmp_path / "b", redis_url=redis_url)
+    tenant = await one.named("tok")
+    assert await two.named("tok") == tenant != await two.named("tok2")
+    with redis.Redis.from_url(redis_url) as raw:
+        secret = raw.get(SECRET_KEY)
+    assert len(secret) == 64 and tenant == "anon-" + hmac.new(secret, b"tok", "sha256").hexdigest()[:24]
+    assert not (tmp_path / "a" / SECRET_FILE).exists()  # the fleet's secret, not this machine's
+    assert await store(tmp_path / "c", redis_url=redis_url).named("tok") == tenant  # a front started later
+    assert await one.named("") == ANONYMOUS
+    await one.close()
+    await two.close()
+
+
+async def test_a_configured_tenant_secret_names_tenants_alike_and_is_never_shown(
+    tmp_path: Path, redis_url: str
+) -> None:
+    given = "t" * 40
+    one = store(tmp_path / "a", tenant_secret=given)
+    two = store(tmp_path / "b", tenant_secret=given, redis_url=redis_url)
+    assert (
+        await one.named("tok")
+        == await two.named("tok")
+        == "anon-" + hmac.new(given.encode(), b"tok", "sha256").hexdigest()[:24]
+    )
+    assert not (tmp_path / "a" / SECRET_FILE).exists()
+    with redis.Redis.from_url(redis_url) as raw:
+        assert raw.get(SECRET_KEY) is None  # the settings' secret wins: nothing made in Redis
+    assert given not in repr(Settings(tenant_secret=given)) and given not in str(Settings(tenant_secret=given))
+    with pytest.raises(ValidationError) as refused:
+        Settings(tenant_secret="s" * 31)
+    assert "at least 32 characters" in str(refused.value) and "s" * 31 not in str(refused.value)
+    await two.close()
