@@ -42,7 +42,9 @@ def gateway(loaded: LoadedModel, **options) -> Iterator[tuple[str, Engine]]:
         engine.shutdown()
 
 
-def ask(url: str, reuse: str = "blend", ratio: float | None = 0.15) -> tuple[str, list[float], int]:
+def ask(
+    url: str, reuse: str = "blend", ratio: float | None = 0.15, token: str = ""
+) -> tuple[str, list[float], int]:
     """The greedy answer, its logprobs, and how many tokens' KV came from the cache."""
     body = {
         "model": httpx.get(f"{url}/v1/models").json()["data"][0]["id"],
@@ -53,7 +55,8 @@ def ask(url: str, reuse: str = "blend", ratio: float | None = 0.15) -> tuple[str
         "max_tokens": 8,
         "logprobs": True,
     }
-    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     logprobs = [t["logprob"] for t in choice["logprobs"]["content"]]
@@ -207,6 +210,25 @@ def test_a_document_stored_through_one_process_is_a_hit_in_another_through_redis
         finally:
             process.terminate()
             process.wait(timeout=30)
+
+
+def test_a_token_callers_documents_stored_on_one_machine_are_hits_on_another_through_redis(
+    loaded: LoadedModel, tmp_path: Path
+) -> None:
+    """Two machines, each its own cache_dir, one Redis; callers send a bearer token that is no key (no
+    keys configured). The token is the same tenant on both, so its documents are found on the second."""
+    with RedisServer() as server:
+
+        def machine(name: str) -> dict:
+            where = tmp_path / name
+            return {"cache_dir": where, "chunk_cache_dir": where / "chunks", "redis_url": server.url}
+
+        with gateway(loaded, **machine("a")) as (url_a, engine_a):
+            assert ask(url_a, token="EMPTY")[2] == 0
+            engine_a.reuser.store.flush()
+        with gateway(loaded, **machine("b")) as (url_b, _):
+            assert ask(url_b, token="another")[2] == 0  # another token: another tenant's documents
+            assert ask(url_b, token="EMPTY")[2] > 0
 
 
 def test_tier_reads_are_bit_exact(loaded: LoadedModel, tmp_path: Path) -> None:
