@@ -18,12 +18,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvgate.gateway import admin, errors, logs, responses, routes
 from kvgate.gateway.backend import Backend
 from kvgate.gateway.errors import APIError, internal
-from kvgate.gateway.keys import REDIS_DOWN, Keys, authenticate, redis_down
+from kvgate.gateway.keys import Keys, authenticate, redis_down
 from kvgate.gateway.limits import limiter as make_limiter
 from kvgate.gateway.metrics import CONTENT_TYPE, Metrics, Observe, merged, semantic_metrics
-from kvgate.gateway.responses_store import ResponseStore
+from kvgate.gateway.responses_store import response_store
 from kvgate.gateway.semantic import Checks
 from kvgate.gateway.settings import Settings
+from kvgate.gateway.shared import REDIS_DOWN
 from kvgate.gateway.workers import front_only
 
 log = logging.getLogger("kvgate")
@@ -129,6 +130,7 @@ def create_app(settings: Settings, backend: Backend) -> FastAPI:
     metrics = Metrics()
     keys = Keys(settings)
     limiter = make_limiter(settings.redis_url)
+    kept = response_store(settings.redis_url)  # /v1/responses kept for previous_response_id
     semantic = None
     if settings.semantic_cache:  # the embedder and the index: torch and hnswlib, only when wanted
         from kvgate.semantic_cache import SemanticCache
@@ -142,6 +144,7 @@ def create_app(settings: Settings, backend: Backend) -> FastAPI:
         await backend.close()  # its threads (pin expiry) stop, its connections close
         await keys.close()
         await limiter.close()
+        await kept.close()
         if semantic is not None:
             semantic.close()
 
@@ -157,7 +160,7 @@ def create_app(settings: Settings, backend: Backend) -> FastAPI:
     app.state.settings, app.state.metrics, app.state.keys, app.state.limiter = settings, metrics, keys, limiter
     app.state.backend, app.state.semantic = backend, semantic
     app.state.checks = Checks()  # would-be hits checked beside the hit (semantic_verify_beside)
-    app.state.responses = ResponseStore()  # /v1/responses kept for previous_response_id
+    app.state.responses = kept
     errors.install(app)
     for outage in REDIS_DOWN:
         app.add_exception_handler(outage, redis_down)

@@ -29,25 +29,21 @@ from typing import Any
 import redis.asyncio as aioredis
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from redis.exceptions import ClusterDownError, RedisClusterException
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.limits import Limiter, Limits
 from kvgate.gateway.settings import Settings
+from kvgate.gateway.shared import connect
 
 log = logging.getLogger("kvgate.keys")
 REDIS_PREFIX = "kvgate:key:"
 CACHE_S = 5.0  # a key revoked in Redis stops working in other processes within this long
 CACHE_MAX = 10_000
 KEY_ID = re.compile(r"^key-[0-9a-f]{16}$")
-TIMEOUT_S = 0.5  # a Redis command that takes longer is an outage
 ANONYMOUS = "anonymous"  # the tenant of callers without a token, where keys are not required
 SECRET_FILE = "tenant-secret"  # in cache_dir, mode 0600
 SECRET_KEY = "kvgate:tenant-secret"  # in Redis, where redis_url is set and tenant_secret is not
-# Redis out of reach (stopped, paused, unreachable, a cluster without its slots), not a wrong command.
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ClusterDownError, RedisClusterException)
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
@@ -109,8 +105,7 @@ class Keys:
             self.known[hashed] = key_of(hashed, spec, "settings", self.default)
         self.redis: aioredis.Redis | None = None
         if settings.redis_url:
-            timeouts = {"socket_timeout": TIMEOUT_S, "socket_connect_timeout": TIMEOUT_S}
-            self.redis = aioredis.from_url(settings.redis_url, **timeouts)
+            self.redis = connect(settings.redis_url)
         self.cached: dict[str, tuple[float, Key | None]] = {}
         self.secret: bytes | None = b""  # None: Redis's, fetched at the first token (`named`)
         if settings.tenant_secret is not None:

@@ -18,8 +18,10 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from kvgate.gateway.admission import Admission, ProgramClock, fan_out
 from kvgate.gateway.backend import Backend, Call, Outcome, Reply
 from kvgate.gateway.errors import APIError
-from kvgate.gateway.programs import HEADER
+from kvgate.gateway.outgoing import headers_for, pasted_documents
+from kvgate.gateway.placement import placements
 from kvgate.gateway.render import sse
+from kvgate.gateway.routing import Router, conversation_key
 from kvgate.gateway.settings import Settings
 from kvgate.gateway.upstreams import Opened, Pool, Upstream, UpstreamFailed, UpstreamTimeout
 
@@ -38,6 +40,9 @@ class Upstreams(Backend):
 
     def __init__(self, settings: Settings, workers: tuple[Upstream, ...] = ()) -> None:
         self.pool = Pool(settings.proxy_config(workers))
+        names = [u.name for u in self.pool.config.upstreams]
+        kept = placements(settings.redis_url, settings.route_conversations, settings.route_ttl_s)
+        self.router = Router(names, kept, settings.spill_at, settings.routing)
         self.clock = ProgramClock(settings.agent_config().idle_s)
         self.owners: OrderedDict[str, str] = OrderedDict()  # document id -> the affinity key of its text
         self.created = int(time.time())
@@ -71,10 +76,8 @@ class Upstreams(Backend):
         if len(self.owners) > DOCUMENT_OWNERS:
             self.owners.popitem(last=False)
 
-    def affinity(self, body: dict[str, Any], program: str | None) -> list[str]:
-        """What a worker may hold for this request: its program's context, else its documents."""
-        if program is not None:
-            return ["program:" + program]
+    def affinity(self, body: dict[str, Any]) -> list[str]:
+        """The documents a replica may hold the KV of for this request."""
         keys = []
         documents = body.get("documents")
         for doc in documents if isinstance(documents, list) else ():  # a malformed one is the upstream's to refuse
@@ -109,23 +112,33 @@ class Upstreams(Backend):
         sent_body = {**body, "stream_options": {**stream_options, "include_usage": True}} if changed else body
 
         def payload(upstream: Upstream) -> bytes:
-            """The body for one upstream: renamed model; kvgate's own options only for kvgate's workers."""
+            """The body for one upstream: renamed model; kvgate's own options and documents for kvgate's workers,
+            an other engine reads the documents pasted in the prompt."""
             named = upstream.model_name(model)
-            ours = "kvgate" in body and not upstream.worker
+            ours = ("kvgate" in body or "documents" in body) and not upstream.worker
             if named == model and not changed and not ours:
                 return call.raw
-            kept = {k: v for k, v in sent_body.items() if k != "kvgate" or upstream.worker}
+            kept = (
+                sent_body
+                if upstream.worker
+                else pasted_documents({k: v for k, v in sent_body.items() if k != "kvgate"})
+            )
             return json.dumps({**kept, "model": named}).encode()
 
         tenant_program = None if call.program is None else f"{call.tenant}/{call.program}"
+        affinity = self.affinity(body)
+        key = conversation_key(call.tenant, body, call.program, affinity)
+        serving = [u.name for u in self.pool.serving(model)]
+        order = await self.router.order(serving, key, affinity, self.pool.load)
         opened = await self.pool.open(
-            self.pool.candidates(model, self.affinity(body, call.program)),
+            [self.pool.upstreams[name] for name in order],
             call.path,
             payload,
             lambda u: headers_for(call.request_id, call.tenant, u.worker, call.program),
             rank=self.clock.rank(tenant_program),
             stream=call.stream,
         )
+        await self.router.served(key, opened.upstream.name)  # the next turn goes where this one's KV is
         relay = Relay(opened, keep_usage=asked_usage, keep_text=call.keep, limit=self.limit)
         reply = Reply(opened.status, passed_on(opened), outcome=relay.outcome, close=opened.close)
         if not call.stream or opened.status != 200:
@@ -153,7 +166,7 @@ class Upstreams(Backend):
         self, method: str, path: str, raw: bytes, keys: list[str], tenant: str, request_id: str
     ) -> Reply:
         """A document request, sent where its KV lives (or will): the worker its text hashes to."""
-        order = [u for u in self.pool.candidates(None, keys) if u.worker]
+        order = self.pool.workers(keys)
         if not order:
             raise APIError(
                 404, "documents are kept by kvgate's runtime workers; this gateway has none", code="no_workers"
@@ -182,6 +195,7 @@ class Upstreams(Backend):
 
     async def close(self) -> None:
         await self.pool.close()
+        await self.router.placements.close()
 
 
 class Workers(Upstreams):
@@ -213,17 +227,6 @@ def releasing(
 
 def text_key(text: str) -> str:
     return "text:" + hashlib.sha256(text.encode()).hexdigest()
-
-
-def headers_for(request_id: str, tenant: str, upstream_is_worker: bool, program: str | None = None) -> dict[str, str]:
-    sent = {"x-request-id": request_id}
-    if program is not None:
-        sent[HEADER] = program
-    # A worker scopes its caches by the bearer token, one per tenant: believed only with the secret
-    # its front sends (gateway/workers.py), and named there by an HMAC of it (gateway/keys.py).
-    if upstream_is_worker:
-        sent["authorization"] = "Bearer tenant-" + hashlib.sha256(tenant.encode()).hexdigest()
-    return sent
 
 
 def passed_on(opened: Opened) -> dict[str, str]:

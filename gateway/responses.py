@@ -4,7 +4,8 @@ through chat completions, so every backend serves it: the request becomes a chat
 and its answer, whole or streamed, becomes a Response (gateway/responses_output.py) or the Responses
 stream (gateway/responses_stream.py).
 
-Responses are kept (unless `store` is false) for `previous_response_id` and GET/DELETE, per tenant.
+Responses are kept (unless `store` is false) for `previous_response_id` and GET/DELETE, per tenant, in
+Redis when `redis_url` is set (a turn may continue through any front).
 A chain of responses is one agent program, so its KV stays pinned between turns: the program of the
 response it continues, whether named by `previous_response_id` or by output items of it sent back in
 the input (the Agents SDK sends the whole conversation each turn)."""
@@ -57,7 +58,7 @@ class Turn:
         """The finished response kept for the next turn (unless `store` is false)."""
         if self.req.store:
             output = messages_of(done["output"], "output")
-            self.store.put(self.tenant, Stored(done, self.messages + output, self.program))
+            await self.store.put(self.tenant, Stored(done, self.messages + output, self.program))
 
 
 @router.post("/v1/responses")
@@ -66,7 +67,7 @@ async def create(request: Request) -> Response:
     req: ResponsesRequest = validated(ResponsesRequest, body, strict=True)
     refuse_unsupported(req)
     check_model(request, req.model)
-    turn = begin(request, req, body)
+    turn = await begin(request, req, body)
     chat = chat_body(req, body, turn.messages)
     parsed = chat_request(chat)
     call = Call(CHAT, chat, dumps(chat), req.model, turn.tenant, request.state.request_id, turn.program, parsed)
@@ -84,7 +85,7 @@ async def create(request: Request) -> Response:
 
 @router.get("/v1/responses/{response_id}")
 async def show(response_id: str, request: Request) -> Response:
-    stored = request.app.state.responses.get(request.state.tenant, response_id)
+    stored = await request.app.state.responses.get(request.state.tenant, response_id)
     if stored is None:
         raise not_found(response_id)
     return Response(dumps(stored.response), headers=JSON)
@@ -92,18 +93,18 @@ async def show(response_id: str, request: Request) -> Response:
 
 @router.delete("/v1/responses/{response_id}")
 async def delete(response_id: str, request: Request) -> Response:
-    if not request.app.state.responses.delete(request.state.tenant, response_id):
+    if not await request.app.state.responses.delete(request.state.tenant, response_id):
         raise not_found(response_id)
     return Response(dumps({"id": response_id, "object": "response", "deleted": True}), headers=JSON)
 
 
-def begin(request: Request, req: ResponsesRequest, body: dict[str, Any]) -> Turn:
+async def begin(request: Request, req: ResponsesRequest, body: dict[str, Any]) -> Turn:
     """The turn a request asks for: the conversation so far and its input, in the program the client
     names, else that of the chain it continues; a new conversation (kept) starts a chain of its own;
     a history from elsewhere gets none here (the local backend finds a conversation by its messages)."""
     store: ResponseStore = request.app.state.responses
     tenant, response_id = request.state.tenant, new_id("resp")
-    before, program = history(store, tenant, req)
+    before, program = await history(store, tenant, req)
     messages = before + messages_of(req.input)
     if not messages:
         raise bad_request("input must not be empty (without a previous_response_id)", "input", "invalid_value")
@@ -114,18 +115,18 @@ def begin(request: Request, req: ResponsesRequest, body: dict[str, Any]) -> Turn
     return Turn(response_id, req, tenant, messages, program, store)
 
 
-def history(store: ResponseStore, tenant: str, req: ResponsesRequest) -> tuple[list[dict[str, Any]], str | None]:
+async def history(store: ResponseStore, tenant: str, req: ResponsesRequest) -> tuple[list[dict[str, Any]], str | None]:
     """The conversation before this request's input, and the program of its chain: those of
     `previous_response_id` (404 when unknown); else the input holds the conversation, and the chain
     is that of the latest stored response whose output items come back in it, if any."""
     if req.previous_response_id is not None:
-        before = store.get(tenant, req.previous_response_id)
+        before = await store.get(tenant, req.previous_response_id)
         if before is None:
             said = f"Previous response with id '{req.previous_response_id}' not found."
             raise APIError(404, said, "previous_response_id", "previous_response_not_found")
         return before.messages, before.program
     items = [] if isinstance(req.input, str) else req.input
-    found = store.owner(tenant, [i["id"] for i in items if isinstance(i.get("id"), str)])
+    found = await store.owner(tenant, [i["id"] for i in items if isinstance(i.get("id"), str)])
     return [], None if found is None else found.program
 
 

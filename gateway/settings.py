@@ -140,7 +140,13 @@ class Settings(BaseSettings):
     proxy_connect_timeout_s: float = Field(5.0, gt=0.0)
     proxy_first_byte_timeout_s: float = Field(60.0, gt=0.0)
     proxy_read_timeout_s: float = Field(300.0, gt=0.0)
-    spill_at: int = Field(4, ge=1)  # requests in flight at the preferred worker from which one spills over
+    spill_at: int = Field(4, ge=1)  # requests in flight at the preferred replica from which one spills over
+    # How a request picks among the replicas serving its model: where its KV likely is (gateway/routing.py),
+    # or each in turn (what a plain load balancer does; the baseline `kvgate bench fleet` measures against).
+    routing: Literal["cache", "round_robin"] = "cache"
+    # Where each conversation's latest turn went (in Redis with redis_url): its next turn goes there too.
+    route_conversations: int = Field(65536, ge=1)  # placements kept, the least recently placed go first
+    route_ttl_s: float = Field(600.0, gt=0.0)  # a conversation idle this long may start anywhere
     log_level: str = "info"
     # ---- admission: bounds on what callers can queue (over them: 400, 429 or 503 with Retry-After)
     max_request_seqs: int = Field(128, ge=1)  # sequences one request may ask for: prompts x n (x best_of)

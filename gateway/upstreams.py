@@ -154,15 +154,20 @@ class Pool:
     def models(self) -> list[str]:
         return sorted({m for u in self.config.upstreams for m in u.models if m != "*"})
 
-    def candidates(self, model: str | None, affinity: Sequence[str] = ()) -> list[Upstream]:
-        """Upstreams serving `model` (None: any), best first: workers by cache affinity, then the others
-        in the order configured."""
-        serving = [u for u in self.config.upstreams if model is None or u.serves(model)]
-        workers = {u.name for u in serving if u.worker}
-        if not workers:
-            return serving
-        ordered = self.ring.order(affinity, lambda name: self.gates[name].load, self.config.spill_at)
-        return [self.upstreams[n] for n in ordered if n in workers] + [u for u in serving if not u.worker]
+    def serving(self, model: str | None) -> list[Upstream]:
+        """Upstreams serving `model` (None: any), in the order configured."""
+        return [u for u in self.config.upstreams if model is None or u.serves(model)]
+
+    def load(self, name: str) -> int:
+        """Requests this front has in flight at an upstream, or waiting for it."""
+        return self.gates[name].load
+
+    def workers(self, affinity: Sequence[str]) -> list[Upstream]:
+        """kvgate's runtime workers, best first: the one its documents' text hashes to, unless busy."""
+        if not self.ring.names:
+            return []
+        ordered = self.ring.order(affinity, self.load, self.config.spill_at)
+        return [self.upstreams[n] for n in ordered]
 
     async def open(
         self,

@@ -21,9 +21,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from kvgate.runtime.document_text import DOCUMENT_TEMPLATE
 from kvgate.runtime.tokens import TemplateError
-
-DOCUMENT_TEMPLATE = "<document>\n{text}\n</document>\n\n"
 
 _MARKER = f"kvgate-documents-{secrets.token_hex(16)}"
 

@@ -67,6 +67,7 @@ TARGETS: dict[str, list[str]] = {
         "test_metrics.py",
         "abuse/test_proxy_bounds.py",
     ],
+    "gateway/outgoing.py": ["test_proxy.py", "test_workers.py"],
 }
 # Module -> the functions (as mutmut mangles them) that keep its promises, for the modules too slow to run whole:
 # tenant scoping of document and prefix KV, the blend's placement and selection, the fidelity a reply reports,
@@ -83,9 +84,10 @@ PROMISES: dict[str, list[str]] = {
     # own workers, with the tenant's name only ever sent to them hashed.
     "gateway/proxy.py": [
         "xǁUpstreamsǁforward", "xǁUpstreamsǁadd_document", "xǁUpstreamsǁdocument", "xǁUpstreamsǁsend_document",
-        "x_headers_for", "x_whole", "x_failed", "xǁEventsǁfeed", "xǁEventsǁrest", "x_event_data", "xǁRelayǁevents",
+        "x_whole", "x_failed", "xǁEventsǁfeed", "xǁEventsǁrest", "x_event_data", "xǁRelayǁevents",
         "xǁRelayǁread", "xǁRelayǁread_whole",
     ],
+    "gateway/outgoing.py": ["x_headers_for", "x_pasted_documents"],
     "semantic_cache/cache.py": [
         "xǁSemanticCacheǁlookup", "xǁSemanticCacheǁfind", "xǁSemanticCacheǁinvalidate", "xǁSemanticCacheǁremember",
         "xǁSemanticCacheǁreport",

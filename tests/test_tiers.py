@@ -42,9 +42,7 @@ def gateway(loaded: LoadedModel, **options) -> Iterator[tuple[str, Engine]]:
         engine.shutdown()
 
 
-def ask(
-    url: str, reuse: str = "blend", ratio: float | None = 0.15, token: str = ""
-) -> tuple[str, list[float], int]:
+def ask(url: str, reuse: str = "blend", ratio: float | None = 0.15, token: str = "") -> tuple[str, list[float], int]:
     """The greedy answer, its logprobs, and how many tokens' KV came from the cache."""
     body = {
         "model": httpx.get(f"{url}/v1/models").json()["data"][0]["id"],

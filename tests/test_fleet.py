@@ -1,0 +1,105 @@
+"""kvgate in front of a fleet: two kvgate runtimes configured as plain upstreams (the path vLLM and SGLang
+replicas take) behind two fronts on one real Redis. Every turn of a conversation lands on the replica
+holding its KV, whichever front it reaches; conversations spread over the replicas; a conversation whose
+replica stops moves to another and stays there; a response continues through either front."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from kvgate.gateway.settings import Settings
+from kvgate.runtime.engine import Engine
+from kvgate.runtime.loader import LoadedModel
+from tests.servers import serving
+
+# A system prompt long enough that prefix blocks (64 tokens) hold most of a first turn's prompt.
+SYSTEM = "You are the booking assistant of a travel agency. " + " ".join(
+    f"Rule {n}: confirm the traveller's dates, budget and seat preference before booking trip {n}." for n in range(14)
+)
+
+
+@contextmanager
+def replicas(loaded: LoadedModel, where: Path, count: int = 2) -> Iterator[list[str]]:
+    """`count` kvgate runtimes on loopback, each with its own engine and caches."""
+    with ExitStack() as stack:
+        urls = []
+        for i in range(count):
+            settings = Settings(
+                max_num_seqs=4, semantic_cache=False, cache_dir=where / f"r{i}", chunk_cache_disk_bytes=0
+            )
+            engine = Engine(settings.engine_config(), loaded)
+            stack.callback(engine.shutdown)
+            urls.append(stack.enter_context(serving(settings, engine)))
+        yield urls
+
+
+def fronted(urls: list[str], model: str, redis_url: str, where: Path) -> Settings:
+    upstreams = [{"name": f"replica-{i}", "base_url": url + "/v1", "models": [model]} for i, url in enumerate(urls)]
+    return Settings(upstreams=upstreams, redis_url=redis_url, semantic_cache=False, cache_dir=where)
+
+
+@pytest.fixture(scope="module")
+def fleet(loaded: LoadedModel, model_name: str, redis_server, tmp_path_factory) -> Iterator[tuple[str, str]]:
+    """Two fronts over two replicas, on one Redis."""
+    where = tmp_path_factory.mktemp("fleet")
+    with replicas(loaded, where) as urls:
+        settings = fronted(urls, model_name, redis_server.url, where / "front")
+        with serving(settings, None) as one, serving(settings, None) as two:
+            yield one, two
+
+
+def chat(front: str, model: str, messages: list[dict]) -> httpx.Response:
+    body = {"model": model, "messages": messages, "max_tokens": 6, "temperature": 0}
+    r = httpx.post(front + "/v1/chat/completions", json=body, headers={"authorization": "Bearer tok"}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_every_turn_lands_where_its_kv_is_from_either_front(fleet, model_name):
+    fronts = list(fleet)
+    homes = Counter()
+    for n in range(6):
+        asked = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Book trip {n} to Lisbon."}]
+        first = chat(fronts[n % 2], model_name, asked)
+        home = first.headers["x-kvgate-upstream"]
+        answer = first.json()["choices"][0]["message"]["content"]
+        history = [*asked, {"role": "assistant", "content": answer}, {"role": "user", "content": "And back?"}]
+        second = chat(fronts[(n + 1) % 2], model_name, history)  # the other front
+        assert second.headers["x-kvgate-upstream"] == home
+        reused = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert reused >= 0.8 * first.json()["usage"]["prompt_tokens"]
+        homes[home] += 1
+    assert homes == {"replica-0": 3, "replica-1": 3}  # spread: none above its share plus one
+
+
+def test_a_response_continues_through_either_front_on_its_replica(fleet, model_name):
+    one, two = (openai.OpenAI(base_url=f + "/v1", api_key="tok") for f in fleet)
+    raw = one.responses.with_raw_response.create(model=model_name, instructions=SYSTEM, input="Book a trip to Oslo.")
+    first = raw.parse()
+    again = two.responses.with_raw_response.create(
+        model=model_name, instructions=SYSTEM, input="And back?", previous_response_id=first.id
+    )
+    assert again.headers["x-kvgate-upstream"] == raw.headers["x-kvgate-upstream"]
+    assert again.parse().usage.input_tokens_details.cached_tokens >= 0.8 * first.usage.input_tokens
+
+
+def test_a_conversation_whose_replica_stops_moves_and_stays(loaded, model_name, redis_url, tmp_path):
+    asked = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Book a trip to Bergen."}]
+    with replicas(loaded, tmp_path / "kept", 1) as (kept,), ExitStack() as doomed:
+        (gone,) = doomed.enter_context(replicas(loaded, tmp_path / "gone", 1))
+        with serving(fronted([gone, kept], model_name, redis_url, tmp_path / "front"), None) as front:
+            first = chat(front, model_name, asked)
+            assert first.headers["x-kvgate-upstream"] == "replica-0"
+            doomed.close()  # replica-0 stops
+            history = [*asked, {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]}]
+            history.append({"role": "user", "content": "And back?"})
+            assert chat(front, model_name, history).headers["x-kvgate-upstream"] == "replica-1"
+            history += [{"role": "assistant", "content": "Done."}, {"role": "user", "content": "Thanks."}]
+            assert chat(front, model_name, history).headers["x-kvgate-upstream"] == "replica-1"
