@@ -132,7 +132,7 @@ def test_output_items_sent_back_continue_their_chain(client, model_name):
 
 def test_a_turn_continues_through_another_front_on_one_redis(settings, engine, redis_url, model_name):
     """Two fronts on one Redis: the second turn, sent to the other front, continues the first's conversation
-    (its chain and KV), and either front shows or deletes it."""
+    (its messages and its chain's program), and either front shows or deletes it."""
     shared = settings.model_copy(update={"redis_url": redis_url, "semantic_cache": False})
     with serving(shared, engine) as one, serving(shared, engine) as two:
         a, b = sdk(one, "tok-fleet"), sdk(two, "tok-fleet")
@@ -142,7 +142,8 @@ def test_a_turn_continues_through_another_front_on_one_redis(settings, engine, r
         again = {"instructions": BRIEF, "input": "And in Brazil?", "max_output_tokens": 8, "temperature": 0}
         raw = b.responses.with_raw_response.create(model=model_name, previous_response_id=first.id, **again)
         second = raw.parse()
-        assert second.previous_response_id == first.id and raw.headers["x-kvgate-reuse"] == "program"
+        assert second.previous_response_id == first.id
+        assert raw.headers["x-kvgate-program-id"] == "responses:" + first.id.removeprefix("resp_")  # its chain
         assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
         assert b.responses.retrieve(first.id).output_text == first.output_text
         with pytest.raises(openai.NotFoundError):
