@@ -51,8 +51,6 @@ class Turned:
     cached: int
     replica: str
     stayed: bool  # on the replica of the conversation's previous turn
-    began: float
-    end: float
 
 
 def converse(fronts: list[str], item: Rag, index: int, salt: str, turns: int, tokens: int) -> list[Turned]:
@@ -65,7 +63,7 @@ def converse(fronts: list[str], item: Rag, index: int, salt: str, turns: int, to
         reply = stream(fronts[(index + turn) % len(fronts)], body, AUTH)
         replica = reply.headers.get("x-kvgate-upstream", "?")
         stayed = bool(done) and done[-1].replica == replica
-        done.append(Turned(turn, reply.ttft, reply.prompt, reply.cached, replica, stayed, reply.began, reply.end))
+        done.append(Turned(turn, reply.ttft, reply.prompt, reply.cached, replica, stayed))
         messages = [*messages, {"role": "assistant", "content": reply.text}]
         messages.append({"role": "user", "content": FOLLOW_UPS[turn % len(FOLLOW_UPS)]})
     return done
@@ -98,9 +96,8 @@ def replicas(kind: str, model_dir: Path, venv: Path, logs: Path) -> Iterator[lis
         yield urls
 
 
-def summary(arm: str, done: list[Turned]) -> list[str]:
+def summary(arm: str, done: list[Turned], seconds: float) -> list[str]:
     later = [t for t in done if t.turn > 0]
-    span = max(t.end for t in done) - min(t.began for t in done)
 
     def p(values: list[float], q: int) -> float:
         return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
@@ -110,7 +107,7 @@ def summary(arm: str, done: list[Turned]) -> list[str]:
         f"{p([t.ttft for t in later], 50):.2f} / {p([t.ttft for t in later], 90):.2f}",
         f"{p([t.ttft for t in done], 50):.2f} / {p([t.ttft for t in done], 90):.2f}",
         f"{sum(t.cached for t in done) / max(1, sum(t.prompt for t in done)):.0%}",
-        f"{len(done) / span:.2f}",
+        f"{len(done) / seconds:.2f}",
         f"{sum(t.stayed for t in later)} of {len(later)}",
     ]
 
@@ -120,6 +117,7 @@ def bench_fleet(kind: str, data: Path, conversations: int, turns: int, rounds: i
     model_dir = Path(resolve(EngineConfig()))
     items = load_rag(data, conversations, docs, words)
     done: dict[str, list[Turned]] = {arm: [] for arm in ARMS}
+    seconds = dict.fromkeys(ARMS, 0.0)  # each arm's rounds, end to end
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-fleet-") as tmp, ExitStack() as stack:
         logs = Path(tmp)
         urls = stack.enter_context(replicas(kind, model_dir, venv, logs))
@@ -137,8 +135,9 @@ def bench_fleet(kind: str, data: Path, conversations: int, turns: int, rounds: i
             for arm in ARMS if r % 2 == 0 else ARMS[::-1]:
                 started = time.perf_counter()
                 done[arm] += run_arm(fronts[arm], items, f"{arm}-{r}", turns, tokens, clients)
+                seconds[arm] += time.perf_counter() - started
                 print(f"round {r}, {arm}: {time.perf_counter() - started:.0f} s", flush=True)
-    rows = [summary(arm, done[arm]) for arm in ARMS]
+    rows = [summary(arm, done[arm], seconds[arm]) for arm in ARMS]
     head = ["routing", "TTFT p50 / p90, turns 2+ (s)", "TTFT p50 / p90, all (s)", "prompt cached", "turns/s", "stayed"]
     later = {arm: [t.ttft for t in done[arm] if t.turn > 0] for arm in ARMS}
     gain = {
