@@ -40,7 +40,7 @@ class Upstreams(Backend):
 
     def __init__(self, settings: Settings, workers: tuple[Upstream, ...] = ()) -> None:
         self.pool = Pool(settings.proxy_config(workers))
-        names = [u.name for u in self.pool.config.upstreams]
+        names = [u.name for u in self.pool.config.upstreams if not u.fallback]
         kept = placements(settings.redis_url, settings.route_conversations, settings.route_ttl_s)
         self.router = Router(names, kept, settings.spill_at, settings.routing)
         self.clock = ProgramClock(settings.agent_config().idle_s)
@@ -128,10 +128,10 @@ class Upstreams(Backend):
         tenant_program = None if call.program is None else f"{call.tenant}/{call.program}"
         affinity = self.affinity(body)
         key = conversation_key(call.tenant, body, call.program, affinity)
-        serving = [u.name for u in self.pool.serving(model)]
-        order = await self.router.order(serving, key, affinity, self.pool.load)
+        serving = self.pool.serving(model)
+        routed = await self.router.order([u.name for u in serving if not u.fallback], key, affinity, self.pool.load)
         opened = await self.pool.open(
-            [self.pool.upstreams[name] for name in order],
+            [self.pool.upstreams[name] for name in routed] + [u for u in serving if u.fallback],
             call.path,
             payload,
             lambda u: headers_for(call.request_id, call.tenant, u.worker, call.program),

@@ -30,6 +30,7 @@ class UpstreamSettings(BaseModel):
     models: list[str] | dict[str, str] = Field(default_factory=lambda: ["*"])
     api_key: str | None = None
     max_in_flight: int = Field(64, ge=1)
+    fallback: bool = False  # true: sent to only when no other upstream serving the model answered
 
 
 class Settings(BaseSettings):
@@ -297,7 +298,8 @@ class Settings(BaseSettings):
         for i, u in enumerate(self.upstreams):
             models = dict(zip(u.models, u.models)) if isinstance(u.models, list) else dict(u.models)
             base_url = u.base_url.rstrip("/").removesuffix("/v1")
-            upstreams.append(Upstream(u.name or f"upstream-{i}", base_url, models, u.api_key, u.max_in_flight))
+            named = u.name or f"upstream-{i}"
+            upstreams.append(Upstream(named, base_url, models, u.api_key, u.max_in_flight, fallback=u.fallback))
         names = [u.name for u in upstreams]
         if len(set(names)) < len(names):
             raise ValueError(f"upstreams: each needs a name of its own, got {names}")

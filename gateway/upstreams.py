@@ -31,7 +31,8 @@ class Upstream:
     models: dict[str, str]  # the name clients use -> the upstream's name for it; "*" passes any name
     api_key: str | None = None  # sent as the bearer token; None: no authorization header
     max_in_flight: int = 64  # beyond this, requests wait at the gateway in program order
-    worker: bool = False  # one of kvgate's own runtime workers: routed by cache affinity
+    worker: bool = False  # one of kvgate's own runtime workers (trusted with documents and kvgate's options)
+    fallback: bool = False  # tried only after the other upstreams serving the model, in the order configured
     secret: str | None = field(default=None, repr=False)  # a worker's: sent with every request to it
 
     def serves(self, model: str) -> bool:

@@ -182,6 +182,24 @@ def test_falls_back_to_the_next_upstream(tmp_path, upstreams):
     assert (requests_seen(a), requests_seen(b)) == (3, 1)
 
 
+def test_conversations_spread_over_replicas_and_a_fallback_only_takes_what_they_cannot(tmp_path, upstreams):
+    a, b = upstreams
+    replicas = front(tmp_path, a, b)
+    with serving(replicas, None) as url:
+        for n in range(4):  # four conversations: two each
+            asked = [{"role": "user", "content": f"Question {n}?"}]
+            client(url).chat.completions.create(model="stub-a", messages=asked)
+    assert (requests_seen(a), requests_seen(b)) == (2, 2)
+    ups = [{**u, "fallback": i == 1} for i, u in enumerate(replicas.model_dump()["upstreams"])]
+    with serving(replicas.model_copy(update={"upstreams": Settings(upstreams=ups).upstreams}), None) as url:
+        for n in range(4):
+            client(url).chat.completions.create(model="stub-a", messages=[{"role": "user", "content": f"Again {n}?"}])
+        assert (requests_seen(a), requests_seen(b)) == (6, 2)  # the fallback got none
+        script(a, *[{"status": 500}] * 3)
+        raw = client(url).chat.completions.with_raw_response.create(model="stub-a", messages=HELLO)
+        assert raw.headers["x-kvgate-upstream"] == "up-1"  # until the others failed
+
+
 def test_an_unreachable_upstream_is_skipped_and_none_reachable_is_a_502(tmp_path, upstreams):
     _, b = upstreams
     dead = f"http://127.0.0.1:{free_port()}"
