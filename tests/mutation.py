@@ -67,7 +67,7 @@ TARGETS: dict[str, list[str]] = {
         "test_metrics.py",
         "abuse/test_proxy_bounds.py",
     ],
-    "gateway/outgoing.py": ["test_proxy.py", "test_workers.py"],
+    "gateway/outgoing.py": ["test_outgoing.py", "test_proxy.py", "test_workers.py"],
 }
 # Module -> the functions (as mutmut mangles them) that keep its promises, for the modules too slow to run whole:
 # tenant scoping of document and prefix KV, the blend's placement and selection, the fidelity a reply reports,

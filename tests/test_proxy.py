@@ -90,24 +90,6 @@ def test_forwards_the_body_as_sent(tmp_path, upstreams):
         assert httpx.get(a + "/_stats").json()["last_raw"] == raw.decode()
 
 
-def test_documents_reach_another_engine_pasted_in_kvgates_one_form(tmp_path, upstreams):
-    """An engine that is not kvgate reads the documents in the prompt, in front of the first user message,
-    always in one form: the same documents in the same order make the same prefix for its prefix cache."""
-    a, _ = upstreams
-    system = {"role": "system", "content": "Be brief."}
-    body = {"model": "stub-a", "messages": [system, {"role": "user", "content": "Where?"}]}
-    with serving(front(tmp_path, a), None) as url:
-        documents = [{"text": "Doc one."}, {"text": "Doc two."}]
-        httpx.post(url + "/v1/chat/completions", json={**body, "documents": documents}).raise_for_status()
-        sent = httpx.get(a + "/_stats").json()["last_body"]
-        pasted = "<document>\nDoc one.\n</document>\n\n<document>\nDoc two.\n</document>\n\nWhere?"
-        assert "documents" not in sent and sent["messages"] == [system, {"role": "user", "content": pasted}]
-        for documents, param in (([{"id": "doc-1"}], "documents.0.id"), ([{"text": 3}], "documents.0")):
-            r = httpx.post(url + "/v1/chat/completions", json={**body, "documents": documents})
-            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-        assert requests_seen(a) == 1  # refused here, never sent
-
-
 def test_an_upstreams_400_for_a_malformed_body_is_passed_on(tmp_path, upstreams):
     """Fuzzing found `"stream": [null]`: the gateway forwards it untouched (as vLLM would, the stub
     refuses it) and passes the refusal on, never a 5xx."""

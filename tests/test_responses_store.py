@@ -1,0 +1,63 @@
+"""gateway/responses_store.py: responses kept per tenant, bounded by last use and expiring, in this process or
+in a real Redis that every front shares (a damaged entry there is a miss)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import redis
+
+from kvgate.gateway.responses_store import MemoryResponses, RedisResponses, ResponseStore, Stored
+
+
+def test_the_store_is_a_bounded_lru_with_a_ttl_per_tenant():
+    now = [0.0]
+    store = MemoryResponses(max_count=2, ttl_s=10.0, clock=lambda: now[0])
+
+    async def expire() -> None:
+        now[0] = 10.5
+
+    asyncio.run(bounded_lru_with_a_ttl_per_tenant(store, expire))
+    assert len(store) == 0 and not store.owners
+
+
+def test_the_redis_store_is_the_same_bounded_lru_shared_by_every_front(redis_url):
+    async def check() -> None:
+        one, two = (RedisResponses(redis_url, max_count=2, ttl_s=1.0) for _ in range(2))
+        await bounded_lru_with_a_ttl_per_tenant(one, lambda: asyncio.sleep(1.2))
+        await one.put("a", Stored({"id": "r5", "output": [{"id": "fc_5"}]}, [{"role": "user", "content": "hi"}], "p"))
+        found = await two.get("a", "r5")  # another front
+        assert found.messages == [{"role": "user", "content": "hi"}] and found.items == ("fc_5",)
+        assert (await two.owner("a", ["fc_5"])).id == "r5"
+        await one.redis.set(one.entry(one.scope("a"), "r5"), b"{not json")  # damaged: a miss, never an answer
+        assert await two.get("a", "r5") is None
+        await one.close()
+        await two.close()
+
+    asyncio.run(check())
+    with redis.Redis.from_url(redis_url) as raw:
+        assert raw.zcard("kvgate:resp:used") <= 2  # the order of use is bounded as the entries are
+
+
+async def bounded_lru_with_a_ttl_per_tenant(store: ResponseStore, expire: Callable[[], Awaitable[None]]) -> None:
+    """What every store keeps; `expire()` lets every response kept so far outlive the store's TTL."""
+
+    async def put(tenant: str, response_id: str, *items: str) -> None:
+        output = [{"id": i} for i in items]
+        await store.put(tenant, Stored({"id": response_id, "output": output}, [], f"p-{response_id}"))
+
+    await put("a", "r1", "fc_1")
+    await put("b", "r1")
+    assert (await store.get("a", "r1")).program == "p-r1" and await store.get("b", "r1") is not None  # two tenants
+    assert (await store.owner("a", ["msg_x", "fc_1"])).id == "r1" and await store.owner("b", ["fc_1"]) is None
+    await put("a", "r2")  # over the count: b's r1, used least recently, goes
+    assert await store.get("b", "r1") is None and await store.get("a", "r1") is not None
+    await put("a", "r3")  # r2 goes: r1 was used since
+    assert await store.get("a", "r2") is None and (await store.owner("a", ["fc_1"])).id == "r1"
+    await expire()
+    await put("a", "r4")  # the expired go, r4 stays
+    assert await store.get("a", "r1") is None and await store.owner("a", ["fc_1"]) is None
+    assert await store.get("a", "r4") is not None
+    assert await store.delete("a", "r4") and not await store.delete("a", "r4")
+    assert await store.get("a", "r4") is None
