@@ -66,9 +66,17 @@ def conversation_key(tenant: str, body: dict[str, Any], program: str | None, aff
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             return None
         first = next((i for i, m in enumerate(messages) if m.get("role") == "user"), len(messages) - 1)
-        head = [body.get("tools"), list(affinity), [canonical(m) for m in messages[: first + 1]]]
+        head = [body.get("tools"), list(affinity), [said(m) for m in messages[: first + 1]]]
     named = json.dumps(["kvgate.route.v1", tenant, head], sort_keys=True, default=str)
     return hashlib.sha256(named.encode()).hexdigest()[:32]
+
+
+def said(message: dict[str, Any]) -> str:
+    """A message as the model reads it (call ids aside); one a proxy forwards unread may be any JSON."""
+    try:
+        return canonical(message)
+    except (TypeError, ValueError, AttributeError):
+        return json.dumps(message, sort_keys=True, default=str)
 
 
 class Router:

@@ -67,6 +67,8 @@ def test_every_turn_of_a_conversation_has_its_first_turns_key():
     ]
     assert first not in others and len(set(others)) == len(others)
     assert conversation_key("t", {"prompt": "Book Rome."}, None, []) is None
+    odd = {"messages": [{"role": "assistant", "tool_calls": 5.0, "content": [1, {}]}, {"role": "user"}]}
+    assert conversation_key("t", odd, None, [])  # found by fuzzing: a proxy forwards bodies it did not read
 
 
 def route(router: Router, key: str | None, load: dict[str, int], affinity: tuple[str, ...] = ()) -> str:
