@@ -66,7 +66,7 @@ class MemoryPlacements:
         return len(self.entries)
 
     async def close(self) -> None:
-        pass
+        """Nothing to release: the placements live in this process."""
 
 
 class RedisPlacements:

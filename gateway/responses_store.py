@@ -106,7 +106,7 @@ class MemoryResponses:
         return len(self.entries)
 
     async def close(self) -> None:
-        pass
+        """Nothing to release: the responses live in this process."""
 
 
 class RedisResponses:
