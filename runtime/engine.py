@@ -30,6 +30,7 @@ from kvgate.runtime.scheduler import Scheduler
 from kvgate.runtime.sequence import Output, Plan, Result, Sequence
 from kvgate.runtime.shadow import Shadow
 from kvgate.runtime.shared import Spans
+from kvgate.runtime.timing import StepTimes
 
 log = logging.getLogger("kvgate.engine")
 
@@ -63,6 +64,7 @@ class Engine:
         self.calibration = load_calibration(calibration_path(config.cache_dir, self.model_fp))
         self.reuser = self.make_reuser(self.calibration)
         self.grammars = Grammars(self.tokenizer, self.loaded.eos_token_ids)
+        self.times = StepTimes()
         self.spans = Spans(self.reuser, cost=self.prefill_s)  # the gateway lends it its anchor pool (agents.AnchorPool)
         self.gate = Gate(config.quality, {"blend": self.reuser.blend.ratio, "kvcomm": config.kvcomm_ratio})
         self.shadow = Shadow(self.gate, self.reuser, self.spans)
@@ -70,7 +72,6 @@ class Engine:
         budget = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.scheduler = Scheduler(config.max_num_seqs, budget, config.queue_order)
         self.pool = Pool()  # finished sequences' KV storage, for new ones (used only on the engine thread)
-        self.prefill_s_per_token: float | None = None  # measured: a moving average over prefill steps
         self.callbacks: dict[int, Callback] = {}
         self.inbox: list[tuple[Sequence | int | Future, Callback | None]] = []
         self.lock = threading.Lock()
@@ -203,8 +204,8 @@ class Engine:
         return {"waiting": len(scheduler.waiting) + len(scheduler.held), "running": len(scheduler.running)}
 
     def prefill_s(self, tokens: int) -> float:
-        """Seconds to prefill `tokens`, as measured so far (before any measurement: a CPU's rate)."""
-        return tokens * (self.prefill_s_per_token or 1 / 300)
+        """Seconds to prefill `tokens`, as measured so far."""
+        return self.times.prefill_s(tokens)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -263,15 +264,21 @@ class Engine:
                 batch.append((seq, run))
         if not batch:
             return
+        rider = self.shadow.ride()  # a quality check's rows, computed in this step on the checks' budget
+        runs = [run for _, run in batch] + ([rider] if rider else [])
         start = time.perf_counter()
         try:
-            logits = forward(self.model, [run for _, run in batch])
+            logits = forward(self.model, runs)
         except Exception as exc:  # a failed step ends its requests, never the engine
             for seq, _ in batch:
                 self.fail(seq, exc)
+            if rider:
+                self.shadow.abandon()
             return
         self.steps += 1
-        self.measure(time.perf_counter() - start, batch)
+        self.times.measured(sum(len(run.token_ids) for run in runs), time.perf_counter() - start)
+        if rider:
+            self.shadow.rode(logits[-1], self.times.added_s(len(rider.token_ids)))
         allowed = self.allowed([seq for seq, run in batch if run.kv is seq.kv and not seq.prefilling], logits.shape[-1])
         for (seq, run), row in zip(batch, logits):
             if run.kv is not seq.kv:  # a chunk of a document the prompt lacks
@@ -329,13 +336,6 @@ class Engine:
         out = seq.take_output()
         if out is not None:
             self.deliver(seq, callback, out)
-
-    def measure(self, seconds: float, batch: list[tuple[Sequence, Run]]) -> None:
-        tokens = sum(len(run.token_ids) for _, run in batch)
-        if tokens >= 64:  # mostly prefill: decode steps would skew the per-token rate
-            rate = seconds / tokens
-            old = self.prefill_s_per_token
-            self.prefill_s_per_token = rate if old is None else 0.8 * old + 0.2 * rate
 
     def allowed(self, seqs: list[Sequence], width: int) -> dict[int, torch.Tensor]:
         """The tokens each constrained sequence may take next, its masks filled in parallel."""

@@ -1,5 +1,6 @@
 """runtime/shadow.py: checks run on idle capacity and on a share of a busy engine's time; a check's
-full prefill starts from the previous one's KV where the prompts begin alike."""
+full prefill starts from the previous one's KV where the prompts begin alike, and on a busy engine
+its rows ride in the engine's own steps."""
 
 from __future__ import annotations
 
@@ -83,6 +84,7 @@ def test_a_busy_engine_checks_on_its_share_of_the_time_and_with_none_only_once_i
         if share:
             wait_until(lambda: checks(engine) == before + 1, 30, "a check while the engine decodes the long answer")
             assert not ended.is_set()
+            assert engine.shadow.rides >= 1  # its full prefill's rows computed in the engine's decode steps
         else:
             time.sleep(3)
             assert checks(engine) == before and engine.shadow.busy and not ended.is_set()
@@ -101,14 +103,18 @@ def test_the_budget_is_the_share_of_busy_time_and_never_piles_up(engine: Engine)
     assert shadow.budget_s == MAX_BUDGET_S
 
 
-def run(check: Generator[float, None, torch.Tensor]) -> tuple[float, torch.Tensor]:
-    """Drive a check's parts to the end: the tokens it computed, and its result."""
-    tokens = 0.0
+def run(check: Generator[float | Run, torch.Tensor | None, object], model) -> tuple[float, object]:
+    """Drive a check's parts to the end, computing the rows it asks for: the tokens computed, and its result."""
+    tokens, computed = 0.0, None
     while True:
         try:
-            tokens += next(check)
+            part = check.send(computed)
         except StopIteration as stop:
             return tokens, stop.value
+        if isinstance(part, Run):
+            tokens, computed = tokens + len(part.token_ids), forward(model, [part])[0]
+        else:
+            tokens, computed = tokens + part, None
 
 
 def test_a_check_starts_from_the_previous_checks_kv_where_the_prompts_agree(engine: Engine, chat_ids) -> None:
@@ -117,12 +123,12 @@ def test_a_check_starts_from_the_previous_checks_kv_where_the_prompts_agree(engi
     second = first[:-6] + chat_ids(QUESTIONS[3])[-9:]  # the same head, another ending
     shared = common(first, second)
     assert len(first) - 6 <= shared < len(second)
-    assert run(shadow.full(first))[0] == len(first)
-    computed, (_, logits) = run(shadow.full(second))
+    assert run(shadow.full(first), engine.model)[0] == len(first)
+    computed, (_, logits) = run(shadow.full(second), engine.model)
     assert computed == len(second) - shared  # only what the second prompt does not share with the first
     whole = forward(engine.model, [Run(new_kv(engine.loaded), second, 0)])[0]
     assert torch.allclose(logits, whole, atol=1e-4)
-    assert run(shadow.full(second))[0] == 1  # the very same prompt: its last token, for the logits
+    assert run(shadow.full(second), engine.model)[0] == 1  # the very same prompt: its last token, for the logits
 
 
 def greedy(engine: Engine, ids: list[int], plan=None, tokens: int = 8) -> list[int]:
@@ -162,9 +168,9 @@ def test_an_answer_is_compared_token_by_token_up_to_where_the_choices_part(engin
     ids = chat_ids(QUESTIONS[4])
     truth = greedy(engine, ids, Plan([ids], [False], Reuse("full")))
     for greedy_choices, share in ((truth, 1.0), (truth[:5] + [0] * 3, 5 / 8)):
-        kv, logits = run(shadow.full(ids))[1]
+        kv, logits = run(shadow.full(ids), engine.model)[1]
         job = Job(0, ids, Plan([ids], [False]), "blend", 0.15, logits, truth, greedy_choices)
-        assert run(shadow.answer(kv, int(logits.argmax()), job)) == (7.0, share)
+        assert run(shadow.answer(kv, int(logits.argmax()), job), engine.model) == (7.0, share)
 
 
 def test_a_check_compares_the_answer_once_it_is_written_or_its_sequence_ended(engine: Engine, chat_ids) -> None:
@@ -176,15 +182,17 @@ def test_a_check_compares_the_answer_once_it_is_written_or_its_sequence_ended(en
         logits = forward(engine.model, [Run(new_kv(engine.loaded), ids, 0)])[0]
         job = Job(0, ids, Plan([ids], [False]), "blend", 0.15, logits, truth[:1], truth[:1])
         check = shadow.check(job)
-        while next(check) != 0.0:  # full prefill's parts, then it waits for the answer
-            pass
+        computed = None
+        while isinstance(part := check.send(computed), Run):  # full prefill's parts, then it waits for the answer
+            computed = forward(engine.model, [part])[0]
+        assert part == 0.0
         assert next(check) == 0.0  # still waiting: one token written
         job.answer += truth[1:written]
         job.greedy += truth[1:written]
         if written < ANSWER:
             assert next(check) == 0.0
             job.over = True  # the sequence ended with what it wrote
-        run(check)
+        run(check, engine.model)
         assert gate.ladders["blend"].answers[-1] == 1.0 and len(job.greedy) == written
 
 
@@ -198,6 +206,6 @@ def test_a_check_of_withheld_reuse_that_would_reuse_nothing_records_nothing(engi
     plan = Plan([ids[:4], ids[4:]], [False, False], Reuse("kvcomm"), spans=[False, True], agent="agent-unread")
     logits = forward(engine.model, [Run(new_kv(engine.loaded), ids, 0)])[0]
     assert gate.due(key)
-    run(shadow.check(Job(0, ids, plan, key, FULL, logits, [], [], over=True)))
+    run(shadow.check(Job(0, ids, plan, key, FULL, logits, [], [], over=True)), engine.model)
     assert gate.ladder(key).totals.checks == 0 and not shadow.followed
     assert gate.ladder(key).asked == 0  # asked again: the shape earns its reuse from checks that compared
