@@ -136,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
             for engine in engines.values():
                 warm(engine, items, args.tokens)
             checked = engines["checked"]
+            shadow = checked.shadow
             before = (checked.gate.due_count, blend_stats(checked)["checks"], checked.gate.dropped)
+            paid = (shadow.spent_s, shadow.rides)
             served = {name: Served() for name in engines}
             for _ in range(args.rounds):
                 for name, engine in engines.items():
@@ -147,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             due = checked.gate.due_count - before[0]
             done = blend_stats(checked)["checks"] - before[1]
             dropped = checked.gate.dropped - before[2]
+            spent, rides = shadow.spent_s - paid[0], shadow.rides - paid[1]
             ratio_sound, answer_sound = blend_stats(checked)["ratio"], blend_stats(checked)["answer"]
             perturb(checked, items)
             at, marks = blend_stats(checked)["checks"], {}
@@ -175,13 +178,19 @@ def main(argv: list[str] | None = None) -> int:
             "",
         ],
         [
-            "... checked (a check's part runs between two steps)",
+            "... checked (a check's rows ride in a step, or a part runs between two)",
             " / ".join(f"{x * 1000:.0f} ms" for x in spread(served["checked"].gaps)),
             "",
         ],
         ["checks due (shadow_rate of requests)", str(due), ""],
         ["checks completed", f"{done:.0f} ({done / due:.0%} of due)" if due else "0", ">= 80%"],
         ["checks dropped (max_pending waiting)", str(dropped), ""],
+        [
+            "busy time paid for checks (share of the checked engine's turns; per completed check)",
+            f"{spent:.1f} s ({spent / served['checked'].seconds:.1%}; {spent / done if done else 0:.2f} s)",
+            "",
+        ],
+        ["check parts ridden in the engine's steps (64 rows each)", str(rides), ""],
         ["ratio served, sound store", f"{ratio_sound:.0%}", ""],
         ["checks' answer agreement, sound store (leading tokens equal, a share)", f"{answer_sound:.2f}", ""],
         ["perturbed store under load: checks until the first raise", f"{marks.get('raised', 'none')}", ""],
