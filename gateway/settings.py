@@ -142,6 +142,8 @@ class Settings(BaseSettings):
     proxy_first_byte_timeout_s: float = Field(60.0, gt=0.0)
     proxy_read_timeout_s: float = Field(300.0, gt=0.0)
     spill_at: int = Field(4, ge=1)  # requests in flight at the preferred replica from which one spills over
+    # How often each replica's /metrics is read for the load every front puts on it (0: this front's own count).
+    replica_load_poll_s: float = Field(1.0, ge=0.0)
     # How a request picks among the replicas serving its model: where its KV likely is (gateway/routing.py),
     # or each in turn (what a plain load balancer does; the baseline `kvgate bench fleet` measures against).
     routing: Literal["cache", "round_robin"] = "cache"

@@ -279,6 +279,9 @@ class Pool:
         found = await asyncio.gather(*(one(u) for u in upstreams))
         return {u.name: text for u, text in zip(upstreams, found) if text is not None}
 
+    async def scrape_named(self, names: Sequence[str], timeout_s: float) -> dict[str, str]:
+        return await self.scrape([self.upstreams[n] for n in names], timeout_s)
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()

@@ -1,14 +1,17 @@
 """kvgate in front of a fleet: two kvgate runtimes configured as plain upstreams (the path vLLM and SGLang
 replicas take) behind two fronts on one real Redis. Every turn of a conversation lands on the replica
 holding its KV, whichever front it reaches; conversations spread over the replicas; a conversation whose
-replica stops moves to another and stays there; a response continues through either front."""
+replica stops moves to another and stays there, and one whose replica is busy with requests from
+elsewhere (as its /metrics says) spills; a response continues through either front."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from threading import Thread
 
 import httpx
 import openai
@@ -18,6 +21,7 @@ from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel
 from tests.servers import serving
+from tests.waiting import wait_until
 
 # A system prompt long enough that prefix blocks (64 tokens) hold most of a first turn's prompt.
 SYSTEM = "You are the booking assistant of a travel agency. " + " ".join(
@@ -40,9 +44,9 @@ def replicas(loaded: LoadedModel, where: Path, count: int = 2) -> Iterator[list[
         yield urls
 
 
-def fronted(urls: list[str], model: str, redis_url: str, where: Path) -> Settings:
+def fronted(urls: list[str], model: str, redis_url: str, where: Path, **more) -> Settings:
     upstreams = [{"name": f"replica-{i}", "base_url": url + "/v1", "models": [model]} for i, url in enumerate(urls)]
-    return Settings(upstreams=upstreams, redis_url=redis_url, semantic_cache=False, cache_dir=where)
+    return Settings(upstreams=upstreams, redis_url=redis_url, semantic_cache=False, cache_dir=where, **more)
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +107,42 @@ def test_a_conversation_whose_replica_stops_moves_and_stays(loaded, model_name, 
             assert chat(front, model_name, history).headers["x-kvgate-upstream"] == "replica-1"
             history += [{"role": "assistant", "content": "Done."}, {"role": "user", "content": "Thanks."}]
             assert chat(front, model_name, history).headers["x-kvgate-upstream"] == "replica-1"
+
+
+def drain(response: httpx.Response) -> None:
+    try:
+        for _ in response.iter_bytes():
+            pass
+    except (httpx.HTTPError, RuntimeError):  # closed by the test
+        pass
+
+
+def running(replica: str) -> float:
+    text = httpx.get(replica + "/metrics", timeout=10).text
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith("kvgate_requests_running ")))
+
+
+def test_a_replica_busy_with_another_fronts_requests_spills_a_conversation(loaded, model_name, redis_url, tmp_path):
+    """This front sent the busy replica nothing but turn 1; the load is another client's, sent to the replica
+    directly: only the replica's own metrics tell the front."""
+    asked = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Book a trip to Turku."}]
+    with replicas(loaded, tmp_path / "r") as urls:
+        settings = fronted(urls, model_name, redis_url, tmp_path / "front", spill_at=2, replica_load_poll_s=0.2)
+        with serving(settings, None) as front, httpx.Client(timeout=120) as direct:
+            first = chat(front, model_name, asked)
+            home = first.headers["x-kvgate-upstream"]
+            busy = urls[int(home[-1])]
+            body = {"model": model_name, "messages": asked, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            streams = [direct.stream("POST", busy + "/v1/chat/completions", json=body) for _ in range(2)]
+            opened = [s.__enter__() for s in streams]
+            for reader in opened:
+                Thread(target=drain, args=(reader,), daemon=True).start()
+            try:
+                wait_until(lambda: running(busy) >= 2, 60, "the other client's requests running on the replica")
+                time.sleep(1.0)  # five of the front's polls
+                history = [*asked, {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]}]
+                history.append({"role": "user", "content": "And back?"})
+                assert chat(front, model_name, history).headers["x-kvgate-upstream"] != home
+            finally:
+                for stream in streams:
+                    stream.__exit__(None, None, None)

@@ -1,4 +1,4 @@
-"""Proxy mode, what the relay reads of an answer: an SSE event by its data whatever other fields come with it
+"""gateway/relay.py: what the relay reads of an answer: an SSE event by its data whatever other fields come with it
 (an event without data passes on only its comments), a whole answer's text and usage, an upstream that fails
 after its first bytes (the client is told, in the OpenAI format), and what the semantic cache keeps of it all.
 The upstream is tests/raw_upstream.py's, scripted byte for byte."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from kvgate.gateway.proxy import Events, Relay, event_data
+from kvgate.gateway.relay import Events, Relay, event_data
 from tests.raw_upstream import (
     HELLO,
     PIECES,

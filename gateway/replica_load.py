@@ -1,0 +1,126 @@
+"""What each replica says of its own load, read from its `/metrics`: requests running and waiting, and
+how full its KV cache is (vLLM's, SGLang's and kvgate's names). A front counts only the requests it
+sent; the replica's own figures count every front's, so two fronts over one fleet see one load.
+
+A front polls every replica each `every_s` while it serves, where it has two or more to choose from. A
+replica that does not answer, or whose text names none of these gauges (a hosted API), reports
+nothing: the front's own count stands alone, and it is asked again only after `QUIET_S`. A report
+older than `STALE_POLLS` polls is not believed either."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger("kvgate.proxy")
+
+# Each engine's gauge for the same figure (vLLM's KV usage has had two names).
+RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs", "kvgate_requests_running")
+WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "kvgate_requests_waiting")
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+STALE_POLLS = 3  # a report this many polls old is no longer believed
+QUIET_S = 60.0  # a replica that reported nothing is asked again after this long
+KV_FULL = 0.95  # a replica whose KV is this full evicts what a conversation left there: it counts as busy
+
+
+@dataclass(frozen=True)
+class Report:
+    running: float
+    waiting: float
+    kv_usage: float | None  # 0..1; None: not exported (kvgate's KV lives in host memory and grows)
+    at: float  # time.monotonic() when read
+
+    @property
+    def requests(self) -> int:
+        return math.ceil(self.running + self.waiting)
+
+
+def parse(text: str, now: float) -> Report | None:
+    """The figures a `/metrics` text gives, summed over its label sets (a server may run several
+    engines); the KV usage the fullest of them. None: it names neither running nor waiting requests."""
+    sums: dict[str, float] = {}
+    fullest: float | None = None
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                value = float(sample.value)
+                if not math.isfinite(value) or value < 0:
+                    continue
+                if sample.name in RUNNING or sample.name in WAITING:
+                    sums[sample.name] = sums.get(sample.name, 0.0) + value
+                elif sample.name in KV_USAGE:
+                    fullest = max(fullest or 0.0, min(value, 1.0))
+    except (ValueError, TypeError, IndexError):  # not Prometheus text: no report
+        return None
+    if not any(name in sums for name in (*RUNNING, *WAITING)):
+        return None
+    return Report(sum(sums.get(n, 0.0) for n in RUNNING), sum(sums.get(n, 0.0) for n in WAITING), fullest, now)
+
+
+class ReplicaLoads:
+    """The latest report of each replica, refreshed by a poll every `every_s` (0: never polled)."""
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        scrape: Callable[[Sequence[str], float], Awaitable[dict[str, str]]],
+        every_s: float,
+        spill_at: int,
+    ) -> None:
+        self.names, self.scrape, self.every_s, self.spill_at = list(names), scrape, every_s, spill_at
+        self.reports: dict[str, Report] = {}
+        self.quiet: dict[str, float] = {}  # replicas that reported nothing: when to ask them again
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Poll from now on (on the running event loop), unless polling already or turned off."""
+        if self.task is None and self.every_s > 0 and len(self.names) > 1:
+            self.task = asyncio.get_running_loop().create_task(self.poll())
+
+    async def poll(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception:  # a poll that fails leaves the reports to go stale; routing goes on
+                log.exception("reading the replicas' load failed")
+            await asyncio.sleep(self.every_s)
+
+    async def refresh(self) -> None:
+        asked = [n for n in self.names if self.quiet.get(n, 0.0) <= time.monotonic()]
+        texts = await self.scrape(asked, min(self.every_s, 2.0))
+        now = time.monotonic()
+        for name in asked:
+            if (report := parse(texts.get(name, ""), now)) is not None:
+                self.reports[name] = report
+                self.quiet.pop(name, None)
+            else:
+                self.quiet[name] = now + QUIET_S
+
+    def reported(self, name: str) -> Report | None:
+        report = self.reports.get(name)
+        if report is None or time.monotonic() - report.at > STALE_POLLS * max(self.every_s, 1.0):
+            return None
+        return report
+
+    def load(self, name: str, own: int) -> int:
+        """A replica's load: the requests this front has there (`own`), or as many as the replica says
+        it runs and queues for every front if more; as busy as `spill_at` when its KV is nearly full."""
+        report = self.reported(name)
+        if report is None:
+            return own
+        full = self.spill_at if report.kv_usage is not None and report.kv_usage >= KV_FULL else 0
+        return max(own, report.requests, full)
+
+    async def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+            self.task = None

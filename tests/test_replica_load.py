@@ -1,0 +1,131 @@
+"""gateway/replica_load.py: a replica's own load, read from its /metrics in vLLM's, SGLang's or kvgate's
+names (the texts below are in each engine's exposition format, as their servers write it); what a
+front believes of it, and for how long. Routing on it, with real replicas: tests/test_fleet.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from kvgate.gateway.replica_load import QUIET_S, STALE_POLLS, ReplicaLoads, Report, parse
+
+VLLM = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="m"} 1234.0
+"""
+SGLANG = """\
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="m"} 2.0
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="m"} 0.0
+# HELP sglang:token_usage The token usage.
+# TYPE sglang:token_usage gauge
+sglang:token_usage{model_name="m"} 0.97
+"""
+KVGATE = """\
+# HELP kvgate_requests_waiting sequences waiting for the engine
+# TYPE kvgate_requests_waiting gauge
+kvgate_requests_waiting 1.0
+# HELP kvgate_requests_running sequences the engine is running
+# TYPE kvgate_requests_running gauge
+kvgate_requests_running 4.0
+"""
+
+
+def test_each_engines_names_are_read_and_summed_over_its_engines() -> None:
+    assert parse(VLLM, 7.0) == Report(running=4.0, waiting=2.0, kv_usage=0.5, at=7.0)
+    assert parse(SGLANG, 7.0) == Report(running=2.0, waiting=0.0, kv_usage=0.97, at=7.0)
+    assert parse(KVGATE, 7.0) == Report(running=4.0, waiting=1.0, kv_usage=None, at=7.0)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",  # a server without metrics
+        "<html>not found</html>",  # a 200 that is no Prometheus text
+        "# TYPE other_gauge gauge\nother_gauge 3\n",  # metrics, none of a load
+        'vllm:num_requests_running{model_name="m"} NaN\n',  # nothing believable
+    ],
+)
+def test_a_text_naming_no_load_is_no_report(text: str) -> None:
+    assert parse(text, 0.0) is None
+
+
+def loads(texts: dict[str, str], every_s: float = 1.0) -> ReplicaLoads:
+    async def scrape(names, timeout_s):
+        return {n: texts[n] for n in names if n in texts}
+
+    return ReplicaLoads(["a", "b", "c"], scrape, every_s, spill_at=4)
+
+
+def test_a_replica_is_as_loaded_as_every_front_makes_it_and_as_busy_as_spill_at_when_its_kv_is_full() -> None:
+    found = loads({"a": VLLM, "b": SGLANG})
+    asyncio.run(found.refresh())
+    assert found.load("a", own=1) == 6  # 4 running and 2 waiting, from every front
+    assert found.load("a", own=9) == 9  # this front's own are fresher: never fewer than those
+    assert found.load("b", own=0) == 4  # 2 running, but its KV 97% full: as busy as spill_at
+    assert found.load("c", own=2) == 2  # no report (no answer): this front's count
+
+
+def test_a_replica_that_reports_nothing_is_asked_again_only_after_a_while() -> None:
+    asked: list[list[str]] = []
+
+    async def scrape(names, timeout_s):
+        asked.append(list(names))
+        return {"a": VLLM, "b": "<html>a hosted API's 404</html>"}
+
+    found = ReplicaLoads(["a", "b", "c"], scrape, 1.0, spill_at=4)
+    asyncio.run(found.refresh())
+    asyncio.run(found.refresh())
+    assert asked == [["a", "b", "c"], ["a"]]
+    found.quiet = {name: at - QUIET_S for name, at in found.quiet.items()}  # the while has passed
+    asyncio.run(found.refresh())
+    assert asked[-1] == ["a", "b", "c"]
+
+
+def test_a_report_goes_stale_after_a_few_polls() -> None:
+    found = loads({"a": VLLM})
+    asyncio.run(found.refresh())
+    report = found.reports["a"]
+    found.reports["a"] = Report(report.running, report.waiting, report.kv_usage, time.monotonic() - STALE_POLLS - 0.1)
+    assert found.load("a", own=1) == 1
+
+
+def test_polling_runs_while_the_front_serves_and_stops_when_it_closes() -> None:
+    calls = []
+
+    async def scrape(names, timeout_s):
+        calls.append(timeout_s)
+        return {"a": KVGATE}
+
+    async def serve() -> None:
+        found = ReplicaLoads(["a", "b"], scrape, 0.05, spill_at=4)
+        found.start()
+        found.start()  # one poller, however often a request starts it
+        await asyncio.sleep(0.3)
+        assert 3 <= len(calls) <= 8 and found.load("a", own=0) == 5
+        await found.close()
+        polled = len(calls)
+        await asyncio.sleep(0.2)
+        assert len(calls) == polled
+        for off in (ReplicaLoads(["a", "b"], scrape, 0.0, spill_at=4), ReplicaLoads(["a"], scrape, 1.0, spill_at=4)):
+            off.start()  # turned off; or one replica: nothing to choose between
+            assert off.task is None
+
+    asyncio.run(serve())
