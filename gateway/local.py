@@ -13,7 +13,7 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
-from kvgate.agents import AnchorPool, Conversations, Expirer, Programs, Turn
+from kvgate.agents import AnchorPool, Expirer, Programs, Turn
 from kvgate.gateway.admission import Admission
 from kvgate.gateway.backend import Backend, Call, Reply
 from kvgate.gateway.choices import (
@@ -32,6 +32,7 @@ from kvgate.gateway.choices import (
     sampling_params,
     token_ids,
 )
+from kvgate.gateway.conversation_index import conversation_index
 from kvgate.gateway.embeddings import Embeddings
 from kvgate.gateway.errors import APIError, bad_request
 from kvgate.gateway.metrics import counter, fidelity_metrics, gauge, tier_metrics
@@ -67,7 +68,7 @@ class Local(Backend):
         self.expirer = Expirer(self.programs)
         if config.in_flight > 0:  # new programs wait at the engine's door for room (agents/flight.py)
             engine.scheduler.gate = self.programs.flight
-        self.conversations = Conversations(config.conversations)
+        self.conversations = conversation_index(settings.redis_url, config.conversations, settings.route_ttl_s)
         self.anchors = AnchorPool(config.anchors) if config.kvcomm else None
         engine.spans.offsets = self.anchors
         self.planner = Planner(engine.reuser, config.kvcomm)
@@ -149,7 +150,7 @@ class Local(Backend):
             raise bad_request(str(exc), "messages", "invalid_messages") from exc
         except DocumentNotFound as exc:
             raise APIError(404, str(exc), f"documents.{exc.index}.id", "document_not_found") from exc
-        program = call.program or self.continued(call.tenant, given, messages)
+        program = call.program or await self.continued(call.tenant, given, messages)
         turn = None
         if program is not None:
             turn = self.programs.begin(program, call.tenant, messages, len(prompt))
@@ -226,12 +227,14 @@ class Local(Backend):
                 choices.append(Choice(index, ids, params, plan, keep, tenant))
         return choices
 
-    def continued(self, tenant: str, tools: list[dict[str, Any]] | None, messages: list[dict[str, Any]]) -> str | None:
+    async def continued(
+        self, tenant: str, tools: list[dict[str, Any]] | None, messages: list[dict[str, Any]]
+    ) -> str | None:
         """A program for a request that named none: the one whose answered turn its messages resend,
         else a new one when a later request may resend this one's (it has tools, or a history)."""
         if not self.agent_config.implicit_programs:
             return None
-        found = self.conversations.find(tenant, tools, messages)
+        found = await self.conversations.find(tenant, tools, messages)
         if found is None and (tools or any(m["role"] == "assistant" for m in messages)):
             found = "conv-" + uuid.uuid4().hex
         return found
@@ -255,7 +258,7 @@ class Local(Backend):
             more = answer is None or bool(answer.get("tool_calls"))  # a failed turn may be retried
             await asyncio.to_thread(self.programs.end, tenant, turn, more)
             if answer is not None and turn.keep:
-                self.conversations.remember(tenant, tools, messages, answer, turn.program)
+                await self.conversations.remember(tenant, tools, messages, answer, turn.program)
 
         return end
 
@@ -376,5 +379,6 @@ class Local(Backend):
 
     async def close(self) -> None:
         self.expirer.close()
+        await self.conversations.close()
         if self.engine.scheduler.gate is self.programs.flight:
             self.engine.scheduler.gate = None

@@ -14,17 +14,29 @@ serves nothing but the same question (the cache's own check, before any of this)
 
 Per entry (vCache's idea, kept small): a wrong verdict at score s means the entry serves no question
 scoring s or less again; `min_right` right verdicts below the category's threshold with none wrong
-lower the entry's own threshold to the lowest of them."""
+lower the entry's own threshold to the lowest of them.
+
+Processes on one shared store (Redis) pool the category evidence: each adds what it saw to the store's
+and reads every process's back, at most every `SYNC_S` (`shared`, passed in). An entry's own verdicts
+stay with the process that saw them."""
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from kvgate.semantic_cache.store import Evidence
+
 NEVER = 1.01  # a threshold no score reaches
+SYNC_S = 1.0  # how often a shared bound adds its evidence to every process's and reads theirs
+KINDS = ("asked", "right", "wrong")
+log = logging.getLogger("kvgate.semantic")
 
 
 @dataclass(frozen=True)
@@ -63,11 +75,19 @@ class Own:
 
 
 class Bound:
-    def __init__(self, deltas: dict[str, float], config: BoundConfig = BoundConfig()) -> None:
+    def __init__(
+        self,
+        deltas: dict[str, float],
+        config: BoundConfig = BoundConfig(),
+        shared: Callable[[Evidence], Evidence | None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if any(not 0.0 <= d < 1.0 for d in deltas.values()):
             raise ValueError("max_error_rate: each within [0, 1)")
-        self.deltas, self.config = dict(deltas), config
+        self.deltas, self.config, self.shared, self.clock = dict(deltas), config, shared, clock
         self.tallies = {name: Tally(config.bins) for name in deltas}
+        self.pending = {name: Tally(config.bins) for name in deltas}  # seen here since the last sync
+        self.synced, self.failing = -SYNC_S, False
         self.own: OrderedDict[str, Own] = OrderedDict()
         self.verdicts = {"right": 0, "wrong": 0}
         self.lock = threading.Lock()
@@ -80,15 +100,15 @@ class Bound:
     def asked(self, category: str, score: float) -> None:
         """A question whose best candidate scored `score` (what serving at a threshold would serve)."""
         with self.lock:
-            tally = self.tallies[category]
-            tally.asked[self.bin(score)] += 1
-            tally.threshold = None
+            for tally in (self.tallies[category], self.pending[category]):
+                tally.asked[self.bin(score)] += 1
+            self.tallies[category].threshold = None
 
     def learn(self, category: str, entry_id: str, score: float, right: bool) -> None:
         with self.lock:
-            tally = self.tallies[category]
-            (tally.right if right else tally.wrong)[self.bin(score)] += 1
-            tally.threshold = None
+            for tally in (self.tallies[category], self.pending[category]):
+                (tally.right if right else tally.wrong)[self.bin(score)] += 1
+            self.tallies[category].threshold = None
             self.verdicts["right" if right else "wrong"] += 1
             own = self.own.pop(entry_id, None) or Own()
             if right:
@@ -107,10 +127,32 @@ class Bound:
     def threshold(self, category: str) -> float:
         """The lowest score the category may serve at: its error's upper bound stays under delta."""
         with self.lock:
+            self.sync()
             tally = self.tallies[category]
             if tally.threshold is None:
                 tally.threshold = self._threshold(tally, self.deltas[category])
             return tally.threshold
+
+    def sync(self) -> None:
+        """Add this process's evidence to the store's and take every process's (at most every SYNC_S)."""
+        if self.shared is None or self.clock() - self.synced < SYNC_S:
+            return
+        self.synced = self.clock()
+        added = {name: {kind: getattr(t, kind).tolist() for kind in KINDS} for name, t in self.pending.items()}
+        try:
+            totals = self.shared(added)
+        except Exception as exc:  # kept here until the store answers: this process's evidence is not lost
+            if not self.failing:
+                self.failing = True
+                log.warning("semantic cache: the bound's shared evidence is out of reach (%s)", type(exc).__name__)
+            return
+        self.failing = False
+        for name, kinds in (totals or {}).items():
+            if name in self.tallies:
+                tally = self.tallies[name]
+                tally.asked, tally.right, tally.wrong = (np.array(kinds[kind], dtype=float) for kind in KINDS)
+                tally.threshold = None
+                self.pending[name] = Tally(self.config.bins)
 
     def _threshold(self, tally: Tally, delta: float) -> float:
         if delta <= 0:

@@ -84,7 +84,7 @@ class SemanticCache:
         self.index = Index(dim, config.hnsw_m, config.hnsw_ef, config.scopes, config.flat_max)
         self.verifier = Verifier.load(config.verifier) if config.verifier else None
         bounded = {c.name: c.max_error_rate for c in config.categories if c.max_error_rate is not None}
-        self.bound = Bound(bounded, config.bound)
+        self.bound = Bound(bounded, config.bound, shared=store.evidence)  # pooled by processes on one Redis
         self.served: OrderedDict[str, Served] = OrderedDict()  # by the id of the completion that served it
         self.chance = random.Random()
         self.lock = threading.Lock()  # around following the change log, and reading a scope in

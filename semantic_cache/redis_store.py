@@ -12,7 +12,7 @@ import redis
 from redis.cluster import RedisCluster
 
 from kvgate.semantic_cache.entry import Entry, pack, unpack
-from kvgate.semantic_cache.store import Change, Store, register_store
+from kvgate.semantic_cache.store import Change, Evidence, Store, register_store
 
 LOG_KEEP = 100_000  # stream entries kept (roughly); a reader further behind rebuilds its index
 GRACE_S = 3600.0  # Redis drops an entry's hash this long after its expiry, if no sweep did first
@@ -215,6 +215,26 @@ class RedisStore(Store):
             return since, []
         changes = [(f[b"op"].decode(), f[b"id"].decode(), f.get(b"scope", b"").decode()) for _, f in rows]
         return rows[-1][0].decode(), changes
+
+    def evidence(self, added: Evidence) -> Evidence:
+        """Per category one hash, a field per kind and bin (`right:12`), added to and read in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for category, kinds in added.items():
+            for kind, counts in kinds.items():
+                for b, n in enumerate(counts):
+                    if n:
+                        pipe.hincrbyfloat(f"{self.prefix}bound:{category}", f"{kind}:{b}", n)
+        for category in added:
+            pipe.hgetall(f"{self.prefix}bound:{category}")
+        found = pipe.execute()[-len(added) :] if added else []
+        totals: Evidence = {}
+        for (category, kinds), fields in zip(added.items(), found):
+            totals[category] = {kind: [0.0] * len(counts) for kind, counts in kinds.items()}
+            for field, value in fields.items():
+                kind, _, b = field.decode().partition(":")
+                if kind in totals[category] and b.isdigit() and int(b) < len(totals[category][kind]):
+                    totals[category][kind][int(b)] = float(value)
+        return totals
 
     def close(self) -> None:
         if self._redis is not None:

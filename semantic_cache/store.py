@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 from kvgate.semantic_cache.entry import Entry
 
 Change = tuple[str, str, str]  # ("put" | "del", entry id, the entry's scope or "" when unknown)
+Evidence = dict[str, dict[str, list[float]]]  # category -> "asked" | "right" | "wrong" -> a count per score bin
 
 
 class Store(ABC):
@@ -51,6 +52,12 @@ class Store(ABC):
     @abstractmethod
     def changes(self, since: str) -> tuple[str, list[Change]] | None:
         """Changes after `since` and the new end; None when the log no longer reaches back that far."""
+
+    def evidence(self, added: Evidence) -> Evidence | None:
+        """The error bound's evidence shared by every process on this store: add what this one saw
+        since it last asked (per category, per kind: asked, right, wrong, a count per score bin) and
+        return the totals. None: not shared (this store lives in one process) or out of reach."""
+        return None
 
     def close(self) -> None:
         return None

@@ -2,7 +2,8 @@
 replicas take) behind two fronts on one real Redis. Every turn of a conversation lands on the replica
 holding its KV, whichever front it reaches; conversations spread over the replicas; a conversation whose
 replica stops moves to another and stays there, and one whose replica is busy with requests from
-elsewhere (as its /metrics says) spills; a response continues through either front."""
+elsewhere (as its /metrics says) spills; a response continues through either front, and an agent's
+loop its program through either server."""
 
 from __future__ import annotations
 
@@ -30,13 +31,13 @@ SYSTEM = "You are the booking assistant of a travel agency. " + " ".join(
 
 
 @contextmanager
-def replicas(loaded: LoadedModel, where: Path, count: int = 2) -> Iterator[list[str]]:
-    """`count` kvgate runtimes on loopback, each with its own engine and caches."""
+def replicas(loaded: LoadedModel, where: Path, count: int = 2, **more) -> Iterator[list[str]]:
+    """`count` kvgate runtimes on loopback, each with its own engine and caches (and `more` settings)."""
     with ExitStack() as stack:
         urls = []
         for i in range(count):
             settings = Settings(
-                max_num_seqs=4, semantic_cache=False, cache_dir=where / f"r{i}", chunk_cache_disk_bytes=0
+                max_num_seqs=4, semantic_cache=False, cache_dir=where / f"r{i}", chunk_cache_disk_bytes=0, **more
             )
             engine = Engine(settings.engine_config(), loaded)
             stack.callback(engine.shutdown)
@@ -57,6 +58,14 @@ def fleet(loaded: LoadedModel, model_name: str, redis_server, tmp_path_factory) 
         settings = fronted(urls, model_name, redis_server.url, where / "front")
         with serving(settings, None) as one, serving(settings, None) as two:
             yield one, two
+
+
+BOOK = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
 
 
 def chat(front: str, model: str, messages: list[dict]) -> httpx.Response:
@@ -146,3 +155,21 @@ def test_a_replica_busy_with_another_fronts_requests_spills_a_conversation(loade
             finally:
                 for stream in streams:
                     stream.__exit__(None, None, None)
+
+
+def test_an_agents_next_turn_continues_its_program_through_another_server(loaded, model_name, redis_url, tmp_path):
+    """Two kvgate servers with engines of their own on one Redis, a framework's tool loop with no program id:
+    the tool result's turn, sent to the other server, continues the program the first turn began."""
+    tools = [{"type": "function", "function": {"name": "book", "parameters": BOOK}}]
+    asked = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Book a trip to Tromso."}]
+    with replicas(loaded, tmp_path, 2, redis_url=redis_url) as urls:
+        one, two = (openai.OpenAI(base_url=url + "/v1", api_key="tok") for url in urls)
+        common = {"model": model_name, "tools": tools, "temperature": 0}
+        raw = one.chat.completions.with_raw_response.create(
+            messages=asked, tool_choice="required", max_tokens=40, **common
+        )
+        call = raw.parse().choices[0].message
+        result = {"role": "tool", "tool_call_id": call.tool_calls[0].id, "content": "Booked."}
+        messages = [*asked, call.model_dump(exclude_none=True), result]
+        again = two.chat.completions.with_raw_response.create(messages=messages, max_tokens=4, **common)
+        assert again.headers["x-kvgate-program-id"] == raw.headers["x-kvgate-program-id"]

@@ -1,7 +1,9 @@
-"""Two processes share semantic cache entries through a real redis-server started by the test."""
+"""Two processes share semantic cache entries, and the error bound's evidence, through a real redis-server
+started by the test."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import textwrap
@@ -10,7 +12,10 @@ from pathlib import Path
 import pytest
 
 from kvgate.semantic_cache import MiniLM, SemanticCache, SemanticCacheConfig
+from kvgate.semantic_cache.bound import NEVER, SYNC_S, Bound
+from kvgate.semantic_cache.redis_store import RedisStore
 from tests.redis_server import RedisServer
+from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "What is the capital of France?"
@@ -91,3 +96,47 @@ def test_a_server_down_at_start_up_means_misses_until_it_is_up(embedder: MiniLM)
         server.start()
         assert cache.put("t", "s", QUESTION, {"content": "Paris"}) is not None
         assert cache.lookup("s", QUESTION).hit
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["single", "cluster"])
+def test_verdicts_one_process_learnt_open_the_bound_in_every_process_on_the_store(cluster: bool) -> None:
+    """Each front would otherwise wait for its own warm-up's verdicts: pooled, the fleet learns as one."""
+    now = [0.0]
+    with RedisServer(cluster=cluster) as server:
+        one, two = (
+            Bound({"c": 0.1}, shared=RedisStore(server.url, dim=4).evidence, clock=lambda: now[0]) for _ in "12"
+        )
+        assert two.threshold("c") == NEVER
+        for i in range(90):
+            one.asked("c", 0.95)
+            one.learn("c", f"e{i}", 0.95, True)
+        assert one.threshold("c") <= 0.95 and two.threshold("c") == NEVER  # not before the next sync
+        now[0] += SYNC_S
+        one.threshold("c")  # adds its evidence
+        assert two.threshold("c") <= 0.95
+        for i in range(45):
+            two.learn("c", f"f{i}", 0.95, False)  # a third of all verdicts wrong: 0.95 shut again, everywhere
+        now[0] += SYNC_S
+        assert two.threshold("c") > 0.95 and one.threshold("c") > 0.95
+        counted = one.stats()["categories"]["c"]
+        assert (counted["asked"], counted["right"], counted["wrong"]) == (90, 90, 45)
+
+
+def test_a_store_out_of_reach_keeps_the_evidence_here_until_it_answers(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    with RedisServer() as server:
+        store = RedisStore(f"redis://127.0.0.1:{free_port()}", dim=4)  # nothing listens there
+        bound = Bound({"c": 0.1}, shared=store.evidence, clock=lambda: now[0])
+        for i in range(90):
+            bound.asked("c", 0.95)
+            bound.learn("c", f"e{i}", 0.95, True)
+        with caplog.at_level(logging.WARNING, logger="kvgate.semantic"):
+            assert bound.threshold("c") <= 0.95  # what this process saw counts here meanwhile
+            now[0] += SYNC_S
+            bound.threshold("c")
+        assert caplog.messages == ["semantic cache: the bound's shared evidence is out of reach (ConnectionError)"]
+        bound.shared = RedisStore(server.url, dim=4).evidence  # the store is back (here: another address)
+        now[0] += SYNC_S
+        bound.threshold("c")
+        other = Bound({"c": 0.1}, shared=RedisStore(server.url, dim=4).evidence, clock=lambda: now[0])
+        assert other.stats()["categories"]["c"]["right"] == 90  # nothing lost, nothing counted twice
