@@ -14,6 +14,15 @@ MUSIQUE = SHARED / "musique_rag_dev.jsonl"
 GSM8K = SHARED / "gsm8k_dev.jsonl"
 QQP = SHARED / "qqp_pairs_dev.jsonl"
 OUTPUT = Path("benchmarks/BENCHMARKS.md")
+# Benchmarks with a command line of their own (`python -m kvgate.bench.<module>`): `kvgate bench KIND ARGS`
+# hands them ARGS as they are.
+MODULES = {
+    "fleet": "fleet",
+    "gate": "gate",
+    "gate-load": "gate_load",
+    "shapes": "shapes",
+    "embedders": "embedders",
+}
 
 
 def musique_args(parser: argparse.ArgumentParser, limit: int, offset: int) -> None:
@@ -100,6 +109,9 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
 
     def kind(name: str, text: str) -> argparse.ArgumentParser:
         return kinds.add_parser(name, parents=[common], help=text)
+
+    for name, module in MODULES.items():  # listed here; `kvgate` hands them their arguments unparsed
+        kinds.add_parser(name, add_help=False, help=f"python -m kvgate.bench.{module} (its own options: --help)")
 
     prefill = kind("prefill", "prefill and decode tokens/s by prompt length")
     prefill.add_argument("--model")

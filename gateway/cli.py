@@ -9,6 +9,7 @@ runs, when it runs."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from collections.abc import Callable
@@ -62,10 +63,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"] and len(argv) > 1:
+        from kvgate.bench.commands import MODULES
+
+        if argv[1] in MODULES:  # a benchmark with a command line of its own
+            return importlib.import_module(f"kvgate.bench.{MODULES[argv[1]]}").main(argv[2:]) or 0
     args = parse(argv)
     from kvgate.gateway.settings import Settings
 
-    command = " ".join(["kvgate", *(argv if argv is not None else sys.argv[1:])])  # as BENCHMARKS.md shows it
+    command = " ".join(["kvgate", *argv])  # as BENCHMARKS.md shows it
     try:
         settings = Settings.load(getattr(args, "config", None), **{k: getattr(args, k, None) for k in FLAGS})
         logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import openai
+import pytest
 
 from kvgate.runtime.calibration import load as load_calibration
 from kvgate.runtime.calibration import model_fingerprint
@@ -289,3 +290,14 @@ def test_the_benchmarks_import_each_other_without_a_cycle() -> None:
 
     cycles = [cycle for name in graph if (cycle := reach(name, name, [name]))]
     assert not cycles, " -> ".join(cycles[0])
+
+
+def test_a_benchmark_with_a_command_line_of_its_own_gets_its_arguments_as_given(capsys) -> None:
+    from kvgate.gateway.cli import main
+
+    with pytest.raises(SystemExit) as leaving:
+        main(["bench", "fleet", "--help"])
+    assert leaving.value.code == 0 and "--replicas" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as leaving:
+        main(["bench", "gate-load", "--no-such-option"])
+    assert leaving.value.code == 2 and "--no-such-option" in capsys.readouterr().err
