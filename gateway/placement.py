@@ -94,16 +94,18 @@ class RedisPlacements:
         return found.decode() if found else None
 
     async def place(self, key: str, replica: str) -> None:
-        now = time.time()
+        expires = time.time() + self.ttl_s
         try:
-            before = await self.redis.set(self.name(key), replica, ex=max(1, round(self.ttl_s)), get=True)
+            pipe = self.redis.pipeline(transaction=False)  # one round trip on every request's way
+            pipe.set(self.name(key), replica, ex=max(1, round(self.ttl_s)), get=True)
+            pipe.zadd(self.held(replica), {key: expires})
+            pipe.zadd(self.all, {key: expires})
+            pipe.zcard(self.all)
+            before, _, _, count = await pipe.execute()
             if before is not None and before.decode() != replica:
                 await self.redis.zrem(self.held(before.decode()), key)
-            await self.redis.zadd(self.held(replica), {key: now + self.ttl_s})
-            await self.redis.zadd(self.all, {key: now + self.ttl_s})
-            over = await self.redis.zcard(self.all) - self.max_count
-            if over > 0:
-                for gone, _ in await self.redis.zpopmin(self.all, over):
+            if count > self.max_count:
+                for gone, _ in await self.redis.zpopmin(self.all, count - self.max_count):
                     forgotten = await self.redis.getdel(self.name(gone.decode()))
                     if forgotten is not None:
                         await self.redis.zrem(self.held(forgotten.decode()), gone)
@@ -111,15 +113,17 @@ class RedisPlacements:
             self.failed(exc, None)
 
     async def live(self, replicas: Sequence[str]) -> dict[str, int]:
-        now, counts = time.time(), {}
+        now = time.time()
         try:
-            await self.redis.zremrangebyscore(self.all, "-inf", now)
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.zremrangebyscore(self.all, "-inf", now)
             for replica in replicas:
-                await self.redis.zremrangebyscore(self.held(replica), "-inf", now)
-                counts[replica] = await self.redis.zcard(self.held(replica))
+                pipe.zremrangebyscore(self.held(replica), "-inf", now)
+                pipe.zcard(self.held(replica))
+            found = await pipe.execute()
         except (*REDIS_DOWN, RedisError) as exc:
             return self.failed(exc, dict.fromkeys(replicas, 0))
-        return counts
+        return dict(zip(replicas, found[2::2]))
 
     def failed(self, exc: Exception, instead: T) -> T:
         if not self.failing:  # once per outage: every request would log it otherwise

@@ -133,14 +133,13 @@ class RedisResponses:
         stored.stamped(time.time())
         scope, ttl = self.scope(tenant), max(1, round(self.ttl_s))
         try:
-            await self.redis.set(self.entry(scope, stored.id), json.dumps(asdict(stored)), ex=ttl)
-            if stored.items:
-                owners = {self.item(scope, item): stored.id for item in stored.items}
-                await self.redis.mset(owners)
-                for name in owners:
-                    await self.redis.expire(name, ttl)
-            await self.redis.zadd(self.used, {f"{scope}:{stored.id}": stored.written})
-            over = await self.redis.zcard(self.used) - self.max_count
+            pipe = self.redis.pipeline(transaction=False)  # one round trip, however many items
+            pipe.set(self.entry(scope, stored.id), json.dumps(asdict(stored)), ex=ttl)
+            for item in stored.items:
+                pipe.set(self.item(scope, item), stored.id, ex=ttl)
+            pipe.zadd(self.used, {f"{scope}:{stored.id}": stored.written})
+            pipe.zcard(self.used)
+            over = (await pipe.execute())[-1] - self.max_count
             if over > 0:
                 for member, _ in await self.redis.zpopmin(self.used, over):
                     await self.drop(*member.decode().split(":", 1))
