@@ -1,6 +1,7 @@
 """How long a tool takes: per tool, the empirical distribution of observed durations (the next
 turn's arrival minus the previous turn's end), blended with a lognormal prior that stands in for
-the observations not made yet."""
+the observations not made yet. Processes that share them (agents/programs.py: `SharedTools`) each add
+what they saw and load every process's."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import math
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 ANY = "*"  # every tool pooled: the guess for a call whose tool is not known yet
 
@@ -38,6 +40,39 @@ def _erfinv(y: float) -> float:
     for _ in range(2):
         x -= (math.erf(x) - y) / (2 / math.sqrt(math.pi) * math.exp(-x * x))
     return x
+
+
+Tools = tuple[str, ...]
+Follows = list[tuple[Tools, Tools, int]]  # (a call's tools, the next call's tools, how often)
+
+
+@dataclass
+class Seen:
+    """What one process saw of a tenant's tools since it last shared."""
+
+    returns: list[tuple[Tools, float]] = field(default_factory=list)  # tools called together, seconds until back
+    follows: list[tuple[Tools, Tools]] = field(default_factory=list)  # a call, then the program's next
+    keep: int = 512  # the latest kept, however long the store does not answer
+
+    def add(self, before: Tools, tools: Tools, seconds: float) -> None:
+        """`tools` (called after `before`) came back after `seconds`."""
+        self.returns.append((tools, seconds))
+        self.follows.append((before, tools))
+        self.trim()
+
+    def follow(self, older: Seen) -> None:
+        """`older` was seen before all of this (it could not be shared then)."""
+        self.returns[:0], self.follows[:0] = older.returns, older.follows
+        self.trim()
+
+    def trim(self) -> None:
+        del self.returns[: -self.keep], self.follows[: -self.keep]
+
+
+class SharedTools(Protocol):
+    def exchange(self, seen: dict[str, Seen]) -> dict[str, tuple[dict[str, list[float]], Follows]]:
+        """Add what this process saw, per tenant; every process's, per tenant of `seen`: each tool's
+        latest durations (oldest first) and the calls seen to follow others."""
 
 
 # The prior's quantiles offered as TTL candidates, so that a tool seen rarely still has choices.
@@ -106,6 +141,21 @@ class Predictor:
                 self.follows.popitem(last=False)
             if now in counts or len(counts) < self.max_tools:
                 counts[now] = counts.get(now, 0) + 1
+
+    def load(self, durations: dict[str, list[float]], follows: Follows) -> None:
+        """Every process's observations, in place of this one's (as bounded: `window`, `max_tools`)."""
+        with self.lock:
+            self.tools.clear()
+            self.follows.clear()
+            for tool, seen in durations.items():
+                for seconds in seen:
+                    self._of(tool).observe(seconds)
+            for before, now, n in follows:
+                counts = self.follows.setdefault(before, {})
+                if now in counts or len(counts) < self.max_tools:
+                    counts[now] = counts.get(now, 0) + n
+                if len(self.follows) > self.max_tools:
+                    self.follows.popitem(last=False)
 
     def after(self, before: tuple[str, ...]) -> tuple[list[float], list[float]]:
         """The wait for a program's next call, not yet made, whose previous call was to `before`: a

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import logging
 import math
 import threading
 import time
@@ -23,7 +24,7 @@ from typing import Any
 from kvgate.agents.config import AgentConfig
 from kvgate.agents.costs import Costs
 from kvgate.agents.flight import Flight
-from kvgate.agents.predictor import Predictor
+from kvgate.agents.predictor import Predictor, Seen, SharedTools
 from kvgate.agents.ttl import cdf, decide
 from kvgate.chunk_cache import ChunkStore
 
@@ -32,6 +33,8 @@ RECENT = 1 / 16
 # A program whose tools have not returned by the time this share of such returns have is counted
 # out of the programs in flight (its client may have ended it without another request).
 LATE = 0.95
+SHARE_S = 1.0  # how often tool durations are pooled with the other replicas'
+log = logging.getLogger("kvgate.agents")
 
 
 def running(mean: float | None, sample: float) -> float:
@@ -101,10 +104,13 @@ class Programs:
         store: ChunkStore,
         costs: Costs,
         clock: Callable[[], float] = time.monotonic,
+        shared: SharedTools | None = None,
     ) -> None:
-        self.config, self.store, self.costs, self.clock = config, store, costs, clock
+        self.config, self.store, self.costs, self.clock, self.shared = config, store, costs, clock, shared
         # Tool durations per tenant: one tenant's tools never move another's pins.
         self.predictors: OrderedDict[str, Predictor] = OrderedDict()
+        self.seen: dict[str, Seen] = {}  # per tenant with a turn since the last pooling: what it saw here
+        self.shared_at, self.failing = -math.inf, False
         self.programs: OrderedDict[tuple[str, str], Program] = OrderedDict()  # least recently seen first
         self.evicted: list[str] = []  # pinned contexts of programs forgotten for room: demoted by expire
         self.deadlines: list[tuple[float, str, str]] = []  # (pinned until, scope, program id)
@@ -133,9 +139,12 @@ class Programs:
                 p = self.programs[(scope, program_id)] = Program(program_id, scope, now, now)
                 self.make_room(now)
             predictor = self.predictor(scope)
+            seen = self.seen.setdefault(scope, Seen()) if self.shared is not None else None
             if tools is not None and p.ended is not None:
                 predictor.observe(tools, now - p.ended)
                 predictor.called(p.tools, tools)
+                if seen is not None:
+                    seen.add(p.tools, tools, now - p.ended)
                 self.returned += 1
                 p.tools = tools
             p.seen = now
@@ -223,6 +232,7 @@ class Programs:
         """The turn's response is complete: its context (if the engine kept it) replaces the
         program's previous one, and stays pinned for the turn's TTL. `more`: the turn called tools
         (or failed), so the program may go on; else it has ended."""
+        self.share()
         now = self.clock()
         if not more:
             self.flight.land(scope, turn.program)
@@ -248,6 +258,31 @@ class Programs:
                 self.wake.set()
         if stale:
             self.store.delete(stale)
+
+    def share(self) -> None:
+        """Pool the tool durations seen here with every replica's, for the tenants with turns lately."""
+        if self.shared is None or self.clock() - self.shared_at < SHARE_S:
+            return
+        with self.lock:
+            self.shared_at = self.clock()
+            seen, self.seen = self.seen, {}
+        if not seen:
+            return
+        try:
+            pooled = self.shared.exchange(seen)
+        except Exception as exc:  # what was seen here still counts here; the next pooling adds it
+            with self.lock:
+                for scope, mine in list(seen.items())[-self.config.max_tenants :]:
+                    self.seen.setdefault(scope, Seen()).follow(mine)
+            if not self.failing:
+                self.failing = True
+                log.warning("tool durations are not pooled: the shared store did not answer (%s)", type(exc).__name__)
+            return
+        self.failing = False
+        with self.lock:
+            for scope, (durations, follows) in pooled.items():
+                if scope in self.predictors:
+                    self.predictors[scope].load(durations, follows)
 
     def expire(self) -> float | None:
         """Demote the pins whose time is up, forget idle programs; the next deadline, if any."""

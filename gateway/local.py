@@ -40,6 +40,7 @@ from kvgate.gateway.programs import HEADER
 from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest, Sampling
 from kvgate.gateway.render import dumps, response_head, sse, sse_error, usage
 from kvgate.gateway.settings import Settings
+from kvgate.gateway.tool_times import RedisToolTimes
 from kvgate.gateway.toolcalls import CallStream, constraint, message
 from kvgate.runtime.costs import EngineCosts
 from kvgate.runtime.engine import Engine, PromptTooLong, Result
@@ -64,7 +65,9 @@ class Local(Backend):
         self.tool_format = detect(self.tokenizer)
         self.created = int(time.time())
         config = self.agent_config = settings.agent_config()
-        self.programs = Programs(config, engine.reuser.store, EngineCosts(engine, config.reload_bytes_per_s))
+        self.tool_times = RedisToolTimes(settings.redis_url, max_tools=config.max_tools) if settings.redis_url else None
+        costs = EngineCosts(engine, config.reload_bytes_per_s)
+        self.programs = Programs(config, engine.reuser.store, costs, shared=self.tool_times)
         self.expirer = Expirer(self.programs)
         if config.in_flight > 0:  # new programs wait at the engine's door for room (agents/flight.py)
             engine.scheduler.gate = self.programs.flight
@@ -380,5 +383,7 @@ class Local(Backend):
     async def close(self) -> None:
         self.expirer.close()
         await self.conversations.close()
+        if self.tool_times is not None:
+            self.tool_times.close()
         if self.engine.scheduler.gate is self.programs.flight:
             self.engine.scheduler.gate = None
