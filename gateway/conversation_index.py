@@ -6,6 +6,7 @@ does not answer finds nothing (a turn starts a new program; logged once) and nev
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from typing import Any, Protocol
@@ -53,12 +54,14 @@ class InRedis:
         self.all = prefix + "all"  # every turn's key, by when it was last used
         self.failing = False
 
-    def name(self, digest: bytes) -> str:
-        return self.prefix + "t:" + digest.hex()
+    def name(self, tenant: str, digest: bytes) -> str:
+        """A tenant's turns share a hash slot (its digest in braces): a lookup is one MGET on a cluster too."""
+        return f"{self.prefix}{{{hashlib.sha256(tenant.encode()).hexdigest()[:24]}}}:t:{digest.hex()}"
 
     async def find(self, tenant: str, tools: Tools, messages: Messages) -> str | None:
         found = digests(tenant, tools, messages[:-1])
-        names = [self.name(found[i]) for i in range(len(found) - 1, -1, -1) if messages[i].get("role") == "assistant"]
+        answered = [i for i in range(len(found) - 1, -1, -1) if messages[i].get("role") == "assistant"]
+        names = [self.name(tenant, found[i]) for i in answered]
         if not names:
             return None
         try:
@@ -73,7 +76,7 @@ class InRedis:
         return program.decode() if program is not None else None
 
     async def remember(self, tenant: str, tools: Tools, messages: Messages, answer: Message, program: str) -> None:
-        name = self.name(digests(tenant, tools, [*messages, answer])[-1])
+        name = self.name(tenant, digests(tenant, tools, [*messages, answer])[-1])
         try:
             await self.redis.set(name, program, ex=self.ttl())
             await self.redis.zadd(self.all, {name: time.time()})

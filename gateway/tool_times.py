@@ -12,10 +12,8 @@ import hashlib
 import json
 import time
 
-import redis
-
 from kvgate.agents.predictor import ANY, Follows, Seen
-from kvgate.gateway.shared import TIMEOUT_S
+from kvgate.gateway.shared import connect_blocking
 
 PREFIX = "kvgate:tools:"
 MAX_FOLLOWS = 4096
@@ -27,7 +25,7 @@ class RedisToolTimes:
         self, url: str, window: int = 512, max_tools: int = 256, ttl_s: float = TTL_S, prefix: str = PREFIX
     ) -> None:
         self.window, self.max_tools, self.ttl, self.prefix = window, max_tools, max(1, round(ttl_s)), prefix
-        self.redis = redis.Redis.from_url(url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S)
+        self.redis = connect_blocking(url)
 
     def base(self, tenant: str) -> str:
         return f"{self.prefix}{{{hashlib.sha256(tenant.encode()).hexdigest()[:24]}}}:"

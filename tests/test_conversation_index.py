@@ -73,7 +73,7 @@ def test_turns_in_redis_are_bounded_and_expire_unless_used_again(redis_url: str)
 
     asyncio.run(check())
     with redis.Redis.from_url(redis_url) as raw:
-        assert raw.zcard("kvgate:conv:all") == 2 and len(raw.keys("kvgate:conv:t:*")) == 1
+        assert raw.zcard("kvgate:conv:all") == 2 and len(raw.keys("kvgate:conv:*:t:*")) == 1
 
 
 def test_a_redis_that_does_not_answer_finds_nothing(caplog: pytest.LogCaptureFixture) -> None:
