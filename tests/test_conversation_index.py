@@ -37,6 +37,10 @@ def test_what_one_front_answered_another_continues(redis_url: str) -> None:
         assert await two.find("t", TOOLS, next_turn("call_other")) == "conv-1"
         assert await two.find("other tenant", TOOLS, next_turn()) is None
         assert await two.find("t", None, next_turn()) is None  # other tools: another conversation
+        done = {"role": "assistant", "content": "Booked your trip to Oslo."}
+        await two.remember("t", TOOLS, next_turn(), done, "conv-1")
+        third = [*next_turn(), done, {"role": "user", "content": "And a hotel?"}]  # two answered turns to look up
+        assert await one.find("t", TOOLS, third) == "conv-1"
         await one.close()
         await two.close()
 
