@@ -14,13 +14,13 @@ PROGRAM_ID = re.compile(r"^[A-Za-z0-9._:/@+=-]{1,256}$")
 
 
 def program_of(request: Request, given: object) -> str | None:
-    """The program id of a request: its header, or `given` (the body's kvgate.program_id)."""
+    """The program id of a request: its header, or `given` (the body's kvgate.program_id). An error names
+    what the caller sent: the header by its name, the body's field by its path."""
     header = request.headers.get(HEADER)
     if header is not None and given is not None and header != given:
-        raise bad_request(f"the {HEADER} header and kvgate.program_id differ", "kvgate.program_id")
-    program = header if header is not None else given
+        raise bad_request(f"the {HEADER} header and kvgate.program_id differ", HEADER)
+    program, sent = (header, HEADER) if header is not None else (given, "kvgate.program_id")
     if program is not None and not (isinstance(program, str) and PROGRAM_ID.match(program)):
-        raise bad_request(
-            "a program id is 1 to 256 letters, digits or ._:/@+=- characters", "kvgate.program_id", "invalid_value"
-        )
+        said = f"{sent}: a program id is 1 to 256 letters, digits or ._:/@+=- characters"
+        raise bad_request(said, sent, "invalid_value")
     return program

@@ -95,18 +95,19 @@ def test_the_program_id_may_come_in_the_body(url: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("headers", "body"),
+    ("headers", "body", "param"),
     [
-        ({"x-kvgate-program-id": "bad id with spaces"}, {}),
-        ({"x-kvgate-program-id": "a"}, {"kvgate": {"program_id": "b"}}),
-        ({}, {"kvgate": {"program_id": "x" * 257}}),
+        ({"x-kvgate-program-id": "bad id with spaces"}, {}, "x-kvgate-program-id"),
+        ({"x-kvgate-program-id": "a"}, {"kvgate": {"program_id": "b"}}, "x-kvgate-program-id"),
+        ({}, {"kvgate": {"program_id": "x" * 257}}, "kvgate.program_id"),
     ],
 )
-def test_a_bad_program_id_is_a_400(url: str, headers: dict, body: dict) -> None:
+def test_a_bad_program_id_is_a_400_naming_what_the_caller_sent(url: str, headers: dict, body: dict, param: str) -> None:
+    """A header by its name, a body field by its path: never a field the caller did not send."""
     payload = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], **body}
     r = httpx.post(f"{url}/v1/chat/completions", json=payload, headers=headers, timeout=60)
     assert r.status_code == 400
-    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == param
 
 
 def test_a_pin_holds_until_its_ttl_then_the_context_moves_to_disk(engine: Engine, tmp_path: Path) -> None:
