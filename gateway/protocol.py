@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from kvgate.gateway.errors import bad_request
+from kvgate.gateway.strict import strict
 
 SEED_BOUND = 2**63  # seeds are signed 64-bit integers
 
@@ -171,7 +172,13 @@ class Function(Body):
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of an object; none: no arguments
-    strict: bool | None = None
+    strict: bool | None = None  # true: its objects closed, their properties required (gateway/strict.py)
+
+    @model_validator(mode="after")
+    def closed(self) -> Function:
+        if self.strict and self.parameters is not None:
+            self.parameters = strict(self.parameters, "parameters")
+        return self
 
 
 class Tool(Body):
@@ -192,7 +199,13 @@ class JsonSchema(Body):
     name: str = Field("response", pattern=FUNCTION_NAME)
     description: str | None = None
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
-    strict: bool | None = None
+    strict: bool | None = None  # true: its objects closed, their properties required (gateway/strict.py)
+
+    @model_validator(mode="after")
+    def closed(self) -> JsonSchema:
+        if self.strict:
+            self.schema_ = strict(self.schema_, "schema")
+        return self
 
 
 class ResponseFormat(Body):

@@ -30,6 +30,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 FORCED = {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0, "max_tokens": 48}
 
 
+OPEN = {"type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": True}
+
+
 class Person(pydantic.BaseModel):
     name: str = pydantic.Field(max_length=20)
     age: int
@@ -87,6 +90,25 @@ def test_parse_with_a_pydantic_model_and_json_object(client, model_name):
         assert isinstance(json.loads(free.choices[0].message.content), dict)
 
 
+def test_a_strict_schema_is_closed_and_every_property_required_as_openai_means_it(client, model_name):
+    """As smolagents sends pydantic's schema: no additionalProperties, a property not required. Strict, the
+    answer holds exactly the properties (the model would not write `zip_code` unasked, nor stop adding keys)."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "zip_code": {"type": "integer", "maximum": 99}},
+        "required": ["name"],
+    }
+    done = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "Invent a person."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": schema}},
+        temperature=0,
+        max_tokens=40,
+    )
+    assert done.choices[0].finish_reason == "stop"
+    assert set(json.loads(done.choices[0].message.content)) == {"name", "zip_code"}
+
+
 def test_every_choice_of_n_is_parsed_for_its_calls(client, model_name):
     done = client.chat.completions.create(model=model_name, messages=ASK, n=2, seed=1, **{**FORCED, "temperature": 1})
     assert [c.finish_reason for c in done.choices] == ["tool_calls", "tool_calls"]
@@ -102,6 +124,14 @@ def test_every_choice_of_n_is_parsed_for_its_calls(client, model_name):
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/x"}}}}, None),
+        (  # strict, yet open: OpenAI refuses it too
+            {"tools": [{"type": "function", "function": {**TOOLS[1]["function"], "strict": True, "parameters": OPEN}}]},
+            "tools.0.function",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"strict": True, "schema": OPEN}}},
+            "response_format.json_schema",
+        ),
     ],
 )
 def test_what_kvgate_cannot_honour_is_a_400_never_ignored(client, model_name, extra, param):
