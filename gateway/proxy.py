@@ -64,6 +64,10 @@ class Upstreams(Backend):
         serving = sorted(u.name for u in self.pool.config.upstreams if u.serves(model))  # not by load: stable
         return {"model": model, "upstreams": ",".join(serving)}
 
+    def load(self, name: str) -> int:
+        """Requests at a replica: this front's in flight, or as many as the replica says it has if more."""
+        return self.loads.load(name, self.pool.load(name))
+
     def queued(self) -> int:
         return sum(g.load for g in self.pool.gates.values())
 
@@ -126,12 +130,8 @@ class Upstreams(Backend):
         affinity = self.affinity(body)
         key = conversation_key(call.tenant, body, call.program, affinity)
         serving = self.pool.serving(model)
-        self.loads.start()
-
-        def load(name: str) -> int:
-            return self.loads.load(name, self.pool.load(name))
-
-        routed = await self.router.order([u.name for u in serving if not u.fallback], key, affinity, load)
+        self.loads.start()  # reading each replica's own load, from the first request on (a running loop)
+        routed = await self.router.order([u.name for u in serving if not u.fallback], key, affinity, self.load)
         opened = await self.pool.open(
             [self.pool.upstreams[name] for name in routed] + [u for u in serving if u.fallback],
             call.path,

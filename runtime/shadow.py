@@ -7,7 +7,7 @@ compares the two distributions and tells the gate. Parts run whenever the engine
 while it is busy on a budget: `shadow_share` of the time its steps take, earned step by step, so
 a server that always has work still checks (at that share of its throughput). On a busy engine a
 full prefill's rows ride in the engine's own step (`ride`), paid at what they add to it: the step
-reads the weights once for both, so a check costs about a third less than run alone between steps.
+reads the weights once for both (64 rows on 2 CPU cores: 138 ms added to a decode step, 225 ms alone).
 
 A check's full prefill starts from the previous one's KV where their prompts begin alike: that KV
 is full prefill's own, so a run of requests over one context costs one prefill of it in checks.
