@@ -31,7 +31,7 @@ class RedisToolTimes:
         return f"{self.prefix}{{{hashlib.sha256(tenant.encode()).hexdigest()[:24]}}}:"
 
     def exchange(self, seen: dict[str, Seen]) -> dict[str, tuple[dict[str, list[float]], Follows]]:
-        now, pipe = time.time(), self.redis.pipeline(transaction=False)
+        now, pipe, reads = time.time(), self.redis.pipeline(transaction=False), {}
         for tenant, mine in seen.items():
             base = self.base(tenant)
             for tools, seconds in mine.returns:
@@ -43,6 +43,7 @@ class RedisToolTimes:
                         pipe.zadd(base + "names", {tool: now})
             for before, after in mine.follows:
                 pipe.hincrby(base + "f", json.dumps([before, after]), 1)
+            reads[tenant] = len(pipe)  # where this tenant's six replies start
             pipe.zrange(base + "names", 0, -(self.max_tools + 1))  # beyond the newest max_tools
             pipe.zremrangebyrank(base + "names", 0, -(self.max_tools + 1))
             pipe.zrange(base + "names", 0, -1)
@@ -50,11 +51,10 @@ class RedisToolTimes:
             for name in ("names", "f"):
                 pipe.expire(base + name, self.ttl)
         found = pipe.execute()
-        tail = found[len(found) - 6 * len(seen) :]  # per tenant: dropped, _, names, follows, _, _
         reading, pooled = self.redis.pipeline(transaction=False), {}
-        for i, tenant in enumerate(seen):
+        for tenant, at in reads.items():
             base = self.base(tenant)
-            dropped, _, names, pairs, _, _ = tail[6 * i : 6 * i + 6]
+            dropped, _, names, pairs, _, _ = found[at : at + 6]
             for name in dropped:
                 reading.delete(base + "d:" + name.decode())
             if len(pairs) > MAX_FOLLOWS:

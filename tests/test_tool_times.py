@@ -47,6 +47,19 @@ def test_a_replica_learns_how_long_a_tool_takes_from_another(redis_url: str) -> 
     assert two.predictor("other tenant").observed("search") == 0
 
 
+def test_tenants_pooled_at_once_each_get_their_own(redis_url: str) -> None:
+    times = RedisToolTimes(redis_url)
+    seen = {"a": Seen(), "b": Seen()}
+    seen["a"].add((), ("search",), 7.0)
+    seen["b"].add((), ("fetch",), 2.0)
+    seen["b"].add(("fetch",), ("fetch",), 3.0)
+    pooled = times.exchange(seen)
+    assert pooled["a"][0] == {ANY: [7.0], "search": [7.0]} and pooled["a"][1] == [((), ("search",), 1)]
+    assert pooled["b"][0] == {ANY: [2.0, 3.0], "fetch": [2.0, 3.0]}
+    assert sorted(pooled["b"][1]) == [((), ("fetch",), 1), (("fetch",), ("fetch",), 1)]
+    times.close()
+
+
 def test_a_tenants_durations_and_tools_are_bounded(redis_url: str) -> None:
     times = RedisToolTimes(redis_url, window=3, max_tools=2)
     seen = Seen()
