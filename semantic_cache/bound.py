@@ -126,33 +126,43 @@ class Bound:
 
     def threshold(self, category: str) -> float:
         """The lowest score the category may serve at: its error's upper bound stays under delta."""
+        self.sync()
         with self.lock:
-            self.sync()
             tally = self.tallies[category]
             if tally.threshold is None:
                 tally.threshold = self._threshold(tally, self.deltas[category])
             return tally.threshold
 
     def sync(self) -> None:
-        """Add this process's evidence to the store's and take every process's (at most every SYNC_S)."""
-        if self.shared is None or self.clock() - self.synced < SYNC_S:
-            return
-        self.synced = self.clock()
-        added = {name: {kind: getattr(t, kind).tolist() for kind in KINDS} for name, t in self.pending.items()}
+        """Add this process's evidence to the store's and take every process's (at most every SYNC_S;
+        the store is asked outside the lock: a store out of reach holds up no other lookup)."""
+        with self.lock:
+            if self.shared is None or self.clock() - self.synced < SYNC_S:
+                return
+            self.synced = self.clock()
+            sent, self.pending = self.pending, {name: Tally(self.config.bins) for name in self.deltas}
+        added = {name: {kind: getattr(t, kind).tolist() for kind in KINDS} for name, t in sent.items()}
         try:
             totals = self.shared(added)
         except Exception as exc:  # kept here until the store answers: this process's evidence is not lost
-            if not self.failing:
-                self.failing = True
-                log.warning("semantic cache: the bound's shared evidence is out of reach (%s)", type(exc).__name__)
+            with self.lock:
+                for name, tally in sent.items():
+                    mine = self.pending[name]
+                    mine.asked += tally.asked
+                    mine.right += tally.right
+                    mine.wrong += tally.wrong
+                if not self.failing:
+                    self.failing = True
+                    log.warning("semantic cache: the bound's shared evidence is out of reach (%s)", type(exc).__name__)
             return
-        self.failing = False
-        for name, kinds in (totals or {}).items():
-            if name in self.tallies:
-                tally = self.tallies[name]
-                tally.asked, tally.right, tally.wrong = (np.array(kinds[kind], dtype=float) for kind in KINDS)
-                tally.threshold = None
-                self.pending[name] = Tally(self.config.bins)
+        with self.lock:
+            self.failing = False
+            for name, kinds in (totals or {}).items():
+                if name in self.tallies:  # every process's, and what came here since they were read
+                    tally, since = self.tallies[name], self.pending[name]
+                    for kind in KINDS:
+                        setattr(tally, kind, np.array(kinds[kind], dtype=float) + getattr(since, kind))
+                    tally.threshold = None
 
     def _threshold(self, tally: Tally, delta: float) -> float:
         if delta <= 0:
