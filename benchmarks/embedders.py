@@ -142,13 +142,18 @@ def bench_embedders(data: Path, limit: int, output: Path, command: str) -> None:
     print(body, flush=True)
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
+def parser() -> argparse.ArgumentParser:
+    """The command line (`kvgate bench` hands it the arguments as given)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--data", type=Path, default=QQP, help="QQP pairs jsonl (a, b, duplicate)")
     parser.add_argument("--limit", type=int, default=10_000, help="the first pairs of --data")
     parser.add_argument("--output", type=Path, default=OUTPUT, help="the BENCHMARKS.md to write the section to")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser().parse_args(argv)
     command = " ".join(["python -m kvgate.bench.embedders", *argv])
     bench_embedders(args.data, args.limit, args.output, command)
 

@@ -154,7 +154,8 @@ def bench_fleet(kind: str, data: Path, conversations: int, turns: int, rounds: i
     return body
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (`kvgate bench` hands it the arguments as given)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", choices=["vllm", "kvgate"], default="vllm")
     parser.add_argument("--data", type=Path, default=MUSIQUE)
@@ -167,7 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--words", type=int, default=120, help="words per passage")
     parser.add_argument("--venv", type=Path, default=user_cache_dir() / "vllm-venv", help="vLLM's virtualenv")
     parser.add_argument("--output", type=Path, default=OUTPUT)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if not args.data.is_file():
         print(f"{args.data}: no such data file (the shared MuSiQue set)", file=sys.stderr)
         return 2

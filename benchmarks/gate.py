@@ -84,7 +84,8 @@ def stored(engine: Engine, planner: Planner, items: list[tuple[str, list[str]]])
     return [e for e in entries if e is not None]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (`kvgate bench` hands it the arguments as given)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=MUSIQUE)
     parser.add_argument("--items", type=int, default=6)
@@ -93,7 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=50, help="per phase")
     parser.add_argument("--kl", type=float, default=0.05, help="the gate's KL target")
     parser.add_argument("--top1", type=float, default=0.95, help="the gate's first-token agreement target")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if not args.data.is_file():
         print(f"{args.data}: no such data file (the shared MuSiQue set)", file=sys.stderr)
         return 2

@@ -104,7 +104,8 @@ def perturb(engine: Engine, items: Items) -> None:
         entry.values.mul_(-3.0)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (`kvgate bench` hands it the arguments as given)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=MUSIQUE)
     parser.add_argument("--items", type=int, default=8)
@@ -118,7 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top1", type=float, default=0.8, help="the gate's first-token agreement target")
     parser.add_argument("--react-seconds", type=float, default=600, help="how long the perturbed phase may run")
     parser.add_argument("--output", type=Path, default=OUTPUT)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if not args.data.is_file():
         print(f"{args.data}: no such data file (the shared MuSiQue set)", file=sys.stderr)
         return 2

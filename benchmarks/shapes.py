@@ -257,13 +257,18 @@ def bench_shapes(settings: Settings, data: Path, pipelines: int, warmup: int, ou
     return text
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (`kvgate bench` hands it the arguments as given)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=GSM8K, help="GSM8K jsonl: the questions")
     parser.add_argument("--pipelines", type=int, default=8, help="measured pipelines per shape")
     parser.add_argument("--warmup", type=int, default=4, help="pipelines per shape before those measured")
     parser.add_argument("--output", type=Path, default=OUTPUT)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if not args.data.is_file():
         print(f"{args.data}: no such data file (the shared GSM8K set)", file=sys.stderr)
         return 2

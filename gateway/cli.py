@@ -58,18 +58,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line as `main` reads it; nothing is loaded or run. Exits 2 on a usage error."""
+    """The command line as `main` reads it; nothing is loaded or run. Exits 2 on a usage error. A benchmark
+    with a command line of its own gets the rest as given (`rest`), for its own parser."""
+    from kvgate.bench.commands import MODULES
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"] and (kind := argv[1] if len(argv) > 1 else "") in MODULES:
+        return argparse.Namespace(command="bench", kind=kind, module=f"kvgate.bench.{MODULES[kind]}", rest=argv[2:])
     return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"] and len(argv) > 1:
-        from kvgate.bench.commands import MODULES
-
-        if argv[1] in MODULES:  # a benchmark with a command line of its own
-            return importlib.import_module(f"kvgate.bench.{MODULES[argv[1]]}").main(argv[2:]) or 0
     args = parse(argv)
+    if hasattr(args, "rest"):  # a benchmark with a command line of its own
+        return importlib.import_module(args.module).main(args.rest) or 0
     from kvgate.gateway.settings import Settings
 
     command = " ".join(["kvgate", *argv])  # as BENCHMARKS.md shows it

@@ -39,7 +39,9 @@ class Upstreams(Backend):
         names = [u.name for u in self.pool.config.upstreams if not u.fallback]
         kept = placements(settings.redis_url, settings.route_conversations, settings.route_ttl_s)
         self.router = Router(names, kept, settings.spill_at, settings.routing)
-        self.loads = ReplicaLoads(names, self.pool.scrape_named, settings.replica_load_poll_s, settings.spill_at)
+        self.loads = ReplicaLoads(
+            names, self.pool.scrape_named, self.pool.load, settings.replica_load_poll_s, settings.spill_at
+        )
         self.clock = ProgramClock(settings.agent_config().idle_s)
         self.owners: OrderedDict[str, str] = OrderedDict()  # document id -> the affinity key of its text
         self.created = int(time.time())
@@ -63,10 +65,6 @@ class Upstreams(Backend):
     def identity(self, model: str) -> dict[str, str]:
         serving = sorted(u.name for u in self.pool.config.upstreams if u.serves(model))  # not by load: stable
         return {"model": model, "upstreams": ",".join(serving)}
-
-    def load(self, name: str) -> int:
-        """Requests at a replica: this front's in flight, or as many as the replica says it has if more."""
-        return self.loads.load(name, self.pool.load(name))
 
     def queued(self) -> int:
         return sum(g.load for g in self.pool.gates.values())
@@ -131,7 +129,7 @@ class Upstreams(Backend):
         key = conversation_key(call.tenant, body, call.program, affinity)
         serving = self.pool.serving(model)
         self.loads.start()  # reading each replica's own load, from the first request on (a running loop)
-        routed = await self.router.order([u.name for u in serving if not u.fallback], key, affinity, self.load)
+        routed = await self.router.order([u.name for u in serving if not u.fallback], key, affinity, self.loads.load)
         opened = await self.pool.open(
             [self.pool.upstreams[name] for name in routed] + [u for u in serving if u.fallback],
             call.path,

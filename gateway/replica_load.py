@@ -1,6 +1,8 @@
 """What each replica says of its own load, read from its `/metrics`: requests running and waiting, and
 how full its KV cache is (vLLM's, SGLang's and kvgate's names). A front counts only the requests it
-sent; the replica's own figures count every front's, so two fronts over one fleet see one load.
+sent; the replica's own figures count every front's, so two fronts over one fleet see one load: a
+replica's load is this front's requests now, plus the others' as of the latest poll (what it reported
+less what this front had there then: a report taken mid-request does not outlive the request).
 
 A front polls every replica each `every_s` while it serves, where it has two or more to choose from. A
 replica that does not answer, or whose text names none of these gauges (a hosted API), reports
@@ -15,7 +17,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -36,6 +38,7 @@ class Report:
     waiting: float
     kv_usage: float | None  # 0..1; None: not exported (kvgate's KV lives in host memory and grows)
     at: float  # time.monotonic() when read
+    own: int = 0  # this front's requests there when it was read
 
     @property
     def requests(self) -> int:
@@ -71,10 +74,11 @@ class ReplicaLoads:
         self,
         names: Sequence[str],
         scrape: Callable[[Sequence[str], float], Awaitable[dict[str, str]]],
+        own: Callable[[str], int],
         every_s: float,
         spill_at: int,
     ) -> None:
-        self.names, self.scrape, self.every_s, self.spill_at = list(names), scrape, every_s, spill_at
+        self.names, self.scrape, self.own, self.every_s, self.spill_at = list(names), scrape, own, every_s, spill_at
         self.reports: dict[str, Report] = {}
         self.quiet: dict[str, float] = {}  # replicas that reported nothing: when to ask them again
         self.task: asyncio.Task | None = None
@@ -94,11 +98,13 @@ class ReplicaLoads:
 
     async def refresh(self) -> None:
         asked = [n for n in self.names if self.quiet.get(n, 0.0) <= time.monotonic()]
+        before = {n: self.own(n) for n in asked}
         texts = await self.scrape(asked, min(self.every_s, 2.0))
         now = time.monotonic()
         for name in asked:
             if (report := parse(texts.get(name, ""), now)) is not None:
-                self.reports[name] = report
+                # What this front had there while it was read (the most, so as not to count others twice).
+                self.reports[name] = replace(report, own=max(before[name], self.own(name)))
                 self.quiet.pop(name, None)
             else:
                 self.quiet[name] = now + QUIET_S
@@ -109,14 +115,14 @@ class ReplicaLoads:
             return None
         return report
 
-    def load(self, name: str, own: int) -> int:
-        """A replica's load: the requests this front has there (`own`), or as many as the replica says
-        it runs and queues for every front if more; as busy as `spill_at` when its KV is nearly full."""
-        report = self.reported(name)
+    def load(self, name: str) -> int:
+        """A replica's load: this front's requests there now, plus the other fronts' (and clients') as the
+        replica last said; as busy as `spill_at` when its KV is nearly full."""
+        own, report = self.own(name), self.reported(name)
         if report is None:
             return own
         full = self.spill_at if report.kv_usage is not None and report.kv_usage >= KV_FULL else 0
-        return max(own, report.requests, full)
+        return max(own + max(0, report.requests - report.own), full)
 
     async def close(self) -> None:
         if self.task is not None:

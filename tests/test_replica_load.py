@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -67,20 +68,26 @@ def test_a_text_naming_no_load_is_no_report(text: str) -> None:
     assert parse(text, 0.0) is None
 
 
-def loads(texts: dict[str, str], every_s: float = 1.0) -> ReplicaLoads:
+def loads(texts: dict[str, str], own: dict[str, int]) -> ReplicaLoads:
+    """Replicas a, b, c saying `texts`; this front's requests at each as `own` says (changed by the test)."""
+
     async def scrape(names, timeout_s):
         return {n: texts[n] for n in names if n in texts}
 
-    return ReplicaLoads(["a", "b", "c"], scrape, every_s, spill_at=4)
+    return ReplicaLoads(["a", "b", "c"], scrape, lambda name: own.get(name, 0), 1.0, spill_at=4)
 
 
 def test_a_replica_is_as_loaded_as_every_front_makes_it_and_as_busy_as_spill_at_when_its_kv_is_full() -> None:
-    found = loads({"a": VLLM, "b": SGLANG})
-    asyncio.run(found.refresh())
-    assert found.load("a", own=1) == 6  # 4 running and 2 waiting, from every front
-    assert found.load("a", own=9) == 9  # this front's own are fresher: never fewer than those
-    assert found.load("b", own=0) == 4  # 2 running, but its KV 97% full: as busy as spill_at
-    assert found.load("c", own=2) == 2  # no report (no answer): this front's count
+    own = {"a": 1, "c": 2}
+    found = loads({"a": VLLM, "b": SGLANG}, own)
+    asyncio.run(found.refresh())  # a says 6 (4 running, 2 waiting), 1 of them this front's
+    assert found.load("a") == 6
+    own["a"] = 3  # two more sent since: the others' 5 as last said, and this front's 3 now
+    assert found.load("a") == 8
+    own["a"] = 0  # this front's request ended since the poll: a report taken meanwhile does not outlive it
+    assert found.load("a") == 5
+    assert found.load("b") == 4  # 2 running, but its KV 97% full: as busy as spill_at
+    assert found.load("c") == 2  # no report (no answer): this front's count
 
 
 def test_a_replica_that_reports_nothing_is_asked_again_only_after_a_while() -> None:
@@ -90,7 +97,7 @@ def test_a_replica_that_reports_nothing_is_asked_again_only_after_a_while() -> N
         asked.append(list(names))
         return {"a": VLLM, "b": "<html>a hosted API's 404</html>"}
 
-    found = ReplicaLoads(["a", "b", "c"], scrape, 1.0, spill_at=4)
+    found = ReplicaLoads(["a", "b", "c"], scrape, lambda name: 0, 1.0, spill_at=4)
     asyncio.run(found.refresh())
     asyncio.run(found.refresh())
     assert asked == [["a", "b", "c"], ["a"]]
@@ -100,11 +107,10 @@ def test_a_replica_that_reports_nothing_is_asked_again_only_after_a_while() -> N
 
 
 def test_a_report_goes_stale_after_a_few_polls() -> None:
-    found = loads({"a": VLLM})
+    found = loads({"a": VLLM}, {"a": 1})
     asyncio.run(found.refresh())
-    report = found.reports["a"]
-    found.reports["a"] = Report(report.running, report.waiting, report.kv_usage, time.monotonic() - STALE_POLLS - 0.1)
-    assert found.load("a", own=1) == 1
+    found.reports["a"] = replace(found.reports["a"], at=time.monotonic() - STALE_POLLS - 0.1)
+    assert found.load("a") == 1
 
 
 def test_polling_runs_while_the_front_serves_and_stops_when_it_closes() -> None:
@@ -115,16 +121,20 @@ def test_polling_runs_while_the_front_serves_and_stops_when_it_closes() -> None:
         return {"a": KVGATE}
 
     async def serve() -> None:
-        found = ReplicaLoads(["a", "b"], scrape, 0.05, spill_at=4)
+        found = ReplicaLoads(["a", "b"], scrape, lambda name: 0, 0.05, spill_at=4)
         found.start()
         found.start()  # one poller, however often a request starts it
         await asyncio.sleep(0.3)
-        assert 3 <= len(calls) <= 8 and found.load("a", own=0) == 5
+        assert 3 <= len(calls) <= 8 and found.load("a") == 5
         await found.close()
         polled = len(calls)
         await asyncio.sleep(0.2)
         assert len(calls) == polled
-        for off in (ReplicaLoads(["a", "b"], scrape, 0.0, spill_at=4), ReplicaLoads(["a"], scrape, 1.0, spill_at=4)):
+        offs = [
+            ReplicaLoads(names, scrape, lambda name: 0, every, spill_at=4)
+            for names, every in ((["a", "b"], 0.0), (["a"], 1.0))
+        ]
+        for off in offs:
             off.start()  # turned off; or one replica: nothing to choose between
             assert off.task is None
 
