@@ -145,7 +145,13 @@ def test_a_429_whose_retry_after_is_too_long_goes_to_the_next_upstream_at_once(t
 
 def test_a_429_whose_retry_after_is_2_s_is_waited_for_on_the_same_upstream(tmp_path: Path) -> None:
     answers = iter([json_answer({"error": {"message": "slow down"}}, 429, {"retry-after": "2"})])
-    limited = RawUpstream(lambda seen: next(answers, None) or json_answer(completion("after the wait")))
+    limited = RawUpstream(  # the script is the chats' (the front's read of /metrics, racing them, gets a 404)
+        lambda seen: (
+            json_answer({}, 404)
+            if seen.path == "/metrics"
+            else next(answers, None) or json_answer(completion("after the wait"))
+        )
+    )
     other = RawUpstream(lambda seen: json_answer(completion("from the next one")))
     with limited, other, serving(front(tmp_path, limited.url, other.url), None) as url:
         started = time.monotonic()
