@@ -6,7 +6,8 @@ less what this front had there then: a report taken mid-request does not outlive
 
 A front polls every replica each `every_s` while it serves, where it has two or more to choose from. A
 replica that does not answer, or whose text names none of these gauges (a hosted API), reports
-nothing: the front's own count stands alone, and it is asked again only after `QUIET_S`. A report
+nothing: the front's own count stands alone, and after `SILENT_POLLS` such polls in a row it is asked
+again only after `QUIET_S` (one slow answer from a busy replica does not silence it). A report
 older than `STALE_POLLS` polls is not believed either."""
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs", "kvgate_reque
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "kvgate_requests_waiting")
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
 STALE_POLLS = 3  # a report this many polls old is no longer believed
-QUIET_S = 60.0  # a replica that reported nothing is asked again after this long
+QUIET_S = 60.0  # a replica that keeps reporting nothing is asked again after this long
+SILENT_POLLS = 3  # polls in a row without a report that make a replica quiet
+TIMEOUT_S = 2.0  # a replica's /metrics that takes longer says nothing this poll
 KV_FULL = 0.95  # a replica whose KV is this full evicts what a conversation left there: it counts as busy
 
 
@@ -80,7 +83,8 @@ class ReplicaLoads:
     ) -> None:
         self.names, self.scrape, self.own, self.every_s, self.spill_at = list(names), scrape, own, every_s, spill_at
         self.reports: dict[str, Report] = {}
-        self.quiet: dict[str, float] = {}  # replicas that reported nothing: when to ask them again
+        self.silent: dict[str, int] = {}  # polls in a row each replica reported nothing
+        self.quiet: dict[str, float] = {}  # replicas that kept reporting nothing: when to ask them again
         self.task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -99,15 +103,17 @@ class ReplicaLoads:
     async def refresh(self) -> None:
         asked = [n for n in self.names if self.quiet.get(n, 0.0) <= time.monotonic()]
         before = {n: self.own(n) for n in asked}
-        texts = await self.scrape(asked, min(self.every_s, 2.0))
+        texts = await self.scrape(asked, TIMEOUT_S)
         now = time.monotonic()
         for name in asked:
             if (report := parse(texts.get(name, ""), now)) is not None:
                 # What this front had there while it was read (the most, so as not to count others twice).
                 self.reports[name] = replace(report, own=max(before[name], self.own(name)))
-                self.quiet.pop(name, None)
+                self.silent.pop(name, None)
+            elif (silent := self.silent.get(name, 0) + 1) >= SILENT_POLLS:
+                self.quiet[name], self.silent[name] = now + QUIET_S, 0
             else:
-                self.quiet[name] = now + QUIET_S
+                self.silent[name] = silent
 
     def reported(self, name: str) -> Report | None:
         report = self.reports.get(name)
