@@ -15,7 +15,7 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvgate.gateway import admin, errors, logs, responses, routes
+from kvgate.gateway import admin, errors, logs, messages, responses, routes
 from kvgate.gateway.backend import Backend
 from kvgate.gateway.errors import APIError, internal
 from kvgate.gateway.keys import Keys, authenticate, redis_down
@@ -69,7 +69,7 @@ class RequestId:
             log.exception("request %s failed", request_id)
             if started:  # too late for an error response; the server ends the connection
                 raise
-            await send_json(send_with_id, internal(exc))
+            await send_json(send_with_id, internal(exc), scope["path"])
 
 
 class BodyLimit:
@@ -85,7 +85,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
-            return await self.reject(send)
+            return await self.reject(send, scope["path"])
         parts, size = [], 0
         while True:
             message = await receive()
@@ -94,7 +94,7 @@ class BodyLimit:
             parts.append(message.get("body", b""))
             size += len(parts[-1])
             if size > self.limit:
-                return await self.reject(send)
+                return await self.reject(send, scope["path"])
             if not message.get("more_body", False):
                 break
         body = b"".join(parts)
@@ -109,14 +109,14 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def reject(self, send: Send) -> None:
+    async def reject(self, send: Send, path: str) -> None:
         error = APIError(413, f"the request body is larger than {self.limit} bytes", code="request_too_large")
-        await send_json(send, error)
+        await send_json(send, error, path)
 
 
-async def send_json(send: Send, error: APIError) -> None:
+async def send_json(send: Send, error: APIError, path: str) -> None:
     """An error response, sent from a middleware (below the app's exception handlers)."""
-    body = json.dumps(error.body()).encode()
+    body = json.dumps(error.body_for(path)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.encode(), v.encode()) for k, v in error.headers.items()]
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
@@ -166,6 +166,7 @@ def create_app(settings: Settings, backend: Backend) -> FastAPI:
         app.add_exception_handler(outage, redis_down)
     app.include_router(routes.router, dependencies=[Depends(authenticate)])
     app.include_router(responses.router, dependencies=[Depends(authenticate)])
+    app.include_router(messages.router, dependencies=[Depends(authenticate)])
     app.include_router(admin.router)
     app.include_router(admin.keys_router)
     described = app.openapi

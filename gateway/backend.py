@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvgate.gateway.errors import APIError
 from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
@@ -101,6 +102,10 @@ class Backend(ABC):
 
     @abstractmethod
     async def add_document(self, text: str, raw: bytes, tenant: str, request_id: str) -> Reply: ...
+
+    async def count_tokens(self, call: Call) -> int:
+        """The tokens of a chat call's prompt as the model reads it (template, tools, documents), nothing generated."""
+        raise APIError(404, "this backend does not count tokens", code="unsupported_route")
 
     @abstractmethod
     async def document(self, method: str, document_id: str, tenant: str, request_id: str) -> Reply:

@@ -168,7 +168,9 @@ def chat_answer(
         said = {"role": "assistant", "content": f.text} if calls is None else message(calls(), f.text)
         finish = "tool_calls" if "tool_calls" in said and f.finish_reason == "stop" else f.finish_reason
         lps = chat_logprobs(tb, f.logprobs) if tb is not None else None
-        choices.append({"index": i, "message": said, "logprobs": lps, "finish_reason": finish})
+        choices.append(
+            {"index": i, "message": said, "logprobs": lps, "finish_reason": finish, "stop_reason": f.stop_reason}
+        )
     return {**head, "object": "chat.completion", "choices": choices, "usage": counted}
 
 
@@ -181,6 +183,7 @@ def completion_answer(
             "text": echo[i] + f.text,
             "logprobs": completion_logprobs(tb, f.logprobs, 0) if tb is not None else None,
             "finish_reason": f.finish_reason,
+            "stop_reason": f.stop_reason,
         }
         for i, f in sorted(done.items())
     ]
@@ -210,7 +213,8 @@ def chat_chunks(
         if out.finish_reason is not None:
             called = index in streams and streams[index].calls and out.finish_reason == "stop"
             finish = "tool_calls" if called else out.finish_reason
-            found.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish})
+            ended = {"finish_reason": finish, "stop_reason": out.stop_reason}
+            found.append({"index": index, "delta": {}, "logprobs": None} | ended)
         return found
 
     return chunks
@@ -228,6 +232,7 @@ def completion_chunks(tb: TokenBytes, logprobs: int | None) -> Callable[[int, Ou
         if logprobs is not None:
             lps = completion_logprobs(tb, out.logprobs, offsets.get(index, 0))
             offsets[index] = offsets.get(index, 0) + sum(map(len, lps["tokens"]))
-        return [{"index": index, "text": out.text, "logprobs": lps, "finish_reason": out.finish_reason}]
+        chunk = {"index": index, "text": out.text, "logprobs": lps, "finish_reason": out.finish_reason}
+        return [chunk | ({"stop_reason": out.stop_reason} if out.finish_reason is not None else {})]
 
     return chunks

@@ -1,4 +1,5 @@
-"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}} with the right status."""
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}} with the right status; on
+Anthropic's routes (/v1/messages) in its shape: {"type": "error", "error": {"type", "message"}}."""
 
 from __future__ import annotations
 
@@ -24,6 +25,32 @@ TYPES = {
     503: "server_error",
     504: "server_error",
 }
+
+
+# An OpenAI error type's status, for an error that arrives as a body (mid-stream) without one.
+STATUS_OF = {kind: status for status, kind in reversed(TYPES.items())}
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_ROUTES = "/v1/messages"
+
+
+def anthropic_error(status: int, message: str) -> dict[str, Any]:
+    kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def speaks_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_ROUTES or path.startswith(ANTHROPIC_ROUTES + "/")
 
 
 class AsciiJSON(JSONResponse):
@@ -57,8 +84,12 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
-        return AsciiJSON(self.body(), status_code=self.status, headers=self.headers)
+    def body_for(self, path: str) -> dict[str, Any]:
+        """The body in the shape of the API `path` belongs to; Anthropic's has no param: its message names it."""
+        return anthropic_error(self.status, self.message) if speaks_anthropic(path) else self.body()
+
+    def response(self, path: str = "") -> JSONResponse:
+        return AsciiJSON(self.body_for(path), status_code=self.status, headers=self.headers)
 
 
 def internal(exc: Exception) -> APIError:
@@ -101,16 +132,16 @@ def from_validation(exc: RequestValidationError) -> APIError:
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return from_validation(exc).response()
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation(exc).response(request.url.path)
 
     @app.exception_handler(HTTPException)
-    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if exc.status_code == 404:
             message = "not found: no such route"
-        return APIError(exc.status_code, message).response()
+        return APIError(exc.status_code, message).response(request.url.path)

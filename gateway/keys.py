@@ -262,10 +262,11 @@ def bearer(request: Request) -> str:
 async def authenticate(request: Request) -> None:
     """Sets request.state.tenant and .key, and counts the request against the key's rate limits."""
     keys: Keys = request.app.state.keys
-    token = bearer(request)
+    token = bearer(request) or request.headers.get("x-api-key", "").strip()  # Anthropic's clients send x-api-key
     key = await keys.find(token) if token else None
     if key is None and keys.required:
-        said = "Incorrect API key provided." if token else "You didn't provide an API key (Authorization: Bearer)."
+        missing = "You didn't provide an API key (Authorization: Bearer, or x-api-key)."
+        said = "Incorrect API key provided." if token else missing
         raise APIError(401, said, code="invalid_api_key")
     request.state.key = key
     request.state.tenant = key.tenant if key else await keys.named(token)
@@ -321,4 +322,4 @@ async def redis_down(request: Request, exc: Exception) -> JSONResponse:
     """The answer when Redis, which holds created keys and what the admin routes change, does not answer."""
     log.warning("%s %s: redis did not answer (%s)", request.method, request.url.path, type(exc).__name__)
     said = "Redis (keys, the semantic cache) is not answering; retry shortly."
-    return APIError(503, said, code="redis_unavailable", headers={"retry-after": "1"}).response()
+    return APIError(503, said, code="redis_unavailable", headers={"retry-after": "1"}).response(request.url.path)

@@ -52,6 +52,7 @@ from kvgate.runtime.tools import detect, prepare
 
 JSON = {"content-type": "application/json"}
 Render = Callable[[int, Output], list[dict[str, Any]]]
+Dicts = list[dict[str, Any]]
 
 
 class Local(Backend):
@@ -125,34 +126,13 @@ class Local(Backend):
 
     async def chat(self, call: Call, body: ChatCompletionRequest) -> Reply:
         await self.admission.screen(call.tenant, 1, body.n)  # 400, 429 or 503 before any work (run admits)
-        messages = [m.for_template(i) for i, m in enumerate(body.messages)]
-        given = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        shown, tools = prepare(self.tool_format, messages, given)
         lark, incremental = constraint(body, self.tool_format)
-        options = body.kvgate
-        chat = Chat(
-            shown,
-            tools=tools,
-            add_generation_prompt=body.add_generation_prompt,
-            documents=[d.model_dump(exclude_none=True) for d in body.documents] if body.documents else None,
-            # Unset, the request's kind decides: blend for documents, kvcomm for a program's spans.
-            mode=options.reuse if options is not None and "reuse" in options.model_fields_set else None,
-            ratio=options.recompute_ratio if options is not None else None,
-            program=call.program,
-            scope=self.scope(call.tenant),
-            tenant=call.tenant,
-        )
         try:  # off the event loop: rendering and tokenizing a long prompt takes seconds
             grammar = await asyncio.to_thread(self.engine.grammars.compile, lark) if lark is not None else None
         except GrammarError as exc:
             param = "tools" if body.calls_tools else "response_format"
             raise bad_request(f"the schema cannot be used for constrained decoding: {exc}", param) from exc
-        try:
-            prompt, plan = await asyncio.to_thread(self.planner.chat, chat)
-        except TemplateError as exc:
-            raise bad_request(str(exc), "messages", "invalid_messages") from exc
-        except DocumentNotFound as exc:
-            raise APIError(404, str(exc), f"documents.{exc.index}.id", "document_not_found") from exc
+        messages, given, prompt, plan = await self.prompt(call, body)
         program = call.program or await self.continued(call.tenant, given, messages)
         turn = None
         if program is not None:
@@ -229,6 +209,36 @@ class Local(Backend):
                 keep = turn if index == 0 or turn is None else replace(turn, keep="", pin_s=0.0)
                 choices.append(Choice(index, ids, params, plan, keep, tenant))
         return choices
+
+    async def prompt(self, call: Call, body: ChatCompletionRequest) -> tuple[Dicts, Dicts | None, list[int], Plan]:
+        """The messages and tools as the template reads them, the prompt's tokens and their plan."""
+        messages = [m.for_template(i) for i, m in enumerate(body.messages)]
+        given = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        shown, tools = prepare(self.tool_format, messages, given)
+        options = body.kvgate  # its reuse unset: the request's kind decides (blend for documents, kvcomm for spans)
+        chat = Chat(
+            shown,
+            tools=tools,
+            add_generation_prompt=body.add_generation_prompt,
+            documents=[d.model_dump(exclude_none=True) for d in body.documents] if body.documents else None,
+            mode=options.reuse if options is not None and "reuse" in options.model_fields_set else None,
+            ratio=options.recompute_ratio if options is not None else None,
+            program=call.program,
+            scope=self.scope(call.tenant),
+            tenant=call.tenant,
+        )
+        try:
+            prompt, plan = await asyncio.to_thread(self.planner.chat, chat)
+        except TemplateError as exc:
+            raise bad_request(str(exc), "messages", "invalid_messages") from exc
+        except DocumentNotFound as exc:
+            raise APIError(404, str(exc), f"documents.{exc.index}.id", "document_not_found") from exc
+        return messages, given, prompt, plan
+
+    async def count_tokens(self, call: Call) -> int:
+        assert isinstance(call.parsed, ChatCompletionRequest)
+        self.generates(call.model)
+        return len((await self.prompt(call, call.parsed))[2])
 
     async def continued(
         self, tenant: str, tools: list[dict[str, Any]] | None, messages: list[dict[str, Any]]

@@ -9,6 +9,7 @@ import json
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
+from functools import partial
 from typing import Any
 from urllib.parse import quote
 
@@ -117,12 +118,7 @@ class Upstreams(Backend):
             ours = ("kvgate" in body or "documents" in body) and not upstream.worker
             if named == model and not changed and not ours:
                 return call.raw
-            kept = (
-                sent_body
-                if upstream.worker
-                else pasted_documents({k: v for k, v in sent_body.items() if k != "kvgate"})
-            )
-            return json.dumps({**kept, "model": named}).encode()
+            return json.dumps({**shown_to(upstream, sent_body), "model": named}).encode()
 
         tenant_program = None if call.program is None else f"{call.tenant}/{call.program}"
         affinity = self.affinity(body)
@@ -147,6 +143,25 @@ class Upstreams(Backend):
         else:
             reply.events = relay.events()
         return reply
+
+    async def count_tokens(self, call: Call) -> int:
+        """Counted where the model is, by the upstream's /tokenize (vLLM's, SGLang's and kvgate's): the chat
+        body as generate sends it (documents pasted into the prompt for an engine that is not kvgate's)."""
+
+        def payload(upstream: Upstream) -> bytes:
+            return json.dumps({**shown_to(upstream, call.body), "model": upstream.model_name(call.model)}).encode()
+
+        sent = partial(headers_for, call.request_id, call.tenant)
+        opened = await self.pool.open(self.pool.serving(call.model), "/tokenize", payload, lambda u: sent(u.worker))
+        status, content = opened.status, await whole(opened, self.limit)
+        try:
+            answer = json.loads(content)
+        except ValueError:
+            answer = None
+        if status == 200 and isinstance(answer, dict) and isinstance(answer.get("count"), int):
+            return answer["count"]
+        said = f"upstream {opened.upstream.name} did not count the tokens (status {status} on /tokenize)"
+        raise APIError(502 if status == 200 else status, said, code="upstream_error")
 
     # ---- documents: only kvgate's own workers keep them; a document's text never goes elsewhere ----
 
@@ -224,6 +239,12 @@ def releasing(
             release()
 
     return closing
+
+
+def shown_to(upstream: Upstream, body: dict[str, Any]) -> dict[str, Any]:
+    """The body as an upstream reads it: as sent for kvgate's workers; another engine gets the documents
+    pasted into the prompt and not kvgate's options."""
+    return body if upstream.worker else pasted_documents({k: v for k, v in body.items() if k != "kvgate"})
 
 
 def text_key(text: str) -> str:

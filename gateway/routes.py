@@ -46,6 +46,19 @@ async def embeddings(request: Request) -> Response:
     return await answer(request, "/v1/embeddings", None)
 
 
+@router.post("/tokenize")
+async def tokenize(request: Request) -> dict[str, Any]:
+    """vLLM's /tokenize, for a chat (its messages, tools and documents): the count of the prompt's tokens as
+    the model reads it, nothing generated (the token ids themselves are not given)."""
+    raw = await request.body()
+    body = read(raw, model=True)
+    parsed = validated(ChatCompletionRequest, body, strict=True)
+    check_model(request, body["model"])
+    backend: Backend = request.app.state.backend
+    call = Call("/tokenize", body, raw, body["model"], request.state.tenant, request.state.request_id, None, parsed)
+    return {"count": await backend.count_tokens(call)}
+
+
 @router.post("/v1/cache/feedback")
 async def cache_feedback(request: Request) -> dict[str, Any]:
     """The caller says a semantic-cache hit was wrong, by the completion's id: the error bound learns

@@ -65,6 +65,7 @@ class Output:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    stop_reason: str | int | None = None  # what stopped it, as vLLM says: the stop string or token id matched
     cached_tokens: int = 0  # prompt tokens whose KV came from a cache and was kept
     recomputed_tokens: int = 0  # cached prompt tokens computed again (blend)
     reuse: str = ""  # how the prompt's KV was made, when documents were reused; and why if not as asked
@@ -79,6 +80,7 @@ class Result:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -90,7 +92,7 @@ class Result:
         self.text += out.text
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs
-        self.finish_reason = out.finish_reason
+        self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
         self.prompt_tokens, self.completion_tokens = out.prompt_tokens, out.completion_tokens
         self.cached_tokens, self.recomputed_tokens, self.reuse = out.cached_tokens, out.recomputed_tokens, out.reuse
         self.fidelity = out.fidelity
@@ -111,6 +113,7 @@ class Sequence:
     pending_ids: list[int] = field(default_factory=list)  # tokens not yet handed out
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
     generator: torch.Generator | None = None
     plan: Plan | None = None
     turn: Turn | None = None
@@ -165,6 +168,7 @@ class Sequence:
         p = self.params
         if token_id in p.stop_token_ids or (token_id in self.eos_ids and not p.ignore_eos):
             self.finish_reason = "stop"
+            self.stop_reason = token_id if token_id in p.stop_token_ids else None
         else:
             self.text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
             self.check_stop_strings()
@@ -178,9 +182,10 @@ class Sequence:
             return
         # Only the tail can hold a new match: the last token's text plus a stop string's length.
         window = max(self.sent - max(map(len, self.params.stop)), 0)
-        hits = [i for s in self.params.stop if (i := self.text.find(s, window)) >= 0]
+        hits = [(i, s) for s in self.params.stop if (i := self.text.find(s, window)) >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, self.stop_reason = min(hits)
+            self.text = self.text[:at]
             self.finish_reason = "stop"
 
     def take_output(self) -> Output | None:
@@ -201,6 +206,7 @@ class Sequence:
             token_ids=self.pending_ids,
             logprobs=self.pending_logprobs,
             finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
             prompt_tokens=len(self.prompt_ids),
             completion_tokens=len(self.output_ids),
             cached_tokens=self.cached_tokens,

@@ -41,7 +41,7 @@ KEYS: dict[str, Any] = {
     "sha256:" + hashlib.sha256(b"sk-upper").hexdigest().upper(): "upper",
 }
 PEER = "203.0.113.1"
-MISSING = "You didn't provide an API key (Authorization: Bearer)."
+MISSING = "You didn't provide an API key (Authorization: Bearer, or x-api-key)."
 WRONG = "Incorrect API key provided."
 REDIS_SAID = "Redis (keys, the semantic cache) is not answering; retry shortly."
 

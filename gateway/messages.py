@@ -1,0 +1,76 @@
+"""/v1/messages (Anthropic's Messages API, as the anthropic SDK, Claude Code and the frameworks'
+Anthropic clients call it), answered through chat completions, so every backend serves it: the
+request becomes a chat completion body (gateway/messages_protocol.py), which goes the chat route's
+way (keys, the semantic cache, the backend, accounting; programs without markup, documents), and its
+answer, whole or streamed, becomes a Message (gateway/messages_output.py). Errors are in Anthropic's
+shape (gateway/errors.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from kvgate.gateway.backend import Backend, Call
+from kvgate.gateway.errors import APIError
+from kvgate.gateway.messages_output import Translator, message_of, new_id, skeleton
+from kvgate.gateway.messages_protocol import CountRequest, MessagesRequest, chat_body, refuse_unsupported
+from kvgate.gateway.programs import program_of
+from kvgate.gateway.protocol import ChatCompletionRequest
+from kvgate.gateway.render import SSE_HEADERS, dumps
+from kvgate.gateway.responses import chat_answer, plain, whole
+from kvgate.gateway.responses_stream import chat_chunks
+from kvgate.gateway.routes import Relayed, check_model, generate, read, relay, validated
+
+router = APIRouter()
+CHAT = "/v1/chat/completions"  # the route every message is answered through
+TOKENIZE = "/tokenize"  # and every count made
+JSON = {"content-type": "application/json"}
+
+
+@router.post("/v1/messages")
+async def create(request: Request) -> Response:
+    body = read(await request.body(), model=True)
+    req: MessagesRequest = validated(MessagesRequest, body, strict=True)
+    refuse_unsupported(req)
+    check_model(request, req.model)
+    chat = chat_body(req, body, stream=req.stream)
+    parsed = validated(ChatCompletionRequest, chat, strict=True)
+    options = body.get("kvgate") if isinstance(body.get("kvgate"), dict) else {}
+    program = program_of(request, options.get("program_id"))
+    tenant, request_id = request.state.tenant, request.state.request_id
+    got = await generate(request, Call(CHAT, chat, dumps(chat), req.model, tenant, request_id, program, parsed))
+    message_id, stops = new_id(), req.stop_sequences or []
+    if got.reply.status != 200:  # an upstream's refusal, in Anthropic's shape
+        raise refused(got.reply.status, await whole(request, got), plain(got.headers))
+    if got.reply.events is None:
+        message = message_of(chat_answer(await whole(request, got)), message_id, req.model, stops)
+        return Response(dumps(message), headers=plain(got.headers) | JSON)
+    events = Translator(skeleton(message_id, req.model), stops).events(chat_chunks(relay(request, got)))
+    return Relayed(events, got.reply, headers=SSE_HEADERS | plain(got.headers))
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request) -> dict[str, Any]:
+    """The prompt's tokens as the model reads it (its chat template, tools and documents), nothing generated."""
+    body = read(await request.body(), model=True)
+    req: CountRequest = validated(CountRequest, body, strict=True)
+    refuse_unsupported(req)
+    check_model(request, req.model)
+    chat = chat_body(req, body)
+    parsed = validated(ChatCompletionRequest, chat | {"max_tokens": 1}, strict=True)
+    backend: Backend = request.app.state.backend
+    tenant, request_id = request.state.tenant, request.state.request_id
+    tokens = await backend.count_tokens(Call(TOKENIZE, chat, dumps(chat), req.model, tenant, request_id, None, parsed))
+    return {"input_tokens": tokens}
+
+
+def refused(status: int, content: bytes, headers: dict[str, str]) -> APIError:
+    """An upstream's error answer, its message kept."""
+    try:
+        message = chat_answer(content).get("error", {}).get("message")
+    except APIError:
+        message = None
+    said = message if isinstance(message, str) else f"the upstream answered {status}"
+    return APIError(status, said, headers=headers)
