@@ -118,8 +118,7 @@ def test_a_second_turn_continues_the_first_on_its_kv(client, base_url, model_nam
 def test_output_items_sent_back_continue_their_chain(client, model_name):
     """A client that resends the whole conversation (the Agents SDK) continues the chain of the output items in it."""
     asked = said("user", "Name a fruit.")
-    # Greedy: a sampled answer may be tokens its own text does not tokenize back to (a CI run drew one), and
-    # then the resent conversation matches the chain's KV only up to the answer
+    # Greedy: a sampled answer may be tokens its text does not tokenize back to (CI drew one: reuse stopped there)
     raw = client.responses.with_raw_response.create(model=model_name, input=[asked], max_output_tokens=6, temperature=0)
     first, program = raw.parse(), raw.headers["x-kvgate-program-id"]
     assert program == "responses:" + first.id.removeprefix("resp_")
