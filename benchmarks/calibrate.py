@@ -130,9 +130,24 @@ def calibrate(
             "(top-1: teacher-forced agreement with full prefill over the first 32 answer positions; "
             "kl: first-token KL).\n\n"
             + curve_table
+            + "\n\nThe table served (what a request of that many documents gets: the smallest ratio meeting both "
+            + "`fidelity_kl` and `fidelity_top1`, else full prefill):\n\n"
+            + served_table(cal)
             + f"\n\nResult: {choice}. Deviation limit (served requests above it get a larger ratio): "
             f"{limit_text} = {MARGIN:g} x the largest per-item key deviation seen. "
             f"Took {time.perf_counter() - began:.0f} s."
         )
         write_section(report, "calibration", "Calibration of the blend ratio", command, body)
     return cal, where
+
+
+def served_table(cal: Calibration) -> str:
+    """The per-document-count table as served: each ratio's first-token KL and top-1 over 32 positions."""
+    counts = sorted(cal.table, key=int)
+    ratios = sorted({r for n in counts for r in cal.table[n]}, key=float)
+    rows = [[f"{100 * float(r):g}%", *(cell(cal.table[n].get(r)) for n in counts)] for r in ratios]
+    return table(["ratio", *(f"{n} documents: KL, top-1" for n in counts)], rows)
+
+
+def cell(measured: dict[str, float] | None) -> str:
+    return "-" if measured is None else f"{measured['kl']:.3f}, {100 * measured['top1']:.1f}%"

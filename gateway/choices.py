@@ -36,7 +36,13 @@ class Choice:
 
 
 def sampling_params(
-    body: Sampling, max_tokens: int, logprobs: int | None, vocab_size: int, choice: int, grammar: str | None = None
+    body: Sampling,
+    max_tokens: int,
+    logprobs: int | None,
+    vocab_size: int,
+    choice: int,
+    grammar: str | None = None,
+    calls: tuple[str, str] | None = None,
 ) -> SamplingParams:
     bias: dict[int, float] = {}
     for key, value in (body.logit_bias or {}).items():
@@ -67,6 +73,7 @@ def sampling_params(
         logit_bias=bias,
         logprobs=logprobs,
         grammar=grammar,
+        calls=calls,
     )
 
 

@@ -41,7 +41,7 @@ from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest, Sa
 from kvgate.gateway.render import dumps, response_head, sse, sse_error, usage
 from kvgate.gateway.settings import Settings
 from kvgate.gateway.tool_times import RedisToolTimes
-from kvgate.gateway.toolcalls import CallStream, constraint, message
+from kvgate.gateway.toolcalls import CallStream, constraint, message, repeat_guard
 from kvgate.runtime.costs import EngineCosts
 from kvgate.runtime.engine import Engine, PromptTooLong, Result
 from kvgate.runtime.grammar import GrammarError
@@ -191,10 +191,10 @@ class Local(Backend):
         grammar: str | None = None,
         tenant: str = "",
     ) -> list[Choice]:
-        """The engine's work for a request: n choices per prompt, the tenant's. Only the first choice
-        of a program's turn keeps its context for the next turn. `run` admits them (or refuses them
-        all) before any reaches the engine."""
+        """The engine's work for a request: n choices per prompt, the tenant's. Only the first choice of a
+        program's turn keeps its context for the next one. `run` admits them (or none) before any runs."""
         param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        calls = repeat_guard(body, self.tool_format) if self.settings.repeated_tool_calls == "end" else None
         choices = []
         for p, ids in enumerate(prompts):
             try:
@@ -205,7 +205,7 @@ class Local(Backend):
             limit = max_tokens or self.engine.max_model_len - len(ids)
             for i in range(body.n):
                 index = p * body.n + i
-                params = sampling_params(body, limit, logprobs, len(self.tokenizer), index, grammar)
+                params = sampling_params(body, limit, logprobs, len(self.tokenizer), index, grammar, calls)
                 keep = turn if index == 0 or turn is None else replace(turn, keep="", pin_s=0.0)
                 choices.append(Choice(index, ids, params, plan, keep, tenant))
         return choices

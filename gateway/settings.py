@@ -58,6 +58,10 @@ class Settings(BaseSettings):
     chunk_cache_redis_codec: Literal["int8", "int4"] | None = None
     chunk_cache_lmcache_bytes: int = Field(0, ge=0)  # > 0: an LMCache tier (needs kvgate[lmcache])
     recompute_ratio: float | None = Field(None, ge=0.0, le=1.0)
+    shipped_calibration: bool = True  # no `kvgate calibrate` result here: the one kvgate ships for the model
+    # end: a tool call the model writes again word for word ends its answer before it (a small model's loop);
+    # keep: every call as written, as OpenAI and vLLM pass them on
+    repeated_tool_calls: Literal["end", "keep"] = "end"
     blend_select: Literal["deviation", "attention"] = "deviation"  # which reused tokens blend recomputes
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     semantic_cache: bool = True  # the semantic response cache
@@ -244,6 +248,7 @@ class Settings(BaseSettings):
             threads=self.threads,
             chunk_cache=self.chunk_cache_config(),
             recompute_ratio=self.recompute_ratio,
+            shipped_calibration=self.shipped_calibration,
             blend_select=self.blend_select,
             queue_order=self.queue_order,
             kvcomm_ratio=self.kvcomm_recompute_ratio,

@@ -232,3 +232,10 @@ def constraint(body: ChatCompletionRequest, fmt: ToolFormat) -> tuple[str | None
     if fmt.open:  # auto: free text, or a JSON answer, until the model opens a call
         return calls_grammar(fmt, Calls(functions, False, body.parallel_tool_calls), answer), True
     return (json_grammar(answer) if answer is not None else None), False
+
+
+def repeat_guard(body: Any, fmt: ToolFormat) -> tuple[str, str] | None:
+    """The tags a repeated call is found by (runtime/sequence.py ends the answer before one), where a chat's
+    answer may hold calls written between tags."""
+    calls = isinstance(body, ChatCompletionRequest) and body.calls_tools
+    return (fmt.open.strip(), fmt.close.strip()) if calls and fmt.open.strip() else None

@@ -71,6 +71,15 @@ def path(cache_dir: Path, model_fp: str) -> Path:
     return Path(cache_dir) / "calibration" / f"{model_fp[:16]}.json"
 
 
+SHIPPED = Path(__file__).parent / "calibrations"  # what `kvgate calibrate` measured for the models kvgate ships
+
+
+def find(cache_dir: Path, model_fp: str, shipped: bool = True) -> Calibration | None:
+    """The model's calibration: the one `kvgate calibrate` made here, else (`shipped`) the one kvgate ships
+    for it (the same weights in the same dtype: the fingerprint says so), else none."""
+    return load(path(cache_dir, model_fp)) or (load(SHIPPED / f"{model_fp[:16]}.json") if shipped else None)
+
+
 def save(cal: Calibration, where: Path) -> None:
     """Write atomically: a reader sees the old file or the new one, never half of one."""
     write_atomic(where, json.dumps(asdict(cal), indent=2))

@@ -55,6 +55,9 @@ class EngineConfig:
     queue_order: str = "fcfs"
     # Blend's recompute ratio; None: the calibrated one (`kvgate calibrate`), else the default.
     recompute_ratio: float | None = None
+    # Without a calibration of its own here, the one kvgate ships for the model (runtime/calibrations); the
+    # server's settings turn it on, an engine built by hand (a benchmark's, a test's) runs uncalibrated.
+    shipped_calibration: bool = False
     # Which reused tokens blend recomputes: "deviation" (CacheBlend's) or "attention" (weighted by what
     # the question pays each; runtime/blend.py).
     blend_select: str = "deviation"

@@ -16,8 +16,7 @@ from kvgate.chunk_cache import ChunkStore
 from kvgate.runtime.blend import BlendConfig
 from kvgate.runtime.caching import make_caches
 from kvgate.runtime.calibration import Calibration, model_fingerprint
-from kvgate.runtime.calibration import load as load_calibration
-from kvgate.runtime.calibration import path as calibration_path
+from kvgate.runtime.calibration import find as find_calibration
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.grammar import GrammarError, Grammars
 from kvgate.runtime.kv import KVCache, Pool
@@ -61,7 +60,7 @@ class Engine:
             getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads,
         )
         self.model_fp = model_fingerprint(self.loaded)
-        self.calibration = load_calibration(calibration_path(config.cache_dir, self.model_fp))
+        self.calibration = find_calibration(config.cache_dir, self.model_fp, config.shipped_calibration)
         self.reuser = self.make_reuser(self.calibration)
         self.grammars = Grammars(self.tokenizer, self.loaded.eos_token_ids)
         self.times = StepTimes()

@@ -25,6 +25,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # None: no logprobs; k: the chosen token's plus the top k
     grammar: str | None = None  # compiled (runtime/grammar.py): what the output must match
+    # A tool format's open and close tags: a call written again word for word ends the answer before it.
+    calls: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)

@@ -172,6 +172,7 @@ class Sequence:
         else:
             self.text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
             self.check_stop_strings()
+            self.check_repeated_call()
         if self.finish_reason is None and (
             len(self.output_ids) >= p.max_tokens or len(self.prompt_ids) + len(self.output_ids) >= self.max_len
         ):
@@ -188,6 +189,29 @@ class Sequence:
             self.text = self.text[:at]
             self.finish_reason = "stop"
 
+    def check_repeated_call(self) -> None:
+        """A tool call written again word for word is a loop, not a second call (a small model that repeats
+        one, greedy, repeats it until max_tokens): the answer ends before it, its calls made."""
+        if self.params.calls is None or self.finish_reason is not None:
+            return
+        opening, closing = self.params.calls
+        at = self.text.rfind(opening)
+        end = self.text.find(closing, at) if at >= 0 else -1
+        if end >= 0 and self.text[at : end + len(closing)] in self.text[:at]:
+            self.text, self.finish_reason = self.text[:at], "stop"
+
+    def repeating(self) -> int:
+        """Where a tool call that so far repeats an earlier one word for word begins (held back: it may be a
+        loop, which check_repeated_call cuts), else the text's length."""
+        opening, closing = self.params.calls or ("", "")
+        if not opening:
+            return len(self.text)
+        part = next((k for k in range(len(opening) - 1, 0, -1) if self.text.endswith(opening[:k])), 0)
+        start = len(self.text) - part if part else self.text.rfind(opening)
+        if start < 0 or closing in self.text[start:] or self.text[start:] not in self.text[:start]:
+            return len(self.text)
+        return start
+
     def take_output(self) -> Output | None:
         """New text since the last call; None when nothing can be handed out yet."""
         done = self.finish_reason is not None
@@ -198,6 +222,7 @@ class Sequence:
                 end -= max(map(len, self.params.stop)) - 1
             if self.text.endswith("\ufffd"):
                 end = min(end, len(self.text) - 1)
+            end = min(end, self.repeating())
         end = max(end, self.sent)
         if not done and end == self.sent and not self.pending_logprobs:
             return None

@@ -14,7 +14,7 @@ import pytest
 from kvgate.bench.calibrate import deviation_limit
 from kvgate.bench.fidelity import Scores
 from kvgate.runtime.blend import BlendConfig
-from kvgate.runtime.calibration import Calibration, load, model_fingerprint, path, pick_ratio, save
+from kvgate.runtime.calibration import Calibration, find, load, model_fingerprint, path, pick_ratio, save
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel
@@ -200,3 +200,15 @@ def test_the_engine_blends_as_its_stored_calibration_says(
         assert blended.recomputed_tokens == round(recomputed * reused)
     finally:
         engine.shutdown()
+
+
+def test_kvgate_ships_the_default_models_calibration(engine, tmp_path: Path) -> None:
+    """`kvgate calibrate --table-docs 2,4,6` for the default model in float32 is in the package, under the
+    fingerprint a fresh conversion of that model gives (the suite's own): a fresh server serves its table,
+    until `kvgate calibrate` makes one here, which wins."""
+    shipped = find(tmp_path, engine.model_fp)
+    assert shipped is not None and set(shipped.table) == {"2", "4", "6"}, shipped
+    assert find(tmp_path, engine.model_fp, shipped=False) is None
+    own = replace(shipped, ratio=0.42, table={})
+    save(own, path(tmp_path, engine.model_fp))
+    assert find(tmp_path, engine.model_fp) == own

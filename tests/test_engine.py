@@ -62,14 +62,15 @@ def test_max_tokens_and_eos(engine: Engine, chat_ids) -> None:
     assert short.finish_reason == "length" and len(short.token_ids) == 3
     full = engine.generate_sync(chat_ids(QUESTIONS[0]), SamplingParams(max_tokens=200, temperature=0))
     assert full.finish_reason == "stop" and full.token_ids[-1] in engine.loaded.eos_token_ids
+    assert short.stop_reason is None and full.stop_reason is None  # the end of the turn is no stop asked for
 
 
 def test_stop_string_cuts_the_text(engine: Engine, chat_ids) -> None:
     ids = chat_ids(QUESTIONS[1])
     free = engine.generate_sync(ids, GREEDY)
     word = free.text.split()[1]
-    cut = engine.generate_sync(ids, SamplingParams(max_tokens=24, temperature=0, stop=(word,)))
-    assert cut.finish_reason == "stop"
+    cut = engine.generate_sync(ids, SamplingParams(max_tokens=24, temperature=0, stop=("zzzq", word)))
+    assert cut.finish_reason == "stop" and cut.stop_reason == word  # vLLM's: which stop string it was
     assert cut.text == free.text[: free.text.index(word)]
 
 
@@ -78,7 +79,7 @@ def test_stop_token_ids(engine: Engine, chat_ids) -> None:
     free = engine.generate_sync(ids, GREEDY)
     stop_at = free.token_ids[2]
     cut = engine.generate_sync(ids, SamplingParams(max_tokens=24, temperature=0, stop_token_ids=(stop_at,)))
-    assert cut.finish_reason == "stop" and cut.token_ids == free.token_ids[:3]
+    assert cut.finish_reason == "stop" and cut.token_ids == free.token_ids[:3] and cut.stop_reason == stop_at
 
 
 def test_seed_reproduces_and_sampling_varies(engine: Engine, chat_ids) -> None:

@@ -194,3 +194,35 @@ def test_another_tenant_resending_the_same_history_starts_afresh(tenants, model_
     owner = httpx.post(tenants + "/v1/chat/completions", json=body, headers={"authorization": "Bearer sk-one"})
     assert owner.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= prompt
     assert stranger.headers["x-kvgate-program-id"] != owner.headers["x-kvgate-program-id"]
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+LOOPING = {
+    "messages": [{"role": "user", "content": "What is the weather in Lima?"}],
+    "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}],
+    "tool_choice": "required",  # parallel calls allowed: SmolLM2-135M, greedy, writes this call until max_tokens
+    "temperature": 0,
+    "max_tokens": 120,
+}
+
+
+@pytest.fixture(scope="module")
+def keeping(settings, engine) -> Iterator[openai.OpenAI]:
+    with serving(settings.model_copy(update={"repeated_tool_calls": "keep"}), engine) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_a_call_written_again_word_for_word_ends_the_answer_before_it(client, keeping, model_name):
+    """`repeated_tool_calls: end` (the default): the loop a small model falls into ends at its first repeat,
+    whole or streamed (the repeat is held back while it may be one: never sent); `keep` passes it on."""
+    kept = keeping.chat.completions.create(model=model_name, **LOOPING).choices[0]
+    calls = [(c.function.name, c.function.arguments) for c in kept.message.tool_calls]
+    assert kept.finish_reason == "length" and len(calls) > len(set(calls)) >= 1  # the loop, as written
+    done = client.chat.completions.create(model=model_name, **LOOPING)
+    assert done.choices[0].finish_reason == "tool_calls" and done.usage.completion_tokens < 120
+    assert [(c.function.name, c.function.arguments) for c in done.choices[0].message.tool_calls] == calls[:1]
+    with client.chat.completions.stream(model=model_name, **LOOPING) as stream:
+        indices = {c.index for e in stream if e.type == "chunk" for c in e.chunk.choices[0].delta.tool_calls or ()}
+        final = stream.get_final_completion()
+    assert indices == {0} and final.choices[0].finish_reason == "tool_calls"
+    assert final.choices[0].message.tool_calls[0].function.arguments == calls[0][1]
