@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -241,3 +242,16 @@ def test_answers_to_n_above_one_or_logprobs_are_never_stored(url: str, model_nam
         assert ask(url, question, model=model_name, n=2).headers["x-kvgate-cache"] == "bypass"
         assert ask(url, question, model=model_name, logprobs=True).headers["x-kvgate-cache"] == "bypass"
     assert entries(url) == before
+
+
+def test_anthropics_messages_are_answered_from_the_cache_as_messages(url: str, model_name: str) -> None:
+    """/v1/messages goes the chat route's way: a question asked as a chat completion is a hit for the same
+    question asked of the Messages API, whole or streamed, in Anthropic's shape."""
+    question = "Which city is the capital of Germany?"
+    first = ask(url, question, model=model_name).parse().choices[0].message.content
+    claude = anthropic.Anthropic(base_url=url, api_key="key-alice", max_retries=0, timeout=120)
+    asked = {"model": model_name, "max_tokens": 16, "messages": [{"role": "user", "content": question}]}
+    raw = claude.messages.with_raw_response.create(**asked, extra_body={"temperature": 0})
+    assert raw.headers["x-kvgate-cache"] == "hit" and raw.parse().content[0].text == first
+    with claude.messages.stream(**asked, extra_body={"temperature": 0}) as stream:
+        assert "".join(stream.text_stream) == first
