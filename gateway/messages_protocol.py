@@ -93,6 +93,9 @@ def chat_body(req: MessagesRequest | CountRequest, body: dict[str, Any], stream:
             chat[name] = body[name]
     if not isinstance(req, MessagesRequest):
         return chat
+    if req.messages[-1].get("role") == "assistant":
+        said = "the last message is the assistant's: continuing it (prefill) is not supported; end with a user turn"
+        raise bad_request(f"messages: {said}", f"messages.{len(req.messages) - 1}.role")
     chat["max_tokens"] = req.max_tokens
     for name in ("temperature", "top_p", "top_k"):
         if getattr(req, name) is not None:

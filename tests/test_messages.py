@@ -188,6 +188,7 @@ def test_a_request_shaped_like_claude_codes_is_answered(claude: anthropic.Anthro
         ({"max_tokens": 8, "messages": ASK, "tools": [{"type": "web_search_20250305", "name": "s"}]}, "server tools"),
         ({"max_tokens": 8, "messages": [{"role": "system", "content": "x"}]}, "role"),
         ({"max_tokens": 8, "messages": ASK, "temperature": 1.5}, "temperature"),
+        ({"max_tokens": 8, "messages": [*ASK, {"role": "assistant", "content": "The"}]}, "prefill"),
     ],
 )
 def test_what_cannot_be_honoured_is_a_400_in_anthropics_shape(
