@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -194,9 +194,10 @@ def bench_ttft(
     per_token *= loaded.model.config.head_dim * torch.empty((), dtype=loaded.model.dtype).element_size()
     need = int(1.25 * per_token * sum(2 * len(i.ids) for i in stored))
     calibration = load_calibration(path(config.cache_dir, model_fingerprint(loaded)))
+    select = BlendConfig(select=config.blend_select)  # which tokens a blend recomputes: the server's setting
     if ratio is not None:
         source = f"given on the command line ({ratio:.0%})"
-        reuser = make_reuser(loaded, memory_bytes=max(config.chunk_cache.memory_bytes, need))
+        reuser = make_reuser(loaded, select, memory_bytes=max(config.chunk_cache.memory_bytes, need))
         blend = Reuse("blend", ratio)
     elif calibration is not None:
         source = (
@@ -206,7 +207,7 @@ def bench_ttft(
         )
         reuser = make_reuser(
             loaded,
-            BlendConfig(ratio=calibration.ratio),
+            replace(select, ratio=calibration.ratio),
             calibration.deviation_limit,
             max(config.chunk_cache.memory_bytes, need),
         )
@@ -214,7 +215,7 @@ def bench_ttft(
     else:
         source = f"NOT calibrated (no `kvgate calibrate` result for this model): the default {BlendConfig().ratio:.0%}"
         print(f"kvgate bench ttft: no calibration found; blend uses the default ratio {BlendConfig().ratio:.0%}")
-        reuser = make_reuser(loaded, memory_bytes=max(config.chunk_cache.memory_bytes, need))
+        reuser = make_reuser(loaded, select, memory_bytes=max(config.chunk_cache.memory_bytes, need))
         blend = Reuse("blend", BlendConfig().ratio)  # its row is not "(calibrated)": nothing was
     calibrated = reuser.blend.ratio if ratio is None else ratio
     modes = [Reuse("full"), Reuse("prefix"), Reuse("naive"), blend]
@@ -288,7 +289,8 @@ def bench_ttft(
         + "\n\n"
         + "\n".join(f"- {v}" for v in verdicts)
     )
-    picture = output.parent / "ttft.png"
+    name = "ttft" if select.select == "deviation" else f"ttft-select_{select.select}"
+    picture = output.parent / f"{name}.png"
     picture.parent.mkdir(parents=True, exist_ok=True)
     plot(results, picture, f"{loaded.name}, {len(stored)} MuSiQue items, {docs} documents")
     tokens = statistics.fmean(len(i.ids) for i in stored)
@@ -296,7 +298,8 @@ def bench_ttft(
     body = (
         f"{len(stored)} MuSiQue items (rows {offset}..{offset + len(stored) - 1}), {docs} passages each as "
         f"documents{cut}, {tokens:.0f} prompt tokens on average; model {loaded.name}, {loaded.dtype}, "
-        f"{torch.get_num_threads()} threads. Blend ratio: {source}. Each mode timed {repeats} times per item, "
+        f"{torch.get_num_threads()} threads. Blend ratio: {source}; tokens recomputed selected by "
+        f"{select.select} (`blend_select`). Each mode timed {repeats} times per item, "
         "interleaved, fastest kept; TTFT = from an empty KV until the first answer token's logits exist. "
         "Speedup = mean full TTFT / mean mode TTFT. Fidelity against full prefill of the same prompt: first-token KL, "
         f"whether the first token's argmax matches, top-1 agreement over the reference answer's first {ANSWER} "
@@ -306,6 +309,7 @@ def bench_ttft(
         + target
         + f"\n\n![TTFT speedup against fidelity]({picture.name})\n\nTook {time.perf_counter() - began:.0f} s."
     )
-    write_section(output, "ttft", "Time to first token with document reuse", command, body)
+    title = "Time to first token with document reuse" + ("" if name == "ttft" else f", blend_select {select.select}")
+    write_section(output, name, title, command, body)
     print("\n\n".join(sections) + "\n\n" + target, flush=True)
     return results
