@@ -35,7 +35,7 @@ async def create(request: Request) -> Response:
     req: MessagesRequest = validated(MessagesRequest, body, strict=True)
     refuse_unsupported(req)
     check_model(request, req.model)
-    chat = chat_body(req, body, stream=req.stream)
+    chat = chat_body(req, body)
     parsed = validated(ChatCompletionRequest, chat, strict=True)
     options = body.get("kvgate") if isinstance(body.get("kvgate"), dict) else {}
     program = program_of(request, options.get("program_id"))
@@ -59,7 +59,7 @@ async def count_tokens(request: Request) -> dict[str, Any]:
     refuse_unsupported(req)
     check_model(request, req.model)
     chat = chat_body(req, body)
-    parsed = validated(ChatCompletionRequest, chat | {"max_tokens": 1}, strict=True)
+    parsed = validated(ChatCompletionRequest, chat, strict=True)
     backend: Backend = request.app.state.backend
     tenant, request_id = request.state.tenant, request.state.request_id
     tokens = await backend.count_tokens(Call(TOKENIZE, chat, dumps(chat), req.model, tenant, request_id, None, parsed))

@@ -78,7 +78,7 @@ def refuse_unsupported(req: MessagesRequest | CountRequest) -> None:
         raise bad_request("output_config.effort is not supported", "output_config.effort")
 
 
-def chat_body(req: MessagesRequest | CountRequest, body: dict[str, Any], stream: bool = False) -> dict[str, Any]:
+def chat_body(req: MessagesRequest | CountRequest, body: dict[str, Any]) -> dict[str, Any]:
     """The chat completion body that answers `req` (`body`: the request as sent, for kvgate's fields)."""
     chat: dict[str, Any] = {"model": req.model, "messages": chat_messages(req)}
     if req.tools:
@@ -106,7 +106,7 @@ def chat_body(req: MessagesRequest | CountRequest, body: dict[str, Any], stream:
         chat["user"] = user
     if (fmt := (req.output_config or {}).get("format")) is not None:
         chat["response_format"] = response_format(fmt)
-    if stream:
+    if req.stream:
         chat |= {"stream": True, "stream_options": {"include_usage": True}}
     return chat
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from kvgate.gateway.protocol import ChatCompletionRequest, NamedTool
 from kvgate.runtime.grammar import ANY_OBJECT, NO_ARGUMENTS, Calls, calls_grammar, json_grammar
-from kvgate.runtime.tools import ToolFormat
+from kvgate.runtime.tools import ToolFormat, partial_suffix
 
 Delta = dict[str, Any]
 DECODER = json.JSONDecoder()
@@ -186,15 +186,6 @@ def content(text: str) -> list[Delta]:
 def write(call: Call, fragment: str) -> Delta:
     call.arguments += fragment
     return {"tool_calls": [{"index": call.index, "function": {"arguments": fragment}}]}
-
-
-def partial_suffix(text: str, tag: str, whole: bool = False) -> int:
-    """The length of the longest end of `text` that begins `tag` (it may be a tag starting);
-    `whole`: the tag itself counts too."""
-    for n in range(min(len(tag) - (not whole), len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def message(stream: CallStream, text: str) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from kvgate.runtime.kv import KVCache
 from kvgate.runtime.reuse import Reuse
 from kvgate.runtime.sampling import SamplingParams, TokenLogprob
 from kvgate.runtime.shared import Shared
+from kvgate.runtime.tools import partial_suffix
 
 _ids = itertools.count()
 
@@ -206,7 +207,7 @@ class Sequence:
         opening, closing = self.params.calls or ("", "")
         if not opening:
             return len(self.text)
-        part = next((k for k in range(len(opening) - 1, 0, -1) if self.text.endswith(opening[:k])), 0)
+        part = partial_suffix(self.text, opening)
         start = len(self.text) - part if part else self.text.rfind(opening)
         if start < 0 or closing in self.text[start:] or self.text[start:] not in self.text[:start]:
             return len(self.text)

@@ -118,3 +118,12 @@ def prepare(
         else:
             out.insert(0, {"role": "system", "content": listing})
     return out, None
+
+
+def partial_suffix(text: str, tag: str, whole: bool = False) -> int:
+    """The length of the longest end of `text` that begins `tag` (it may be a tag starting);
+    `whole`: the tag itself counts too."""
+    for n in range(min(len(tag) - (not whole), len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
