@@ -16,6 +16,7 @@ from pathlib import Path
 
 from kvgate.bench.fidelity import Scores, load_items, make_reuser, measure
 from kvgate.bench.report import table, write_section
+from kvgate.runtime.blend import BlendConfig
 from kvgate.runtime.calibration import METRICS, Calibration, meets, model_fingerprint, path, pick_ratio, save
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.loader import load
@@ -52,26 +53,34 @@ def calibrate(
     report: Path | None,
     command: str,
     counts: list[int] | None = None,
+    select: str = "deviation",
+    document_kv: str = "alone",
 ) -> tuple[Calibration, Path]:
     """`counts`: the document counts the served table covers (each measured on its own items);
-    the single ratio (and its curve) is `docs`'s."""
+    the single ratio (and its curve) is `docs`'s. `select`: how blends choose the tokens they
+    recompute; `document_kv`: the documents' KV computed alone, or by a dense prefill of the same
+    documents in another order ("context": what a server keeps for the documents a prompt brought)."""
     if metric not in METRICS:
         raise ValueError(f"--metric {metric!r}: one of {', '.join(METRICS)}")
     began = time.perf_counter()
     loaded = load(config)
     data_items = load_items(loaded, data, docs, limit, shuffle, offset, words)
-    reuser = make_reuser(loaded)
+    if document_kv not in ("alone", "context"):
+        raise ValueError(f"--document-kv {document_kv!r}: alone or context")
+    reuser = make_reuser(loaded, BlendConfig(select=select))
     ratios = sorted(set(ratios))
     modes = [Reuse("blend", r) for r in ratios]
 
-    def curve_of(found: list) -> dict[float, Scores]:
-        scores = measure(reuser, found, modes, loaded.eos_token_ids, loaded.tokenizer.decode, answers=False)
+    def curve_of(n: int, found: list) -> dict[float, Scores]:
+        others = load_items(loaded, data, n, limit, not shuffle, offset, words) if document_kv == "context" else None
+        decode = loaded.tokenizer.decode
+        scores = measure(reuser, found, modes, loaded.eos_token_ids, decode, answers=False, others=others)
         return dict(zip(ratios, scores.values()))
 
-    curve = curve_of(data_items)
+    curve = curve_of(docs, data_items)
     curves = {docs: curve}
     for n in sorted(set(counts or ()) - {docs}):
-        curves[n] = curve_of(load_items(loaded, data, n, limit, shuffle, offset, words))
+        curves[n] = curve_of(n, load_items(loaded, data, n, limit, shuffle, offset, words))
     served = {
         str(n): {f"{r:g}": {"kl": s.mean("kl"), "top1": s.mean("top1")} for r, s in c.items()}
         for n, c in sorted(curves.items())
@@ -86,8 +95,10 @@ def calibrate(
         items=len(data_items),
         curve={f"{r:g}": v for r, v in values.items()},
         table=served,
+        select=select,
+        document_kv=document_kv,
     )
-    where = path(config.cache_dir, model_fingerprint(loaded))
+    where = path(config.cache_dir, model_fingerprint(loaded), select)
     save(cal, where)
 
     better = ">=" if METRICS[metric] else "<="
@@ -123,10 +134,16 @@ def calibrate(
     if report is not None:
         tokens = statistics.fmean(len(i.ids) for i in data_items)
         order = "shuffled (a fixed permutation per item)" if shuffle else "in their stored order"
+        kv = (
+            "each document's KV computed alone"
+            if document_kv == "alone"
+            else "each document's KV as a dense prefill of the same documents in the other order computed it"
+        )
         body = (
             f"{len(data_items)} MuSiQue calibration items (rows {offset}..{offset + len(data_items) - 1}, "
             f"disjoint from the benchmark rows), {docs} documents each, {order}, {tokens:.0f} prompt tokens on "
-            f"average; model {loaded.name}, {loaded.dtype}. Target: mean {metric} {better} {target:g} "
+            f"average; {kv}; blends select tokens by {select}; model {loaded.name}, {loaded.dtype}. "
+            f"Target: mean {metric} {better} {target:g} "
             "(top-1: teacher-forced agreement with full prefill over the first 32 answer positions; "
             "kl: first-token KL).\n\n"
             + curve_table
@@ -137,7 +154,10 @@ def calibrate(
             f"{limit_text} = {MARGIN:g} x the largest per-item key deviation seen. "
             f"Took {time.perf_counter() - began:.0f} s."
         )
-        write_section(report, "calibration", "Calibration of the blend ratio", command, body)
+        suffix = ("" if select == "deviation" else f"-{select}") + ("-context" if document_kv == "context" else "")
+        title = "Calibration of the blend ratio" + (f", select {select}" if select != "deviation" else "")
+        title += ", documents' KV from another prompt" if document_kv == "context" else ""
+        write_section(report, "calibration" + suffix, title, command, body)
     return cal, where
 
 

@@ -48,6 +48,14 @@ def layers(text: str) -> tuple[int, ...]:
     return tuple(sorted({int(x) for x in parts}))
 
 
+def counts(text: str) -> list[int]:
+    """Document counts, comma-separated: "2,4,6" -> [2, 4, 6]."""
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    if not parts or not all(x.isdigit() and int(x) > 0 for x in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: document counts (at least 1), comma-separated")
+    return sorted({int(x) for x in parts})
+
+
 def policies(text: str) -> list[tuple[str, str, float]]:
     """Pin and queue policies, and programs in flight per context memory holds:
     "off+fcfs,decide+program+2" -> [("off", "fcfs", 0.0), ("decide", "program", 2.0)]."""
@@ -82,6 +90,7 @@ def add_calibrate(sub: argparse._SubParsersAction[argparse.ArgumentParser], comm
     calibrate.add_argument("--target", type=float, default=0.95, help="the fidelity the ratio must reach")
     calibrate.add_argument(
         "--table-docs",
+        type=counts,
         default="2,4,6",
         help="document counts the served table covers, comma-separated (each measured on its own items)",
     )
@@ -98,6 +107,17 @@ def add_calibrate(sub: argparse._SubParsersAction[argparse.ArgumentParser], comm
         action=argparse.BooleanOptionalAction,
         default=True,
         help="documents in a fixed random order per item (default: yes, as requests cite them in any order)",
+    )
+    calibrate.add_argument(
+        "--select",
+        choices=["deviation", "attention"],
+        help="how blends pick the tokens they recompute (default: the server's blend_select)",
+    )
+    calibrate.add_argument(
+        "--document-kv",
+        choices=["alone", "context"],
+        help="documents' KV computed alone, or as another prompt computed it (default: context where the server "
+        "keeps new documents' KV as their prompt computed it, documents_in_context)",
     )
     calibrate.add_argument("--report", type=Path, help="also write the curve as a section of this BENCHMARKS.md")
 

@@ -133,7 +133,6 @@ def run_calibrate(args: argparse.Namespace, settings: Settings, command: str) ->
     from kvgate.bench.data import parse_ratios
 
     check_numbers(args)
-    ratios = parse_ratios(args.ratios)
     calibrate(
         settings.engine_config(),
         args.data,
@@ -142,12 +141,14 @@ def run_calibrate(args: argparse.Namespace, settings: Settings, command: str) ->
         args.offset,
         args.target,
         args.metric,
-        ratios,
+        parse_ratios(args.ratios),
         args.shuffle,
         args.words,
         args.report,
         command,
-        [int(n) for n in args.table_docs.split(",") if n.strip()] if args.table_docs else None,
+        args.table_docs,
+        args.select or settings.blend_select,
+        args.document_kv or ("context" if settings.documents_in_context else "alone"),
     )
     return 0
 

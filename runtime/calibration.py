@@ -28,6 +28,8 @@ class Calibration:
     curve: dict[str, float] = field(default_factory=dict)  # ratio -> measured metric
     # Per number of documents calibrated, per ratio: the measured {"kl", "top1"}.
     table: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    select: str = "deviation"  # how the blends measured chose the tokens they recomputed (`blend_select`)
+    document_kv: str = "alone"  # the documents' KV as reused: computed alone, or in another prompt ("context")
 
     def ratio_for(self, documents: int, target_kl: float, target_top1: float) -> tuple[float | None, str]:
         """The smallest calibrated ratio that met both targets on prompts of as many documents
@@ -67,17 +69,25 @@ def model_fingerprint(loaded: LoadedModel) -> str:
     return fingerprint("kvgate.model.v2", *files, tokenizer_fingerprint(loaded.tokenizer), template, dtype)
 
 
-def path(cache_dir: Path, model_fp: str) -> Path:
-    return Path(cache_dir) / "calibration" / f"{model_fp[:16]}.json"
+def name(model_fp: str, select: str = "deviation") -> str:
+    """A calibration's file name: per model, and per way of selecting tokens (a table measured for one
+    selection says nothing of another's)."""
+    return f"{model_fp[:16]}.json" if select == "deviation" else f"{model_fp[:16]}-{select}.json"
+
+
+def path(cache_dir: Path, model_fp: str, select: str = "deviation") -> Path:
+    return Path(cache_dir) / "calibration" / name(model_fp, select)
 
 
 SHIPPED = Path(__file__).parent / "calibrations"  # what `kvgate calibrate` measured for the models kvgate ships
 
 
-def find(cache_dir: Path, model_fp: str, shipped: bool = True) -> Calibration | None:
-    """The model's calibration: the one `kvgate calibrate` made here, else (`shipped`) the one kvgate ships
-    for it (the same weights in the same dtype: the fingerprint says so), else none."""
-    return load(path(cache_dir, model_fp)) or (load(SHIPPED / f"{model_fp[:16]}.json") if shipped else None)
+def find(cache_dir: Path, model_fp: str, shipped: bool = True, select: str = "deviation") -> Calibration | None:
+    """The model's calibration for blends selecting by `select`: the one `kvgate calibrate` made here,
+    else (`shipped`) the one kvgate ships for it (the same weights in the same dtype: the fingerprint says
+    so), else none."""
+    own = load(path(cache_dir, model_fp, select))
+    return own or (load(SHIPPED / name(model_fp, select)) if shipped else None)
 
 
 def save(cal: Calibration, where: Path) -> None:
@@ -93,6 +103,8 @@ def load(where: Path) -> Calibration | None:
         cal = Calibration(**json.loads(where.read_text()))
         if not 0.0 <= cal.ratio <= 1.0:
             raise ValueError(f"ratio {cal.ratio} outside [0, 1]")
+        if cal.document_kv not in ("alone", "context"):
+            raise ValueError(f"document_kv {cal.document_kv!r}: alone or context")
         if cal.deviation_limit is not None and not cal.deviation_limit >= 0.0:
             raise ValueError(f"deviation limit {cal.deviation_limit} is not a non-negative number")
         for count, rows in cal.table.items():

@@ -60,7 +60,8 @@ class Engine:
             getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads,
         )
         self.model_fp = model_fingerprint(self.loaded)
-        self.calibration = find_calibration(config.cache_dir, self.model_fp, config.shipped_calibration)
+        c = config
+        self.calibration = find_calibration(c.cache_dir, self.model_fp, c.shipped_calibration, c.blend_select)
         self.reuser = self.make_reuser(self.calibration)
         self.grammars = Grammars(self.tokenizer, self.loaded.eos_token_ids)
         self.times = StepTimes()
