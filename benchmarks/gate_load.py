@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         ],
         ["checks due (shadow_rate of requests)", str(due), ""],
         ["checks completed", f"{done:.0f} ({done / due:.0%} of due)" if due else "0", ">= 80%"],
-        ["checks dropped (max_pending waiting)", str(dropped), ""],
+        ["checks dropped (the oldest past max_pending, or of a rung left since)", str(dropped), ""],
         [
             "busy time paid for checks (share of the checked engine's turns; per completed check)",
             f"{spent:.1f} s ({spent / served['checked'].seconds:.1%}; {spent / done if done else 0:.2f} s)",

@@ -44,7 +44,7 @@ class QualityConfig:
     window: int = 16  # the latest checks of a rung that decide
     min_checks: int = 8  # checks of a rung before it may be left upward
     ratios: tuple[float, ...] = (0.3, 0.5)  # rungs above a mode's own ratio, below full prefill
-    max_pending: int = 8  # checks waiting for spare capacity; more are dropped
+    max_pending: int = 8  # checks waiting for spare capacity; past it the oldest is dropped
     # Share of the engine's busy time checks may take while requests are running (0: only when idle).
     shadow_share: float = 0.05
     shapes: int = 1024  # shapes with a ladder of their own; past it the least recently served goes

@@ -95,13 +95,34 @@ class Shadow:
         if seq.gated is None or seq.plan is None or seq.output_ids or not self.gate.due(seq.gated[0]):
             return
         if len(self.jobs) >= self.gate.config.max_pending:
-            self.gate.dropped += 1
-            self.gate.void(seq.gated[0], self.gate.probe(seq.gated[0]))
-            return
+            self.drop(self.jobs.popleft())  # the oldest: the newest says more of where the gate stands now
         first = logits.detach().float().clone()
         job = Job(seq.id, list(seq.prompt_ids), seq.plan, *seq.gated, first, seq.output_ids, [int(first.argmax())])
         self.jobs.append(job)
         self.followed[seq.id] = job
+
+    def drop(self, job: Job) -> None:
+        """A check made due that will not run; the gate asks again while the rung it would probe stands."""
+        self.followed.pop(job.seq, None)
+        self.gate.dropped += 1
+        self.gate.void(job.mode, self.gate.probe(job.mode) if job.ratio == FULL else job.ratio)
+
+    def stale(self, job: Job) -> bool:
+        """Whether the check would probe a rung its ladder has left since it was served (the gate would
+        only count it in the totals: its cost is better spent on one that decides)."""
+        return job.ratio != FULL and job.ratio != self.gate.probe(job.mode)
+
+    def next_job(self) -> Job | None:
+        """The check to run next, newest first (under a backlog the latest served say most of where the
+        gate stands): the newest whose answer is written, else the newest. Stale ones are dropped unrun."""
+        for job in [job for job in self.jobs if self.stale(job)]:
+            self.jobs.remove(job)
+            self.drop(job)
+        ready = [job for job in self.jobs if job.over or len(job.greedy) >= ANSWER]
+        job = ready[-1] if ready else self.jobs[-1] if self.jobs else None
+        if job is not None:
+            self.jobs.remove(job)
+        return job
 
     def ended(self, seq_id: int) -> None:
         """A sequence left the engine (finished or aborted): its check compares the answer it has."""
@@ -144,7 +165,10 @@ class Shadow:
         """Run one part of the current check alone; `charged`: on busy time, paid from the budget."""
         start = time.perf_counter()
         if self.running is None:
-            self.running = self.check(self.jobs.popleft())
+            job = self.next_job()
+            if job is None:
+                return
+            self.running = self.check(job)
         try:
             computed = None if self.wanted is None else forward(self.reuser.model, [self.wanted])[0]
         except Exception:

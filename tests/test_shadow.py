@@ -209,3 +209,23 @@ def test_a_check_of_withheld_reuse_that_would_reuse_nothing_records_nothing(engi
     run(shadow.check(Job(0, ids, plan, key, FULL, logits, [], [], over=True)), engine.model)
     assert gate.ladder(key).totals.checks == 0 and not shadow.followed
     assert gate.ladder(key).asked == 0  # asked again: the shape earns its reuse from checks that compared
+
+
+def test_checks_run_newest_first_and_one_of_a_rung_left_since_is_dropped_unrun(engine: Engine) -> None:
+    """Under a backlog the latest served say most of where the gate stands; a check of a rung the ladder has
+    left would only count in the totals, so it is dropped unrun and its budget goes to one that decides."""
+    gate = Gate(QualityConfig(shadow_rate=1.0), {"blend": 0.15})
+    shadow = Shadow(gate, engine.reuser, engine.spans)
+
+    def job(seq: int, written: int) -> Job:
+        plan = Plan([[1, 2]], [False])
+        return Job(seq, [1, 2], plan, "blend", gate.probe("blend"), torch.zeros(4), [0] * written, [0] * written)
+
+    shadow.jobs.extend([job(1, ANSWER), job(2, ANSWER), job(3, 1)])  # 3: its answer not yet written
+    shadow.followed.update({j.seq: j for j in shadow.jobs})
+    assert shadow.next_job().seq == 2  # the newest whose answer is written
+    gate.ladder("blend").move(+1, "missed")  # the rung 1 and 3 were served at is left
+    shadow.jobs.append(job(4, 1))
+    shadow.followed[4] = shadow.jobs[-1]
+    assert shadow.next_job().seq == 4 and not shadow.jobs  # 1 and 3 dropped unrun
+    assert gate.dropped == 2 and set(shadow.followed) == {2, 4}
