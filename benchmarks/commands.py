@@ -1,12 +1,18 @@
 """The command-line options of `kvgate calibrate` and `kvgate bench ...`, beside the benchmarks.
 
-Argparse definitions only: the CLI imports this module on every start (a proxy front included), so it
-imports no benchmark, no torch and nothing else of kvgate. gateway/cli.py runs what is parsed."""
+Argparse definitions, and `run`, the gateway's one way into the benchmarks: the CLI imports this module
+on every start (a proxy front included), so it imports no benchmark, no torch and nothing else of kvgate;
+`run` imports the runner (benchmarks/runners.py) when a command runs."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvgate.gateway.settings import Settings
 
 # The shared evaluation data sits beside the project: ../shared/data.
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -73,14 +79,6 @@ def policies(text: str) -> list[tuple[str, str, float]]:
             )
         out.append((pins, queue, flight))
     return out
-
-
-BLEND = ("select", "first_k", "check_layers", "widen")  # the BlendConfig fields `bench fidelity` takes
-
-
-def blend_options(args: argparse.Namespace) -> dict[str, object]:
-    """The BlendConfig fields given on the command line (none: the defaults throughout)."""
-    return {name: getattr(args, name) for name in BLEND if getattr(args, name, None) is not None}
 
 
 def add_calibrate(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
@@ -292,3 +290,16 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
     every += (engines, chunks, precision)
     for each in every:
         each.add_argument("--output", type=Path, default=OUTPUT, help="the BENCHMARKS.md to write the section to")
+
+
+def run(name: str, args: argparse.Namespace, settings: Settings, command: str) -> int:
+    """Run `kvgate calibrate` or `kvgate bench KIND` (`name`) as parsed: the gateway's one way into the
+    benchmarks. Data that cannot give an item is the user's error (exit 2), not a traceback."""
+    from kvgate.bench.data import DataError
+    from kvgate.bench.runners import RUNNERS
+
+    try:
+        return RUNNERS[name](args, settings, command)
+    except DataError as exc:
+        print(f"kvgate: error: {exc}", file=sys.stderr)
+        return 2
