@@ -11,11 +11,11 @@ from typing import Any
 from kvgate.agents import Turn
 from kvgate.gateway.admission import Admission
 from kvgate.gateway.backend import Outcome
-from kvgate.gateway.errors import APIError, bad_request
+from kvgate.gateway.errors import bad_request
 from kvgate.gateway.protocol import SEED_BOUND, CompletionRequest, Sampling
 from kvgate.gateway.render import chat_logprobs, completion_logprobs
 from kvgate.gateway.toolcalls import CallStream, message
-from kvgate.runtime.engine import Engine, EngineError, Result
+from kvgate.runtime.engine import Engine, Result
 from kvgate.runtime.sampling import SamplingParams
 from kvgate.runtime.sequence import Output, Plan
 from kvgate.runtime.tokens import TokenBytes, text_prompt
@@ -113,8 +113,6 @@ async def run(
         remaining = len(choices)
         while remaining:
             index, out = await merged.get()
-            if isinstance(out, EngineError):
-                raise failed(out) from out
             if isinstance(out, Exception):
                 raise out
             if out.finish_reason is not None:
@@ -127,11 +125,6 @@ async def run(
             task.cancel()
         if held is not None:
             held.close()
-
-
-def failed(exc: EngineError) -> APIError:
-    """An engine failure, as the client sees it: what failed."""
-    return APIError(500, f"generation failed: {exc}", code="internal_error")
 
 
 async def collect(engine: Engine, choices: list[Choice], admission: Admission | None = None) -> dict[int, Result]:

@@ -12,6 +12,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from kvgate.runtime.errors import ServerError
+
 TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -61,7 +63,9 @@ class AsciiJSON(JSONResponse):
         return json.dumps(content, separators=(",", ":")).encode()
 
 
-class APIError(Exception):
+class APIError(ServerError):
+    """A server error the gateway raises itself, with any status and the headers its answer carries."""
+
     def __init__(
         self,
         status: int,
@@ -70,8 +74,8 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        super().__init__(message, param, code)
+        self.status = status
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
@@ -93,10 +97,12 @@ class APIError(Exception):
 
 
 def internal(exc: Exception) -> APIError:
-    """The error a client sees for an exception nothing else handled (a backend says what failed
-    by raising an APIError of its own)."""
+    """The error a client sees for an exception: a ServerError (any layer says what failed by raising
+    one) as it says, anything else a 500."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, ServerError):  # raised below the gateway: it says how a client sees it
+        return APIError(exc.status, exc.message, exc.param, exc.code)
     return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
 
 
@@ -131,9 +137,9 @@ def from_validation(exc: RequestValidationError) -> APIError:
 
 
 def install(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def _api(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response(request.url.path)
+    @app.exception_handler(ServerError)
+    async def _server(request: Request, exc: ServerError) -> JSONResponse:
+        return internal(exc).response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

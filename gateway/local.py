@@ -43,11 +43,11 @@ from kvgate.gateway.settings import Settings
 from kvgate.gateway.tool_times import RedisToolTimes
 from kvgate.gateway.toolcalls import CallStream, constraint, message, repeat_guard
 from kvgate.runtime.costs import EngineCosts
-from kvgate.runtime.engine import Engine, PromptTooLong, Result
-from kvgate.runtime.grammar import GrammarError
-from kvgate.runtime.planner import Chat, DocumentNotFound, Planner
+from kvgate.runtime.engine import Engine, Result
+from kvgate.runtime.errors import GrammarError, InvalidPrompt
+from kvgate.runtime.planner import Chat, Planner
 from kvgate.runtime.sequence import Output, Plan
-from kvgate.runtime.tokens import TemplateError, TokenBytes
+from kvgate.runtime.tokens import TokenBytes
 from kvgate.runtime.tools import detect, prepare
 
 JSON = {"content-type": "application/json"}
@@ -199,9 +199,9 @@ class Local(Backend):
         for p, ids in enumerate(prompts):
             try:
                 self.engine.check(len(ids), max_tokens)
-            except ValueError as exc:
-                code = "context_length_exceeded" if isinstance(exc, PromptTooLong) else "invalid_value"
-                raise bad_request(str(exc), param, code) from exc
+            except InvalidPrompt as exc:
+                exc.at(param)
+                raise
             limit = max_tokens or self.engine.max_model_len - len(ids)
             for i in range(body.n):
                 index = p * body.n + i
@@ -227,12 +227,7 @@ class Local(Backend):
             scope=self.scope(call.tenant),
             tenant=call.tenant,
         )
-        try:
-            prompt, plan = await asyncio.to_thread(self.planner.chat, chat)
-        except TemplateError as exc:
-            raise bad_request(str(exc), "messages", "invalid_messages") from exc
-        except DocumentNotFound as exc:
-            raise APIError(404, str(exc), f"documents.{exc.index}.id", "document_not_found") from exc
+        prompt, plan = await asyncio.to_thread(self.planner.chat, chat)
         return messages, given, prompt, plan
 
     async def count_tokens(self, call: Call) -> int:
@@ -341,13 +336,10 @@ class Local(Backend):
         return await asyncio.to_thread(self.document_card, self.planner.document_id(ids, scope), len(ids), True)
 
     async def document(self, method: str, document_id: str, tenant: str, request_id: str) -> Reply:
-        try:
-            if method == "DELETE":
-                self.planner.forget(document_id, self.scope(tenant))
-                return Reply(headers=JSON, content=dumps({"id": document_id, "object": "document", "deleted": True}))
-            _, tokens = self.planner.find(document_id, self.scope(tenant))
-        except DocumentNotFound as exc:
-            raise APIError(404, str(exc), "id", "document_not_found") from exc
+        if method == "DELETE":
+            self.planner.forget(document_id, self.scope(tenant))
+            return Reply(headers=JSON, content=dumps({"id": document_id, "object": "document", "deleted": True}))
+        _, tokens = self.planner.find(document_id, self.scope(tenant))
         return self.document_card(document_id, len(tokens))
 
     def document_card(self, document_id: str, tokens: int, settle: bool = False) -> Reply:

@@ -26,6 +26,7 @@ from kvgate.gateway.programs import program_of
 from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest, DocumentRequest, FeedbackRequest
 from kvgate.gateway.render import SSE_HEADERS
 from kvgate.gateway.responses_protocol import ResponsesRequest
+from kvgate.runtime.errors import ServerError
 
 router = APIRouter()
 log = logging.getLogger("kvgate")
@@ -265,7 +266,7 @@ async def withdraw(answering: asyncio.Task[Reply]) -> None:
     answering.cancel()
     try:
         reply = await answering
-    except (asyncio.CancelledError, APIError):
+    except (asyncio.CancelledError, ServerError):
         return
     if reply.close is not None:
         await reply.close()

@@ -23,13 +23,14 @@ import httpx
 from kvgate.client import Documents, _Base
 from kvgate.errors import error_for
 from kvgate.gateway.backend import Call, Reply
-from kvgate.gateway.errors import APIError
+from kvgate.gateway.errors import APIError, internal
 from kvgate.gateway.local import Local
 from kvgate.gateway.programs import PROGRAM_ID
 from kvgate.gateway.protocol import ChatCompletionRequest
 from kvgate.gateway.routes import validated
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
+from kvgate.runtime.errors import ServerError
 from kvgate.types import ChatCompletion, Reuse
 
 T = TypeVar("T")
@@ -55,8 +56,9 @@ class LLM(_Base[ChatCompletion, "LLMStream"]):
         """Run on the LLM's event loop; the gateway's errors become the SDK's."""
         try:
             return asyncio.run_coroutine_threadsafe(work, self._loop).result()
-        except APIError as exc:
-            raise error_for(exc.status, exc.body(), exc.headers) from None
+        except ServerError as exc:
+            error = internal(exc)
+            raise error_for(error.status, error.body(), error.headers) from None
 
     def _send(self, method: str, path: str, body: Any = None, *, stream: bool = False) -> httpx.Response:
         """What `Documents` sends, answered by the backend."""

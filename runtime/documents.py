@@ -22,7 +22,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from kvgate.runtime.document_text import DOCUMENT_TEMPLATE
-from kvgate.runtime.tokens import TemplateError
+from kvgate.runtime.errors import TemplateError
 
 _MARKER = f"kvgate-documents-{secrets.token_hex(16)}"
 

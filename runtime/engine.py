@@ -18,7 +18,8 @@ from kvgate.runtime.caching import make_caches
 from kvgate.runtime.calibration import Calibration, model_fingerprint
 from kvgate.runtime.calibration import find as find_calibration
 from kvgate.runtime.config import EngineConfig
-from kvgate.runtime.grammar import GrammarError, Grammars
+from kvgate.runtime.errors import EngineError, GrammarError, InvalidPrompt, PromptTooLong
+from kvgate.runtime.grammar import Grammars
 from kvgate.runtime.kv import KVCache, Pool
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.model import Run, forward
@@ -32,14 +33,6 @@ from kvgate.runtime.shared import Spans
 from kvgate.runtime.timing import StepTimes
 
 log = logging.getLogger("kvgate.engine")
-
-
-class PromptTooLong(ValueError):
-    pass
-
-
-class EngineError(RuntimeError):
-    """A step failed; the requests in it end with this error."""
 
 
 Callback = Callable[[Output | BaseException], None]
@@ -93,9 +86,9 @@ class Engine:
     # ---- the ways in (any thread) -------------------------------------------------------
 
     def check(self, prompt_tokens: int, max_tokens: int | None) -> None:
-        """Raise ValueError for a prompt the engine cannot take (PromptTooLong for the context window)."""
+        """Raise InvalidPrompt for a prompt the engine cannot take (PromptTooLong for the context window)."""
         if prompt_tokens == 0:
-            raise ValueError("the prompt is empty")
+            raise InvalidPrompt("the prompt is empty")
         if prompt_tokens >= self.max_model_len:
             raise PromptTooLong(
                 f"the prompt has {prompt_tokens} tokens; this model's context window is "
@@ -388,7 +381,7 @@ class Engine:
         callback = self.callbacks.get(seq.id)
         self.finish(seq)
         if callback is not None:
-            self.deliver(seq, callback, EngineError(f"{type(exc).__name__}: {exc}"))
+            self.deliver(seq, callback, EngineError(f"generation failed: {type(exc).__name__}: {exc}"))
 
     def deliver(self, seq: Sequence, callback: Callback, item: Output | BaseException) -> None:
         """Hand an output to its client. A client that cannot take it (its event loop is gone)

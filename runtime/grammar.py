@@ -20,15 +20,12 @@ import llguidance.torch
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from kvgate.runtime.errors import GrammarError
 from kvgate.runtime.tools import ToolFormat
 
 FORMATTING = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
-
-
-class GrammarError(ValueError):
-    """A schema or grammar llguidance cannot compile."""
 
 
 @dataclass(frozen=True)

@@ -14,19 +14,12 @@ from typing import Any
 
 from kvgate.chunk_cache import Tier, fingerprint
 from kvgate.runtime.documents import chat_pieces, document_ids, message_pieces
+from kvgate.runtime.errors import DocumentNotFound, TemplateError
 from kvgate.runtime.reuse import Reuse, Reuser
 from kvgate.runtime.sequence import Plan
-from kvgate.runtime.tokens import TemplateError, chat_prompt
+from kvgate.runtime.tokens import chat_prompt
 
 PREFIX = "doc-"  # a document's id is PREFIX + its chunk key
-
-
-class DocumentNotFound(LookupError):
-    """No stored document has this id in this scope (or it is another tenant's)."""
-
-    def __init__(self, document_id: str, index: int | None = None) -> None:
-        super().__init__(f"no document with id {document_id!r}")
-        self.document_id, self.index = document_id, index
 
 
 @dataclass(frozen=True)

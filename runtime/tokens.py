@@ -8,9 +8,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-
-class TemplateError(ValueError):
-    pass
+from kvgate.runtime.errors import TemplateError
 
 
 def chat_prompt(

@@ -13,7 +13,7 @@ import pytest
 from kvgate.gateway.admission import Admission, Gate, ProgramClock, fan_out
 from kvgate.gateway.choices import Choice, collect, run
 from kvgate.gateway.errors import APIError
-from kvgate.runtime.engine import EngineError
+from kvgate.runtime.errors import EngineError
 from kvgate.runtime.sampling import SamplingParams
 from kvgate.runtime.sequence import Output
 
@@ -246,9 +246,9 @@ def test_each_choice_is_released_as_it_finishes():
 def test_a_failed_request_releases_its_sequences():
     async def scenario() -> None:
         admission = Admission(16, 100, 50)
-        with pytest.raises(APIError) as caught:
+        with pytest.raises(EngineError) as caught:
             await collect(FakeEngine(fail=True), work(4), admission)
-        assert caught.value.status == 500
+        assert caught.value.status == 500  # as the gateway renders it
         assert admission.total == 0
 
     asyncio.run(scenario())

@@ -8,7 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kvgate.runtime.config import EngineConfig
-from kvgate.runtime.engine import Engine, PromptTooLong
+from kvgate.runtime.engine import Engine
+from kvgate.runtime.errors import PromptTooLong
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.sampling import SamplingParams
 from tests.conftest import QUESTIONS

@@ -13,8 +13,8 @@ import uvicorn
 
 from kvgate.gateway.app import create_app
 from kvgate.gateway.backend import make_backend
-from kvgate.gateway.choices import failed
-from kvgate.runtime.engine import EngineError
+from kvgate.gateway.errors import internal
+from kvgate.runtime.errors import DocumentNotFound, EngineError, PromptTooLong, ServerError, TemplateError
 from tests.servers import free_port
 
 
@@ -154,14 +154,32 @@ def test_prompt_longer_than_the_context_window(base_url, model_name, engine) -> 
     error = error_of(
         post(base_url, "/v1/chat/completions", json=chat(model_name, messages=[{"role": "user", "content": long}])), 400
     )
-    assert error["code"] == "context_length_exceeded"
+    assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
     error = error_of(
         post(
             base_url, "/v1/completions", json={"model": model_name, "prompt": "Hi", "max_tokens": engine.max_model_len}
         ),
         400,
     )
-    assert error["code"] == "context_length_exceeded"
+    assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "code", "param"),
+    [
+        (PromptTooLong("too long").at("prompt"), 400, "context_length_exceeded", "prompt"),
+        (TemplateError("no template"), 400, "invalid_messages", "messages"),
+        (DocumentNotFound("doc-x", 2), 404, "document_not_found", "documents.2.id"),
+        (DocumentNotFound("doc-x"), 404, "document_not_found", "id"),
+        (EngineError("generation failed: boom"), 500, "internal_error", None),
+        (KeyError("a bug"), 500, "internal_error", None),
+    ],
+)
+def test_every_layers_errors_say_how_a_client_sees_them(error, status, code, param) -> None:
+    """One base (runtime/errors.py): the engine, planner and template raise it, the gateway renders it as it says."""
+    shown = internal(error)
+    assert (shown.status, shown.code, shown.param) == (status, code, param)
+    assert isinstance(error, ServerError) or "KeyError" in shown.message
 
 
 def test_unknown_model_is_404(base_url, client) -> None:
@@ -207,7 +225,7 @@ def failing_url(settings, engine) -> Iterator[str]:
 
     @app.get("/engine-failure")
     async def engine_failure() -> None:
-        raise failed(EngineError("RuntimeError: probability tensor contains either `inf`, `nan` or element < 0"))
+        raise EngineError("generation failed: RuntimeError: probability tensor contains `inf`, `nan` or element < 0")
 
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="critical"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -226,5 +244,5 @@ def test_unhandled_errors_are_openai_500s_with_the_request_id(failing_url) -> No
     assert r.headers["x-request-id"] == "trace-500"
     assert error["type"] == "server_error" and error["code"] == "internal_error" and "KeyError" in error["message"]
     error = error_of(httpx.get(f"{failing_url}/engine-failure"), 500)
-    assert "probability tensor contains" in error["message"]
+    assert "probability tensor contains" in error["message"] and error["code"] == "internal_error"  # as the engine said
     assert httpx.get(f"{failing_url}/health").status_code == 200

@@ -13,11 +13,11 @@ from kvgate.bench.multiagent import messages, write
 from kvgate.chunk_cache import ChunkStore, fingerprint
 from kvgate.runtime.blend import BlendConfig
 from kvgate.runtime.documents import message_pieces
+from kvgate.runtime.errors import TemplateError
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.reuse import Reuser
 from kvgate.runtime.shared import Shared, Span, Spans, local
-from kvgate.runtime.tokens import TemplateError
 
 SOLVER = "You are a careful math tutor. Solve the problem step by step."
 CHECKER = "You are a strict reviewer. Check the solution above and give the final number."

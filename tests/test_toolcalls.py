@@ -16,7 +16,8 @@ import torch
 from kvgate.agents import Conversations
 from kvgate.gateway.protocol import ChatCompletionRequest
 from kvgate.gateway.toolcalls import CallStream, constraint, message
-from kvgate.runtime.grammar import Calls, GrammarError, Grammars, calls_grammar, json_grammar
+from kvgate.runtime.errors import GrammarError
+from kvgate.runtime.grammar import Calls, Grammars, calls_grammar, json_grammar
 from kvgate.runtime.tools import HERMES, KVGATE, LLAMA3_JSON, call_text, detect, prepare
 
 WEATHER = {
