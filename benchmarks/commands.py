@@ -54,14 +54,6 @@ def layers(text: str) -> tuple[int, ...]:
     return tuple(sorted({int(x) for x in parts}))
 
 
-def counts(text: str) -> list[int]:
-    """Document counts, comma-separated: "2,4,6" -> [2, 4, 6]."""
-    parts = [x.strip() for x in text.split(",") if x.strip()]
-    if not parts or not all(x.isdigit() and int(x) > 0 for x in parts):
-        raise argparse.ArgumentTypeError(f"{text!r}: document counts (at least 1), comma-separated")
-    return sorted({int(x) for x in parts})
-
-
 def policies(text: str) -> list[tuple[str, str, float]]:
     """Pin and queue policies, and programs in flight per context memory holds:
     "off+fcfs,decide+program+2" -> [("off", "fcfs", 0.0), ("decide", "program", 2.0)]."""
@@ -88,7 +80,6 @@ def add_calibrate(sub: argparse._SubParsersAction[argparse.ArgumentParser], comm
     calibrate.add_argument("--target", type=float, default=0.95, help="the fidelity the ratio must reach")
     calibrate.add_argument(
         "--table-docs",
-        type=counts,
         default="2,4,6",
         help="document counts the served table covers, comma-separated (each measured on its own items)",
     )

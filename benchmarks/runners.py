@@ -24,6 +24,14 @@ def blend_options(args: argparse.Namespace) -> dict[str, object]:
     return {name: getattr(args, name) for name in BLEND if getattr(args, name, None) is not None}
 
 
+def counts(text: str) -> list[int]:
+    """Document counts, comma-separated: "2,4,6" -> [2, 4, 6]."""
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    if not parts or not all(x.isdigit() and int(x) > 0 for x in parts):
+        raise DataError(f"--table-docs {text!r}: document counts (at least 1), comma-separated")
+    return sorted({int(x) for x in parts})
+
+
 def check_numbers(args: argparse.Namespace) -> None:
     for name in ("docs", "limit", "repeats", "requests", "batch", "tokens", "max_tokens"):
         value = getattr(args, name, None)
@@ -54,7 +62,7 @@ def run_calibrate(args: argparse.Namespace, settings: Settings, command: str) ->
         args.words,
         args.report,
         command,
-        args.table_docs,
+        counts(args.table_docs),
         args.select or settings.blend_select,
         args.document_kv or ("context" if settings.documents_in_context else "alone"),
     )

@@ -62,7 +62,9 @@ class Settings(BaseSettings):
     # end: a tool call the model writes again word for word ends its answer before it (a small model's loop);
     # keep: every call as written, as OpenAI and vLLM pass them on
     repeated_tool_calls: Literal["end", "keep"] = "end"
-    blend_select: Literal["deviation", "attention"] = "deviation"  # which reused tokens blend recomputes
+    # Which reused tokens blend recomputes: by the question's attention (measured closer to full prefill than by
+    # key deviation, at the same speed: BENCHMARKS.md), or by key deviation (CacheBlend's).
+    blend_select: Literal["deviation", "attention"] = "attention"
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     semantic_cache: bool = True  # the semantic response cache
     semantic_cache_path: Path | None = None  # its SQLite file; None: <cache_dir>/semantic.sqlite3 (Redis if redis_url)

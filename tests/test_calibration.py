@@ -39,6 +39,7 @@ def test_save_then_load_gives_the_same_calibration(tmp_path: Path) -> None:
     save(Calibration(0.3, None, 0.05, "kl", 2, {}), where)  # replaced whole
     assert load(where) == Calibration(0.3, None, 0.05, "kl", 2, {})
     assert [p.name for p in where.parent.iterdir()] == [where.name]  # no temp file left behind
+    assert path(tmp_path, "ab" * 32, "attention").name == f"{'ab' * 8}-attention.json"  # beside it, per selection
 
 
 @pytest.mark.parametrize(
@@ -50,6 +51,7 @@ def test_save_then_load_gives_the_same_calibration(tmp_path: Path) -> None:
         json.dumps({**sample().__dict__, "extra": 1}),
         json.dumps({**sample().__dict__, "ratio": 1.5}),
         json.dumps({**sample().__dict__, "deviation_limit": -1.0}),
+        json.dumps({**sample().__dict__, "document_kv": "elsewhere"}),
         "\udcff",
     ],
 )
@@ -202,13 +204,17 @@ def test_the_engine_blends_as_its_stored_calibration_says(
         engine.shutdown()
 
 
-def test_kvgate_ships_the_default_models_calibration(engine, tmp_path: Path) -> None:
-    """`kvgate calibrate --table-docs 2,4,6` for the default model in float32 is in the package, under the
-    fingerprint a fresh conversion of that model gives (the suite's own): a fresh server serves its table,
-    until `kvgate calibrate` makes one here, which wins."""
-    shipped = find(tmp_path, engine.model_fp)
+@pytest.mark.parametrize(("select", "document_kv"), [("deviation", "alone"), ("attention", "context")])
+def test_kvgate_ships_the_default_models_calibration(engine, tmp_path: Path, select: str, document_kv: str) -> None:
+    """`kvgate calibrate --table-docs 2,4,6` for the default model in float32 is in the package, per way of
+    selecting tokens, under the fingerprint a fresh conversion of that model gives (the suite's own): a fresh
+    server serves the table of its `blend_select`, until `kvgate calibrate` makes one here, which wins."""
+    shipped = find(tmp_path, engine.model_fp, select=select)
     assert shipped is not None and set(shipped.table) == {"2", "4", "6"}, shipped
-    assert find(tmp_path, engine.model_fp, shipped=False) is None
+    assert (shipped.select, shipped.document_kv) == (select, document_kv)
+    assert find(tmp_path, engine.model_fp, shipped=False, select=select) is None
     own = replace(shipped, ratio=0.42, table={})
-    save(own, path(tmp_path, engine.model_fp))
-    assert find(tmp_path, engine.model_fp) == own
+    save(own, path(tmp_path, engine.model_fp, select))
+    assert find(tmp_path, engine.model_fp, select=select) == own
+    other = "deviation" if select == "attention" else "attention"
+    assert find(tmp_path, engine.model_fp, shipped=False, select=other) is None  # saved for one selection only

@@ -60,8 +60,8 @@ def test_keys_are_required_once_any_are_configured() -> None:
 
 
 def test_blend_select_reaches_the_engine_config_and_only_known_ways_are_taken() -> None:
-    assert Settings().engine_config().blend_select == "deviation"
-    assert Settings(blend_select="attention").engine_config().blend_select == "attention"
+    assert Settings().engine_config().blend_select == "attention"
+    assert Settings(blend_select="deviation").engine_config().blend_select == "deviation"
     with pytest.raises(pydantic.ValidationError):
         Settings(blend_select="random")
 
