@@ -155,7 +155,7 @@ class Programs:
             # kept unpinned until admitted (under overload program order is most of what pins win: a
             # held turn behind new programs loses it; under less, turns that memory serves anyway should
             # not pass others: the sweep lost 4% at load 0.95 when every returning turn went first).
-            resident = p.context in self.store.tiers[0]
+            resident = self.store.resident(p.context)
             pinned = resident and (p.pinned_until > now or self.hold(p, now))
             waits, p_back = predictor.after(p.tools)
             # Back within this, or gone: the wait by which most returns after such calls have come.
@@ -168,7 +168,7 @@ class Programs:
         """How long memory keeps an unpinned context: the idle age at which the first tier evicts,
         as measured lately; inf when it evicted nothing for longer than the longest pin (a pin
         decided on an older measure would have ended by now)."""
-        return self.store.tiers[0].residence_s(self.config.pins.max_ttl_s)
+        return self.store.residence_s(self.config.pins.max_ttl_s)
 
     def hold(self, p: Program, now: float) -> bool:
         """A turn came back to its unpinned context, still in memory: under memory pressure (decide),

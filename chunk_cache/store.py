@@ -103,6 +103,24 @@ class ChunkStore:
     def __contains__(self, key: object) -> bool:
         return any(key in tier for tier in self.tiers)
 
+    def resident(self, key: str) -> bool:
+        """Whether `key` is in memory (the first tier): read without a load."""
+        return key in self.tiers[0]
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.tiers[0].budget
+
+    @property
+    def tiered(self) -> bool:
+        """Whether a tier below memory keeps what memory evicts."""
+        return len(self.tiers) > 1
+
+    def residence_s(self, horizon_s: float) -> float:
+        """How long memory keeps an unpinned entry after its last use, lately (inf: it evicted none within
+        `horizon_s`)."""
+        return self.tiers[0].residence_s(horizon_s)
+
     def where(self, key: str) -> Tier | None:
         """The tier that holds `key`: the lowest durable one that does, else the first that does."""
         holding = [tier for tier in self.tiers if key in tier]

@@ -15,9 +15,8 @@ class EngineCosts:
     def __init__(self, engine: Engine, reload_bytes_per_s: float = 1e9) -> None:
         self.engine, self.reload_bytes_per_s = engine, reload_bytes_per_s
         self.bytes_per_token = engine.kv_bytes_per_token
-        tiers = engine.reuser.store.tiers
-        self.memory_bytes = tiers[0].budget
-        self.lower = len(tiers) > 1
+        store = engine.reuser.store
+        self.memory_bytes, self.lower = store.memory_bytes, store.tiered
 
     def prefill_s(self, tokens: int) -> float:
         return self.engine.prefill_s(tokens)

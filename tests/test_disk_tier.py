@@ -98,6 +98,17 @@ def test_the_store_reads_a_lower_tier_layer_by_layer_and_promotes_it(tmp_path: P
     store.close()
 
 
+def test_the_store_says_what_memory_holds_without_callers_reaching_into_its_tiers(tmp_path: Path) -> None:
+    memory, disk = MemoryTier(budget_bytes=1 << 20), DiskTier(tmp_path, budget_bytes=1 << 20)
+    store = ChunkStore([memory, disk])
+    disk.put(chunk())
+    assert "doc" in store and not store.resident("doc")  # on disk only: a load away
+    memory.put(chunk())
+    assert store.resident("doc") and store.memory_bytes == 1 << 20 and store.tiered
+    assert not ChunkStore([MemoryTier(budget_bytes=1 << 20)]).tiered
+    store.close()
+
+
 class GatedDisk(DiskTier):
     """A disk tier whose layer reads wait for the test: shows layer 0 is usable before layer 1
     is read. (A gate, not a fake: the bytes still come from the real file.)"""
