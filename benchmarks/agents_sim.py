@@ -121,6 +121,7 @@ class SimSeq:
     computed: int = 0  # tokens whose KV exists
     outputs: int = 0
     planned: bool = False
+    tenant: str = ""  # one tenant: the simulator studies programs, not tenants
 
     @property
     def prefilling(self) -> bool:

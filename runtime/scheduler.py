@@ -37,10 +37,6 @@ def default_reserve(max_num_seqs: int) -> int:
     return max(1, max_num_seqs // 8) if max_num_seqs > 1 else 0
 
 
-def tenant_of(seq: Sequence) -> str:
-    return getattr(seq, "tenant", "")  # the agent simulator's sequences (benchmarks/agents_sim.py) have none
-
-
 class Scheduler:
     def __init__(
         self,
@@ -72,7 +68,7 @@ class Scheduler:
         return itertools.chain(self.running, self.waiting, self.held)
 
     def add(self, seq: Sequence) -> None:
-        tenant = tenant_of(seq)
+        tenant = seq.tenant
         if self.first_tenant is None:
             self.first_tenant = tenant
         elif tenant != self.first_tenant:
@@ -85,7 +81,7 @@ class Scheduler:
     def queue(self, seq: Sequence) -> None:
         turn = seq.turn  # None: a program of its own
         program_arrival, pinned = (None, False) if turn is None else (turn.arrival, turn.pinned)
-        self.waiting.push(seq, tenant_of(seq), program_arrival, pinned, seq.arrival)
+        self.waiting.push(seq, seq.tenant, program_arrival, pinned, seq.arrival)
         self.waiting_tokens += len(seq.prompt_ids)
 
     def release(self) -> None:
@@ -104,10 +100,10 @@ class Scheduler:
     def remove(self, seq: Sequence) -> None:
         if id(seq) in self.released:
             self.released.discard(id(seq))
-            self.held.done(tenant_of(seq))
+            self.held.done(seq.tenant)
         if seq.status is Status.RUNNING and seq in self.running:
             self.running.remove(seq)
-            self.waiting.done(tenant_of(seq))
+            self.waiting.done(seq.tenant)
         elif self.waiting.remove(seq):
             self.waiting_tokens -= len(seq.prompt_ids)
         else:
