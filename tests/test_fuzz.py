@@ -3,7 +3,7 @@ loopback; whatever a client sends, the answer is never a 5xx (schemathesis's che
 
 Two gateways: over the real model (the session's engine), and in proxy mode over a stub upstream. Each is fuzzed
 twice: open, every request carrying the admin key (so the admin endpoints run too), and with API keys required,
-every request carrying a valid one (the admin endpoints stay closed).
+every request carrying a valid one (the admin endpoints stay closed; a third of the examples: EXAMPLES).
 
 Every operation of the schema gets its own Hypothesis run of valid and invalid requests (a new random sample each
 run). The 5xx found are reported together, each with a curl command that replays it; the server's traceback is in
@@ -52,6 +52,9 @@ VARIANTS = {
     "admin-key": ({"admin_key": ADMIN_KEY}, {"authorization": f"Bearer {ADMIN_KEY}"}),
     "api-key": ({"api_keys": {API_KEY: "tenant-a"}}, {"authorization": f"Bearer {API_KEY}"}),
 }
+# Examples per operation: the open variant reaches every route and is the deep run; with keys required the
+# same bodies meet the same code past authentication (and the admin routes a 401), so a third of them.
+EXAMPLES = {"admin-key": FUZZ.max_examples, "api-key": FUZZ.max_examples // 3}
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class Gateway:
     url: str
     headers: dict[str, str]  # what every fuzzed request carries
     model: str  # the model it serves
+    examples: int  # per operation
 
 
 def fuzz(
@@ -85,7 +89,7 @@ def fuzz_operation(
     seen: Counter[int] = Counter()
     valid, invalid = (operation.as_strategy(mode) for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE))
 
-    @FUZZ
+    @settings(FUZZ, max_examples=gateway.examples)
     @given(case=valid | invalid)
     def never_5xx(case: Case) -> None:
         prepare(case)
@@ -168,7 +172,7 @@ def engine_gateway(
     # Only the gateway's own settings count here: the engine, its window and its KV store are the session's.
     config = Settings(semantic_cache=False, cache_dir=tmp_path_factory.mktemp("fuzz-engine"), **values)
     with serving(config, engine) as url:
-        yield Gateway(url, headers, engine.loaded.name)
+        yield Gateway(url, headers, engine.loaded.name, EXAMPLES[request.param])
 
 
 def test_the_gateway_over_the_model_never_answers_5xx(engine_gateway: Gateway) -> None:
@@ -201,7 +205,7 @@ def proxy_gateway(
     cache = tmp_path_factory.mktemp("fuzz-proxy")
     config = Settings(upstreams=upstreams, semantic_cache=False, cache_dir=cache, **values)
     with serving(config, None) as url:  # no engine: proxy mode
-        yield Gateway(url, headers, STUB_MODEL)
+        yield Gateway(url, headers, STUB_MODEL, EXAMPLES[request.param])
 
 
 def test_the_gateway_in_proxy_mode_never_answers_5xx(proxy_gateway: Gateway) -> None:
