@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
-Key = tuple[str, str]  # (scope, program id)
+Key = tuple[str, str]  # (tenant, program id)
 
 
 class Flight:
@@ -58,29 +58,29 @@ class Flight:
                     del self.flying[key]
             return len(self.flying) < limit
 
-    def start(self, scope: str, program: str) -> None:
+    def start(self, tenant: str, program: str) -> None:
         """The program's first turn was admitted."""
         with self.lock:
-            self.flying[(scope, program)] = math.inf
+            self.flying[(tenant, program)] = math.inf
 
-    def back(self, scope: str, program: str) -> None:
+    def back(self, tenant: str, program: str) -> None:
         """A later turn of the program arrived: it counts until that turn ends."""
         with self.lock:
-            if (scope, program) in self.flying:
-                self.flying[(scope, program)] = math.inf
+            if (tenant, program) in self.flying:
+                self.flying[(tenant, program)] = math.inf
 
-    def wait(self, scope: str, program: str, late_s: float = math.inf) -> None:
+    def wait(self, tenant: str, program: str, late_s: float = math.inf) -> None:
         """A turn ended calling tools: the program counts until their results are `late_s` late (as
         the tools' durations tell), or `linger_s`. (Counting it only while memory holds its context,
         pinned or resident, the simulator's gains shrank and at load 1.2 with 128 MiB it lost 4-8%.)"""
         with self.lock:
-            if (scope, program) in self.flying:
-                self.flying[(scope, program)] = self.clock() + min(late_s, self.linger_s)
+            if (tenant, program) in self.flying:
+                self.flying[(tenant, program)] = self.clock() + min(late_s, self.linger_s)
 
-    def land(self, scope: str, program: str) -> None:
+    def land(self, tenant: str, program: str) -> None:
         """The program ended (or was forgotten): its place goes to the next."""
         with self.lock:
-            self.flying.pop((scope, program), None)
+            self.flying.pop((tenant, program), None)
 
     def __len__(self) -> int:
         return len(self.flying)

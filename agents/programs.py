@@ -48,7 +48,7 @@ class Turn:
 
     program: str
     arrival: float  # the program's first arrival (time.monotonic)
-    scope: str = ""
+    tenant: str = ""
     first: bool = False  # the program's first turn: it may wait for room among the programs in flight
     pinned: bool = False  # the context it continues is pinned in memory: program FCFS admits it first
     resume: str = ""
@@ -59,7 +59,7 @@ class Turn:
 @dataclass
 class Program:
     id: str
-    scope: str
+    tenant: str
     arrival: float  # the first turn's arrival: program FCFS orders every later turn by it
     seen: float
     turns: int = 0
@@ -88,9 +88,9 @@ def tool_return(messages: list[dict[str, Any]]) -> tuple[str, ...] | None:
     return tuple(sorted(set(names)))
 
 
-def context_key(scope: str, program: str, turn: int) -> str:
+def context_key(tenant: str, program: str, turn: int) -> str:
     h = hashlib.sha256()
-    for part in ("kvgate.program.v1", scope, program, str(turn)):
+    for part in ("kvgate.program.v1", tenant, program, str(turn)):
         h.update(part.encode() + b"\0")
     return h.hexdigest()
 
@@ -113,7 +113,7 @@ class Programs:
         self.shared_at, self.failing = -math.inf, False
         self.programs: OrderedDict[tuple[str, str], Program] = OrderedDict()  # least recently seen first
         self.evicted: list[str] = []  # pinned contexts of programs forgotten for room: demoted by expire
-        self.deadlines: list[tuple[float, str, str]] = []  # (pinned until, scope, program id)
+        self.deadlines: list[tuple[float, str, str]] = []  # (pinned until, tenant, program id)
         self.ended = self.returned = 0  # turns ended; turns that came back with tool results
         # The queue program turns find when they arrive: what a pinned turn's return passes, a tool's
         # time after the decision (priced at the queue of the moment, which at moderate load has
@@ -126,7 +126,7 @@ class Programs:
         self.lock = threading.Lock()
         self.wake = threading.Event()  # a new deadline: the expiry thread looks again
 
-    def begin(self, program_id: str | None, scope: str, messages: list[dict[str, Any]], prompt_tokens: int) -> Turn:
+    def begin(self, program_id: str | None, tenant: str, messages: list[dict[str, Any]], prompt_tokens: int) -> Turn:
         now = self.clock()
         if program_id is None:  # its own program: nothing comes after it
             return Turn(uuid.uuid4().hex, now)
@@ -134,12 +134,12 @@ class Programs:
         queue = self.costs.queue_s()
         with self.lock:
             self.queue_found = running(self.queue_found, queue)
-            p = self.programs.get((scope, program_id))
+            p = self.programs.get((tenant, program_id))
             if p is None:
-                p = self.programs[(scope, program_id)] = Program(program_id, scope, now, now)
+                p = self.programs[(tenant, program_id)] = Program(program_id, tenant, now, now)
                 self.make_room(now)
-            predictor = self.predictor(scope)
-            seen = self.seen.setdefault(scope, Seen()) if self.shared is not None else None
+            predictor = self.predictor(tenant)
+            seen = self.seen.setdefault(tenant, Seen()) if self.shared is not None else None
             if tools is not None and p.ended is not None:
                 predictor.observe(tools, now - p.ended)
                 predictor.called(p.tools, tools)
@@ -148,9 +148,9 @@ class Programs:
                 self.returned += 1
                 p.tools = tools
             p.seen = now
-            self.programs.move_to_end((scope, program_id))
+            self.programs.move_to_end((tenant, program_id))
             p.turns += 1
-            self.flight.back(scope, p.id)
+            self.flight.back(tenant, p.id)
             # Program FCFS admits a pinned program's turn first; so too one that holds the context memory
             # kept unpinned until admitted (under overload program order is most of what pins win: a
             # held turn behind new programs loses it; under less, turns that memory serves anyway should
@@ -161,8 +161,8 @@ class Programs:
             # Back within this, or gone: the wait by which most returns after such calls have come.
             p.late_s = next((w for w, q in zip(waits, p_back) if q >= LATE), math.inf)
             ttl = self.ttl(waits, p_back, prompt_tokens)
-            keep = context_key(scope, p.id, p.turns)
-            return Turn(p.id, p.arrival, scope, p.turns == 1, pinned, p.context, keep, ttl)
+            keep = context_key(tenant, p.id, p.turns)
+            return Turn(p.id, p.arrival, tenant, p.turns == 1, pinned, p.context, keep, ttl)
 
     def resident_s(self) -> float:
         """How long memory keeps an unpinned context: the idle age at which the first tier evicts,
@@ -183,18 +183,18 @@ class Programs:
         if self.costs.queue_s() < residence - idle:
             return False
         p.pinned_until = now + pins.max_ttl_s  # a turn that never starts lets go at this deadline
-        heapq.heappush(self.deadlines, (p.pinned_until, p.scope, p.id))
+        heapq.heappush(self.deadlines, (p.pinned_until, p.tenant, p.id))
         self.wake.set()
         return self.store.pin(p.context, p.pinned_until)
 
-    def predictor(self, scope: str) -> Predictor:
+    def predictor(self, tenant: str) -> Predictor:
         """The tenant's tool durations (the newest `max_tenants` tenants' are kept)."""
-        found = self.predictors.get(scope)
+        found = self.predictors.get(tenant)
         if found is None:
-            found = self.predictors[scope] = Predictor(self.config.prior, max_tools=self.config.max_tools)
+            found = self.predictors[tenant] = Predictor(self.config.prior, max_tools=self.config.max_tools)
             if len(self.predictors) > self.config.max_tenants:
                 self.predictors.popitem(last=False)
-        self.predictors.move_to_end(scope)
+        self.predictors.move_to_end(tenant)
         return found
 
     def make_room(self, now: float) -> None:
@@ -228,33 +228,33 @@ class Programs:
         passed = self.queue_found or 0.0
         return decide(self.config.pins, waits, p_back, saved, held, resident, passed, rate)
 
-    def end(self, scope: str, turn: Turn, more: bool = True) -> None:
+    def end(self, tenant: str, turn: Turn, more: bool = True) -> None:
         """The turn's response is complete: its context (if the engine kept it) replaces the
         program's previous one, and stays pinned for the turn's TTL. `more`: the turn called tools
         (or failed), so the program may go on; else it has ended."""
         self.share()
         now = self.clock()
         if not more:
-            self.flight.land(scope, turn.program)
+            self.flight.land(tenant, turn.program)
         kept = bool(turn.keep) and turn.keep in self.store
         stale = ""
         with self.lock:
             self.ended += 1
-            p = self.programs.get((scope, turn.program))
+            p = self.programs.get((tenant, turn.program))
             if p is not None and more:
-                self.flight.wait(scope, p.id, p.late_s)
+                self.flight.wait(tenant, p.id, p.late_s)
             if p is None or not turn.keep:
                 return
             p.ended, p.seen = now, now
             p.pinned_until = -math.inf  # a pin held for the turn ends with it
-            self.programs.move_to_end((scope, turn.program))
+            self.programs.move_to_end((tenant, turn.program))
             if not kept:
                 return
             if p.context != turn.keep:
                 stale, p.context = p.context, turn.keep
             p.pinned_until = now + turn.pin_s if turn.pin_s > 0 else -math.inf
             if turn.pin_s > 0:
-                heapq.heappush(self.deadlines, (p.pinned_until, p.scope, p.id))
+                heapq.heappush(self.deadlines, (p.pinned_until, p.tenant, p.id))
                 self.wake.set()
         if stale:
             self.store.delete(stale)
@@ -272,17 +272,17 @@ class Programs:
             pooled = self.shared.exchange(seen)
         except Exception as exc:  # what was seen here still counts here; the next pooling adds it
             with self.lock:
-                for scope, mine in list(seen.items())[-self.config.max_tenants :]:
-                    self.seen.setdefault(scope, Seen()).follow(mine)
+                for tenant, mine in list(seen.items())[-self.config.max_tenants :]:
+                    self.seen.setdefault(tenant, Seen()).follow(mine)
             if not self.failing:
                 self.failing = True
                 log.warning("tool durations are not pooled: the shared store did not answer (%s)", type(exc).__name__)
             return
         self.failing = False
         with self.lock:
-            for scope, (durations, follows) in pooled.items():
-                if scope in self.predictors:
-                    self.predictors[scope].load(durations, follows)
+            for tenant, (durations, follows) in pooled.items():
+                if tenant in self.predictors:
+                    self.predictors[tenant].load(durations, follows)
 
     def expire(self) -> float | None:
         """Demote the pins whose time is up, forget idle programs; the next deadline, if any."""
@@ -290,8 +290,8 @@ class Programs:
         with self.lock:
             due, self.evicted = self.evicted, []
             while self.deadlines and self.deadlines[0][0] <= now:
-                _, scope, pid = heapq.heappop(self.deadlines)
-                p = self.programs.get((scope, pid))
+                _, tenant, pid = heapq.heappop(self.deadlines)
+                p = self.programs.get((tenant, pid))
                 if p is not None and p.pinned_until <= now and p.pinned_until > -math.inf:
                     p.pinned_until = -math.inf
                     due.append(p.context)

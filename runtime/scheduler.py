@@ -94,7 +94,7 @@ class Scheduler:
             seq = self.held.pop()
             self.released.add(id(seq))
             if gate is not None:
-                gate.start(seq.turn.scope, seq.turn.program)
+                gate.start(seq.turn.tenant, seq.turn.program)
             self.queue(seq)
 
     def remove(self, seq: Sequence) -> None:

@@ -70,7 +70,7 @@ def test_a_turn_that_comes_back_counts_until_it_ends_however_long_it_runs() -> N
     assert not flight.room()
 
 
-def test_programs_of_two_scopes_with_one_name_are_two_programs() -> None:
+def test_programs_of_two_tenants_with_one_name_are_two_programs() -> None:
     flight = Flight(100 * MIB, per_context=1.0)
     flight.measure(50 * MIB, recent=1.0)
     flight.start("tenant-a", "p")

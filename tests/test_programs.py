@@ -146,7 +146,7 @@ def in_flight(per_context: float = 1.0, max_programs: int = 65536) -> tuple[Prog
 def test_only_a_programs_first_turn_is_first_and_each_turn_measures_its_context() -> None:
     programs, _ = in_flight()
     one = programs.begin("p", "t", [], 250)
-    assert one.first and one.scope == "t"
+    assert one.first and one.tenant == "t"
     programs.end("t", one)
     assert not programs.begin("p", "t", [CALL, RESULT], 500).first
     assert programs.flight.context_bytes == 25_000 + (50_000 - 25_000) / 16  # 100 bytes a token, a running mean

@@ -307,7 +307,7 @@ def gated(limit: int) -> tuple[Scheduler, Flight]:
 
 
 def first(name: str, arrival: float, tenant: str = "") -> Sequence:
-    seq = request(name, arrival, Turn(name, arrival=arrival, scope=tenant, first=True))
+    seq = request(name, arrival, Turn(name, arrival=arrival, tenant=tenant, first=True))
     seq.tenant = tenant
     return seq
 
@@ -376,5 +376,5 @@ def test_held_first_turns_go_to_the_tenant_with_fewest_let_through_still_running
     for _ in range(3):
         *_, (seq, _) = scheduler.schedule()  # the one let through joins the batch last
         order.append(seq.text)
-        flight.land(seq.turn.scope, seq.turn.program)  # its program ends; the sequence still runs
+        flight.land(seq.turn.tenant, seq.turn.program)  # its program ends; the sequence still runs
     assert order == ["flood-0", "quiet-0", "flood-1"]
