@@ -143,10 +143,12 @@ def test_calibrate_stores_a_calibration_the_engine_finds(tmp_path: Path, setting
     args += ["--table-docs", "1,2", "--data", str(musique), "--offset", "0"]  # the generated file's first item
     proc = subprocess.run([KVGATE, *args], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    # Where the engine looks: the model's fingerprint (its content: the same from this cache dir).
+    # Where the engine looks: the model's fingerprint (its content: the same from this cache dir) and the
+    # server's blend_select; measured as the server serves: that selection, documents' KV from another prompt.
     model_fp = model_fingerprint(loaded)
-    cal = load_calibration(calibration_path(cache, model_fp))
+    cal = load_calibration(calibration_path(cache, model_fp, settings.blend_select))
     assert cal is not None and cal.items == 1 and cal.metric == "top1" and cal.target == 0.5
+    assert (cal.select, cal.document_kv) == (settings.blend_select, "context")
     assert set(cal.curve) == {"0", "0.2"} and cal.ratio in (0.0, 0.2)
     # The served table: per document count, per ratio, both fidelity measures.
     assert set(cal.table) == {"1", "2"} and all(set(row) == {"0", "0.2"} for row in cal.table.values())

@@ -3,8 +3,6 @@ between tenants (the fewest running first), a reserve of slots for a tenant with
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from hypothesis import given
@@ -14,6 +12,7 @@ from hypothesis import strategies as st
 from kvgate.agents.flight import Flight
 from kvgate.agents.programs import Turn
 from kvgate.agents.queue import FairQueue
+from kvgate.bench.agents_sim import SimSeq
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.sampling import SamplingParams
 from kvgate.runtime.scheduler import Scheduler
@@ -290,10 +289,10 @@ def test_only_program_order_lets_a_pinned_turn_pass_the_waiting_tokens() -> None
         assert scheduler.passable_tokens == passable
 
 
-def test_the_simulators_sequences_without_a_tenant_are_the_anonymous_tenant() -> None:
+def test_the_simulators_sequences_are_the_anonymous_tenant() -> None:
     scheduler = Scheduler(max_num_seqs=2, max_num_batched_tokens=64)
     scheduler.add(tenants_request("", "keyless", 0.0))
-    scheduler.add(SimpleNamespace(turn=None, arrival=1.0, prompt_ids=[1]))  # like benchmarks/agents_sim.py's
+    scheduler.add(SimSeq(range(1), Turn("p", 1.0), 1.0, program=0, index=0))  # benchmarks/agents_sim.py's
     assert not scheduler.shared  # one tenant: no slot is held back
 
 
