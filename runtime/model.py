@@ -23,6 +23,13 @@ class Run:
     start: int  # position of the first token; equals len(kv) before the step
 
 
+# CPU's flash kernel, which returns the log-sum-exp beside the output (and reads KV heads as GQA groups).
+FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+# Rows from which the merged kernels beat the masked one (measured after 3.7k cached, 1 thread: 64 rows 15 ms both,
+# 256 rows 48 against 51 ms, 1024 rows 155 against 195 ms, 3.6k rows 354 against 669 ms).
+MERGED_ROWS = 512
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -47,6 +54,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wind
     n, total = q.shape[2], k.shape[2]
     if n == total and (window is None or n <= window):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    elif window is None and q.device.type == "cpu" and n >= MERGED_ROWS:
+        out = attend_after(q, k, v, scale)
     else:
         rows = torch.arange(total - n, total, device=q.device)[:, None]
         cols = torch.arange(total, device=q.device)[None, :]
@@ -55,6 +64,22 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wind
             mask &= cols > rows - window
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0]
+
+
+def attend_after(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of the last n positions over a longer KV ([1, heads, n, d] over [1, kv_heads, T, d]),
+    as two flash kernels merged by their log-sum-exp: every query over the keys before it (no mask), and
+    causally over the n (is_causal). SDPA with a mask runs a kernel half as fast on CPU (measured: 3.6k rows
+    after 129 cached, one layer, 1 thread: 669 ms masked, 354 ms merged; full prefill's causal 333-388 ms), which
+    made a prompt continuing a short cached prefix slower than computing it whole."""
+    n, total = q.shape[2], k.shape[2]
+    before, before_lse = FLASH(q, k[:, :, : total - n], v[:, :, : total - n], 0.0, False, scale=scale)[:2]
+    own, own_lse = FLASH(q, k[:, :, total - n :], v[:, :, total - n :], 0.0, True, scale=scale)[:2]
+    top = torch.maximum(before_lse, own_lse)
+    w_before, w_own = (before_lse - top).exp(), (own_lse - top).exp()
+    whole = w_before + w_own
+    out = before.float() * (w_before / whole)[..., None] + own.float() * (w_own / whole)[..., None]
+    return out.to(q.dtype)
 
 
 def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import LoadedModel
-from kvgate.runtime.model import Run, forward
+from kvgate.runtime.model import MERGED_ROWS, Run, attend, forward
 from tests.conftest import QUESTIONS
 from tests.kv import new_kv
 
@@ -73,3 +75,24 @@ def test_kv_grows_and_keeps_rows(loaded: LoadedModel) -> None:
     assert len(kv) == 40 and keys.shape == (3, 40, 4)
     assert torch.equal(keys, torch.cat(rows, dim=1)) and torch.equal(values, -keys)
     assert kv.nbytes == 2 * 2 * 3 * 4 * 40 * 4
+
+
+@pytest.mark.parametrize(("rows", "cached"), [(MERGED_ROWS, 3), (MERGED_ROWS + 37, 400), (5, 100)])
+def test_rows_after_cached_keys_attend_as_masked_attention_does(rows: int, cached: int) -> None:
+    """Many rows after a cached prefix take two flash kernels merged by their log-sum-exp (the masked kernel is
+    half as fast on CPU); few take the masked one. Either is causal attention over the whole KV."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(9, rows, 64), torch.randn(3, cached + rows, 64), torch.randn(3, cached + rows, 64)
+    mask = torch.arange(cached + rows)[None, :] <= torch.arange(cached, cached + rows)[:, None]
+    truth = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=0.125, enable_gqa=True)
+    assert torch.allclose(attend(q, k, v, 0.125), truth[0], atol=1e-5)
+
+
+def test_a_long_prompt_after_a_cached_prefix_gives_full_prefills_logits(loaded: LoadedModel) -> None:
+    ids = loaded.tokenizer.encode(" ".join(f"Line {i} of the report says the value was {i * 7}." for i in range(60)))
+    assert len(ids) - 64 >= MERGED_ROWS  # the merged kernels' case
+    whole = forward(loaded.model, [Run(new_kv(loaded), ids, 0)])[0]
+    kv = new_kv(loaded)
+    forward(loaded.model, [Run(kv, ids[:64], 0)])
+    after = forward(loaded.model, [Run(kv, ids[64:], 64)])[0]
+    assert torch.allclose(after, whole, atol=1e-3) and int(after.argmax()) == int(whole.argmax())
