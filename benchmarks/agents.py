@@ -24,11 +24,11 @@ import httpx
 import openai
 
 from kvgate.bench.agent_workload import ProgramSpec, generate
-from kvgate.bench.report import table, write_section
 from kvgate.bench.server import gateway
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel, load
+from kvgate.runtime.report import table, write_section
 
 # (arrivals per second, KV memory MiB): an engine busy but keeping up, and one overloaded.
 SIMULATED = [(0.2, 192), (0.25, 128)]

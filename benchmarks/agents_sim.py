@@ -24,12 +24,12 @@ from kvgate.agents.predictor import Prior
 from kvgate.agents.programs import Programs, Turn
 from kvgate.agents.ttl import PinPolicy
 from kvgate.bench.agent_workload import ProgramSpec, generate
-from kvgate.bench.report import table
 from kvgate.chunk_cache import ChunkKV, ChunkStore, MemoryTier
 from kvgate.runtime.engine import Engine
+from kvgate.runtime.report import table
 from kvgate.runtime.sampling import SamplingParams
 from kvgate.runtime.scheduler import Scheduler
-from kvgate.runtime.sequence import Status
+from kvgate.runtime.sequence import Request, Status
 
 TEMPLATE_TOKENS = 12  # chat template tokens around each turn's new messages
 SCOPE = "sim"
@@ -52,7 +52,7 @@ def run_batch(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tupl
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
     async def one(ids: list[int]) -> None:
-        async for _ in engine.generate(ids, params):
+        async for _ in engine.generate(Request(ids, params)):
             pass
 
     async def every() -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from kvgate.agents.ttl import PinPolicy
 from kvgate.bench.agent_workload import generate
 from kvgate.bench.agents_sim import FIXED_TTL_S, IN_FLIGHT, StepCosts, prompt_tokens, simulate
-from kvgate.bench.report import table
+from kvgate.runtime.report import table
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.bench.engines import Rag, Reply, load_rag, stream
-from kvgate.bench.report import table, write_section
 from kvgate.bench.server import gateway
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.loader import load
+from kvgate.runtime.report import table, write_section
 
 SYSTEM = "Answer the question from the context. Be brief."
 TARGET_SPEEDUP = 3.0  # reordered pasted documents against full prefill (the target)

@@ -1,15 +1,17 @@
-"""The command-line options of `kvgate calibrate` and `kvgate bench ...`, beside the benchmarks.
+"""`kvgate bench ...`: the command kvgate's benchmarks add to the CLI (entry point `bench` of the group
+`kvgate.commands`, pyproject.toml): `add` (its argparse options), `passthrough` and `run`.
 
-Argparse definitions, and `run`, the gateway's one way into the benchmarks: the CLI imports this module
-on every start (a proxy front included), so it imports no benchmark, no torch and nothing else of kvgate;
-`run` imports the runner (benchmarks/runners.py) when a command runs."""
+The CLI loads this module on every start (a proxy front included), so it imports no benchmark, no torch
+and nothing of kvgate but the CLI's shared options; `run` imports the runner (benchmarks/runners.py)
+when a command runs."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from kvgate.gateway.cli import musique_args
 
 if TYPE_CHECKING:
     from kvgate.gateway.settings import Settings
@@ -29,15 +31,6 @@ MODULES = {
     "shapes": "shapes",
     "embedders": "embedders",
 }
-
-
-def musique_args(parser: argparse.ArgumentParser, limit: int, offset: int) -> None:
-    parser.add_argument("--model")
-    parser.add_argument("--data", type=Path, default=MUSIQUE, help="MuSiQue RAG jsonl (question, passages)")
-    parser.add_argument("--docs", type=int, default=6, help="passages per question, as documents")
-    parser.add_argument("--limit", type=int, default=limit, help="items")
-    parser.add_argument("--offset", type=int, default=offset, help="first item (row) of the data file")
-    parser.add_argument("--words", type=int, default=0, help="cut each passage to its first N words (0: whole)")
 
 
 def count(text: str) -> int:
@@ -73,44 +66,6 @@ def policies(text: str) -> list[tuple[str, str, float]]:
     return out
 
 
-def add_calibrate(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
-    """`kvgate calibrate`; `common`: the options every (sub)command accepts (--config)."""
-    calibrate = sub.add_parser("calibrate", parents=[common], help="pick and store the model's blend recompute ratio")
-    musique_args(calibrate, limit=8, offset=100)
-    calibrate.add_argument("--target", type=float, default=0.95, help="the fidelity the ratio must reach")
-    calibrate.add_argument(
-        "--table-docs",
-        default="2,4,6",
-        help="document counts the served table covers, comma-separated (each measured on its own items)",
-    )
-    calibrate.add_argument(
-        "--metric",
-        choices=["top1", "kl"],
-        default="top1",
-        help="top1: mean teacher-forced top-1 agreement over 32 answer positions, at least the target; "
-        "kl: mean first-token KL, at most the target",
-    )
-    calibrate.add_argument("--ratios", default="0,5,10,15,20,30,50", help="candidate ratios, percent")
-    calibrate.add_argument(
-        "--shuffle",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="documents in a fixed random order per item (default: yes, as requests cite them in any order)",
-    )
-    calibrate.add_argument(
-        "--select",
-        choices=["deviation", "attention"],
-        help="how blends pick the tokens they recompute (default: the server's blend_select)",
-    )
-    calibrate.add_argument(
-        "--document-kv",
-        choices=["alone", "context"],
-        help="documents' KV computed alone, or as another prompt computed it (default: context where the server "
-        "keeps new documents' KV as their prompt computed it, documents_in_context)",
-    )
-    calibrate.add_argument("--report", type=Path, help="also write the curve as a section of this BENCHMARKS.md")
-
-
 def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     """`kvgate bench KIND`; `common`: the options every (sub)command accepts (--config)."""
     bench = sub.add_parser("bench", parents=[common], help=f"measurements written to {OUTPUT}")
@@ -129,7 +84,7 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
     prefill.add_argument("--repeats", type=int, default=2)
 
     fidelity = kind("fidelity", "how far each reuse mode moves the answer from full prefill")
-    musique_args(fidelity, limit=6, offset=0)
+    musique_args(fidelity, limit=6, offset=0, data=MUSIQUE)
     fidelity.add_argument("--shuffle", action="store_true", help="documents in a fixed random order per item")
     fidelity.add_argument("--ratios", default="0,5,10,15,20,30,50", help="blend recompute ratios, percent")
     # The blend's other settings (BlendConfig); any given names the section, so variants do not overwrite it.
@@ -147,11 +102,11 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
     )
 
     sources = kind("error-sources", "where the error of reused document KV comes from: repairs and an oracle")
-    musique_args(sources, limit=6, offset=0)
+    musique_args(sources, limit=6, offset=0, data=MUSIQUE)
     sources.add_argument("--shuffle", action="store_true", help="documents in a fixed random order per item")
 
     ttft = kind("ttft", "time to first token of each reuse mode against full prefill")
-    musique_args(ttft, limit=6, offset=0)
+    musique_args(ttft, limit=6, offset=0, data=MUSIQUE)
     ttft.add_argument("--ratio", type=float, help="blend recompute ratio, percent (default: the calibrated one)")
     ttft.add_argument("--ratios", default="", help="more blend ratios to time, percent, comma-separated")
     ttft.add_argument("--repeats", type=int, default=2, help="timings per mode and item; the fastest is kept")
@@ -163,13 +118,13 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
     grammar.add_argument("--max-tokens", type=int, default=160, help="max_tokens of each checked request")
 
     tiers = kind("tiers", "load bandwidth of each chunk cache tier, and TTFT of a blend from it")
-    musique_args(tiers, limit=3, offset=0)
+    musique_args(tiers, limit=3, offset=0, data=MUSIQUE)
     tiers.add_argument("--ratio", type=float, default=15.0, help="blend recompute ratio, percent")
     tiers.add_argument("--repeats", type=int, default=2, help="timings per load and prefill; the fastest is kept")
     tiers.add_argument("--redis-url", help="an existing Redis (default: a redis-server started for the run)")
 
     compressed = kind("compressed", "compressed document KV on disk and Redis: size, load, blend TTFT, fidelity")
-    musique_args(compressed, limit=6, offset=0)
+    musique_args(compressed, limit=6, offset=0, data=MUSIQUE)
     compressed.add_argument("--ratio", type=float, default=15.0, help="blend recompute ratio, percent")
     compressed.add_argument("--repeats", type=int, default=2, help="timings per load and blend; the fastest is kept")
     compressed.add_argument("--redis-url", help="an existing Redis (default: a redis-server started for the run)")
@@ -283,14 +238,21 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
         each.add_argument("--output", type=Path, default=OUTPUT, help="the BENCHMARKS.md to write the section to")
 
 
-def run(name: str, args: argparse.Namespace, settings: Settings, command: str) -> int:
-    """Run `kvgate calibrate` or `kvgate bench KIND` (`name`) as parsed: the gateway's one way into the
-    benchmarks. Data that cannot give an item is the user's error (exit 2), not a traceback."""
-    from kvgate.bench.data import DataError
+def passthrough(argv: list[str]) -> argparse.Namespace | None:
+    """`kvgate bench KIND ARGS` of a benchmark with a command line of its own: ARGS handed over unparsed
+    (`rest`, for `python -m kvgate.bench.<module>`'s own parser); None for any other command line."""
+    if argv[:1] != ["bench"] or (kind := argv[1] if len(argv) > 1 else "") not in MODULES:
+        return None
+    return argparse.Namespace(command="bench", kind=kind, module=f"kvgate.bench.{MODULES[kind]}", rest=argv[2:])
+
+
+def run(args: argparse.Namespace, settings: Settings, command: str) -> int:
+    """Run `kvgate bench KIND` as parsed: the gateway's one way into the benchmarks (an entry point of
+    `kvgate.commands`, pyproject.toml). Data that cannot give an item is the user's error (DataError:
+    `kvgate: error:`, exit 2, where the CLI reports it), not a traceback."""
     from kvgate.bench.runners import RUNNERS
 
-    try:
-        return RUNNERS[name](args, settings, command)
-    except DataError as exc:
-        print(f"kvgate: error: {exc}", file=sys.stderr)
-        return 2
+    return RUNNERS[f"bench {args.kind}"](args, settings, command)
+
+
+add = add_bench

@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from kvgate.bench.fidelity import Item, greedy, kl, load_items, start, teacher_forced, top1
-from kvgate.bench.report import table, write_section
 from kvgate.bench.tiers import best, cold, redis_server, whole
 from kvgate.chunk_cache import ByteTier, ChunkKV, ChunkStore, DiskTier, MemoryTier, make_tier
 from kvgate.runtime.blend import BlendConfig
 from kvgate.runtime.calibration import model_fingerprint
 from kvgate.runtime.config import EngineConfig
+from kvgate.runtime.fidelity import Item, greedy, kl, load_items, start, teacher_forced, top1
 from kvgate.runtime.loader import load
+from kvgate.runtime.report import table, write_section
 from kvgate.runtime.reuse import Reuse, Reuser
 
 CODECS = (None, "int8", "int4")

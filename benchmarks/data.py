@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvgate.runtime.errors import DataError
+
+__all__ = ["DataError", "Half", "Pair", "parse_ratios"]
+
 Pair = tuple[str, str, bool]  # a QQP row: question a, question b, duplicate
-
-
-class DataError(ValueError):
-    """The data or the options asking for it cannot give any item: a usage error, not a bug."""
 
 
 def parse_ratios(text: str) -> list[float]:

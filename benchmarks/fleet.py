@@ -29,13 +29,13 @@ from pathlib import Path
 
 from kvgate.bench.commands import MUSIQUE, OUTPUT
 from kvgate.bench.engines import Rag, kvgate_argv, load_rag, server, stream, vllm_argv, vllm_python
-from kvgate.bench.report import table, write_section
 from kvgate.bench.server import front
 from kvgate.bench.tiers import redis_server
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.config import EngineConfig, user_cache_dir
 from kvgate.runtime.document_text import pasted
 from kvgate.runtime.loader import resolve
+from kvgate.runtime.report import table, write_section
 
 ARMS = ("cache", "round_robin")
 NAME = "bench-model"

@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import yaml
 
-from kvgate.bench.report import table, write_section
 from kvgate.bench.upstream import _free_port, serve_upstream
+from kvgate.runtime.report import table, write_section
 
 
 def start(command: list[str], cwd: Path, port: int) -> tuple[float, int, bool]:

@@ -24,7 +24,7 @@ from kvgate.runtime.engine import Engine
 from kvgate.runtime.planner import Chat, Planner
 from kvgate.runtime.quality import FULL, QualityConfig
 from kvgate.runtime.sampling import SamplingParams
-from kvgate.runtime.sequence import Result
+from kvgate.runtime.sequence import Request, Result
 
 
 def rows(path: Path, limit: int, docs: int, words: int) -> list[tuple[str, list[str]]]:
@@ -53,7 +53,7 @@ def ask(
 
     async def run() -> Result:
         result = Result()
-        async for out in engine.generate(ids, SamplingParams(max_tokens=1, temperature=0), plan):
+        async for out in engine.generate(Request(ids, SamplingParams(max_tokens=1, temperature=0), plan)):
             result.add(out)
         return result
 

@@ -26,13 +26,14 @@ from pathlib import Path
 
 from kvgate.bench.commands import MUSIQUE, OUTPUT
 from kvgate.bench.gate import rows, stored
-from kvgate.bench.report import table, write_section
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import load
 from kvgate.runtime.planner import Chat, Planner
 from kvgate.runtime.quality import FULL, QualityConfig
+from kvgate.runtime.report import table, write_section
 from kvgate.runtime.sampling import SamplingParams
+from kvgate.runtime.sequence import Request
 
 Items = list[tuple[str, list[str]]]
 
@@ -52,7 +53,9 @@ async def ask(engine: Engine, planner: Planner, question: str, docs: list[str], 
     """One request; the gaps between its tokens."""
     ids, plan = planner.chat(Chat([{"role": "user", "content": question}], documents=[{"text": d} for d in docs]))
     gaps, last = [], None
-    async for _ in engine.generate(ids, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True), plan):
+    async for _ in engine.generate(
+        Request(ids, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True), plan)
+    ):
         now = time.perf_counter()
         if last is not None:
             gaps.append(now - last)

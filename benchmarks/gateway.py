@@ -21,9 +21,9 @@ from pathlib import Path
 
 import httpx
 
-from kvgate.bench.report import table, write_section
 from kvgate.bench.upstream import _free_port, serve_upstream
 from kvgate.gateway.workers import serving
+from kvgate.runtime.report import table, write_section
 
 MODEL = "stub-a"
 LITELLM_KEY = "sk-kvgate-bench"  # LiteLLM's proxy refuses to start without a master key

@@ -16,12 +16,12 @@ from typing import Any
 
 import jsonschema
 
-from kvgate.bench.report import pct, table, write_section
 from kvgate.gateway.backend import Call
 from kvgate.gateway.local import Local
 from kvgate.gateway.protocol import ChatCompletionRequest
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
+from kvgate.runtime.report import pct, table, write_section
 
 WORDS = ["city", "count", "title", "tags", "price", "active", "when", "owner", "level", "notes", "kind", "score"]
 

@@ -34,13 +34,13 @@ from pathlib import Path
 import torch
 
 from kvgate.agents.anchors import AnchorConfig, AnchorPool
-from kvgate.bench.fidelity import greedy, kl, make_reuser, teacher_forced, top1
-from kvgate.bench.report import table, write_section
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.documents import message_pieces
+from kvgate.runtime.fidelity import greedy, kl, make_reuser, teacher_forced, top1
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import load
 from kvgate.runtime.model import Run, forward
+from kvgate.runtime.report import table, write_section
 from kvgate.runtime.reuse import Prefilled, Reuser, snapshot
 from kvgate.runtime.shared import Shared, Spans
 

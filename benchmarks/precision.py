@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-from kvgate.bench.fidelity import Item, kl, load_items, top1
-from kvgate.bench.report import pct, table, write_section
 from kvgate.runtime.config import EngineConfig
+from kvgate.runtime.fidelity import Item, kl, load_items, top1
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.model import Run, forward
+from kvgate.runtime.report import pct, table, write_section
 
 DTYPES = ("float32", "bfloat16")
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from kvgate.bench.report import table, write_section
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.model import Run, forward
+from kvgate.runtime.report import table, write_section
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique_rag_dev.jsonl"
 

@@ -1,7 +1,7 @@
-"""What `kvgate calibrate` and each `kvgate bench KIND` run, given their parsed arguments and the settings.
+"""What each `kvgate bench KIND` runs, given its parsed arguments and the settings.
 
-The one way in from the gateway (`kvgate.bench.commands.run`): each runner imports its benchmark when it
-runs, so importing this module loads nothing heavy."""
+The one way in (`kvgate.bench.commands.run`, the `bench` command's entry point): each runner imports
+its benchmark when it runs, so importing this module loads nothing heavy."""
 
 from __future__ import annotations
 
@@ -24,14 +24,6 @@ def blend_options(args: argparse.Namespace) -> dict[str, object]:
     return {name: getattr(args, name) for name in BLEND if getattr(args, name, None) is not None}
 
 
-def counts(text: str) -> list[int]:
-    """Document counts, comma-separated: "2,4,6" -> [2, 4, 6]."""
-    parts = [x.strip() for x in text.split(",") if x.strip()]
-    if not parts or not all(x.isdigit() and int(x) > 0 for x in parts):
-        raise DataError(f"--table-docs {text!r}: document counts (at least 1), comma-separated")
-    return sorted({int(x) for x in parts})
-
-
 def check_numbers(args: argparse.Namespace) -> None:
     for name in ("docs", "limit", "repeats", "requests", "batch", "tokens", "max_tokens"):
         value = getattr(args, name, None)
@@ -42,31 +34,6 @@ def check_numbers(args: argparse.Namespace) -> None:
     ratio = getattr(args, "ratio", None)
     if ratio is not None and not 0.0 <= ratio <= 100.0:
         raise DataError("--ratio is a percentage between 0 and 100")
-
-
-def run_calibrate(args: argparse.Namespace, settings: Settings, command: str) -> int:
-    from kvgate.bench.calibrate import calibrate
-    from kvgate.bench.data import parse_ratios
-
-    check_numbers(args)
-    calibrate(
-        settings.engine_config(),
-        args.data,
-        args.docs,
-        args.limit,
-        args.offset,
-        args.target,
-        args.metric,
-        parse_ratios(args.ratios),
-        args.shuffle,
-        args.words,
-        args.report,
-        command,
-        counts(args.table_docs),
-        args.select or settings.blend_select,
-        args.document_kv or ("context" if settings.documents_in_context else "alone"),
-    )
-    return 0
 
 
 def run_grammar(args: argparse.Namespace, settings: Settings, command: str) -> int:
@@ -284,7 +251,6 @@ def run_precision(args: argparse.Namespace, settings: Settings, command: str) ->
 
 Runner = Callable[[argparse.Namespace, "Settings", str], int]
 RUNNERS: dict[str, Runner] = {
-    "calibrate": run_calibrate,
     "bench prefill": run_prefill,
     "bench grammar": run_grammar,
     "bench fidelity": run_fidelity,

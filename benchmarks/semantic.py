@@ -15,13 +15,13 @@ import numpy as np
 import xxhash
 
 from kvgate.bench.data import DataError, Half, Pair
-from kvgate.bench.report import pct, table, write_section
 from kvgate.bench.semantic_bound import bound_section
 from kvgate.bench.semantic_hit import bench_hit
 from kvgate.bench.semantic_latency import SEED, latency_pool, latency_section
 from kvgate.bench.traps import Served, section, serve, traps_for
 from kvgate.bench.verifier_fit import fit_verifier as fit_on
 from kvgate.gateway.settings import Settings
+from kvgate.runtime.report import pct, table, write_section
 from kvgate.semantic_cache import MiniLM, SemanticCacheConfig
 from kvgate.semantic_cache.embedder import Embedder
 from kvgate.semantic_cache.policy import Classifier

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvgate.bench.data import Half
-from kvgate.bench.report import pct, table
 from kvgate.bench.semantic_latency import SEED
 from kvgate.bench.traps import EDITS, NATURAL, Traps, nearest
+from kvgate.runtime.report import pct, table
 from kvgate.semantic_cache.bound import Bound, BoundConfig
 from kvgate.semantic_cache.config import SemanticCacheConfig
 from kvgate.semantic_cache.guards import refusal

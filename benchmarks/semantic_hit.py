@@ -10,9 +10,9 @@ from typing import Any
 
 import openai
 
-from kvgate.bench.report import table
 from kvgate.bench.server import gateway
 from kvgate.gateway.settings import Settings
+from kvgate.runtime.report import table
 
 
 def timed(

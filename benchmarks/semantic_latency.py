@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvgate.bench.data import Pair
-from kvgate.bench.report import pct, table
+from kvgate.runtime.report import pct, table
 from kvgate.semantic_cache import Entry, SemanticCache, SemanticCacheConfig
 from kvgate.semantic_cache.embedder import Embedder
 from kvgate.semantic_cache.sqlite_store import SQLiteStore

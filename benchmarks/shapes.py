@@ -34,12 +34,12 @@ from kvgate.bench.chunks import SCORED, first_kl, leading
 from kvgate.bench.commands import GSM8K, OUTPUT
 from kvgate.bench.engines import Reply, stream
 from kvgate.bench.multiagent import questions
-from kvgate.bench.report import table, write_section
 from kvgate.bench.server import gateway, gateway_engine
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import load
 from kvgate.runtime.quality import FULL
+from kvgate.runtime.report import table, write_section
 
 RULES = [
     "Answer only what was asked, and say so plainly when something cannot be known from the message.",

@@ -14,12 +14,13 @@ import statistics
 import time
 from pathlib import Path
 
-from kvgate.bench.report import table
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.planner import Chat, Planner
+from kvgate.runtime.report import table
 from kvgate.runtime.sampling import SamplingParams
+from kvgate.runtime.sequence import Request
 
 MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_rag_dev.jsonl"
 
@@ -46,7 +47,7 @@ async def gaps_during(engine: Engine, work: object) -> tuple[list[float], list[f
     params = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
 
     async def stream() -> None:
-        async for _ in engine.generate(prompt, params):
+        async for _ in engine.generate(Request(prompt, params)):
             arrived.append(time.perf_counter())
             if len(arrived) == 17:
                 started.set()
@@ -80,7 +81,7 @@ def measure(loaded: LoadedModel, budget: int, tokens: int, ratio: float) -> list
                 ratio=ratio,
             )
             prompt, plan = planner.chat(chat)
-            answer = engine.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0), plan)
+            answer = engine.generate(Request(prompt, SamplingParams(max_tokens=1, temperature=0.0), plan))
             _, blend, blend_s = await gaps_during(engine, drain(answer))
             step = statistics.median(alone)
             return [

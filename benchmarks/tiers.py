@@ -30,14 +30,14 @@ from urllib.parse import urlparse
 import redis
 import torch
 
-from kvgate.bench.fidelity import Item, load_items, start
-from kvgate.bench.report import table, write_section
 from kvgate.chunk_cache import ByteTier, ChunkKV, ChunkStore, DiskTier, Loading, MemoryTier, Tier, make_tier
 from kvgate.chunk_cache.redis_tier import PIECE, RedisTier
 from kvgate.runtime.blend import BlendConfig
 from kvgate.runtime.calibration import model_fingerprint
 from kvgate.runtime.config import EngineConfig
+from kvgate.runtime.fidelity import Item, load_items, start
 from kvgate.runtime.loader import load
+from kvgate.runtime.report import table, write_section
 from kvgate.runtime.reuse import Reuse, Reuser
 
 TARGET_BANDWIDTH = 0.70  # of the medium's limit

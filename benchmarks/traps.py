@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvgate.bench.data import Half
-from kvgate.bench.report import pct, table
+from kvgate.runtime.report import pct, table
 from kvgate.semantic_cache.config import SemanticCacheConfig
 from kvgate.semantic_cache.guards import GUARDS, refusal, words
 from kvgate.semantic_cache.verifier import STOP

@@ -21,10 +21,13 @@ from pathlib import Path
 
 import torch
 
-from kvgate.bench.fidelity import (
+from kvgate.bench.fidelity import TARGET_KL, TARGET_TOP1
+from kvgate.runtime.blend import BlendConfig
+from kvgate.runtime.calibration import load as load_calibration
+from kvgate.runtime.calibration import model_fingerprint, path
+from kvgate.runtime.config import EngineConfig
+from kvgate.runtime.fidelity import (
     ANSWER,
-    TARGET_KL,
-    TARGET_TOP1,
     Item,
     greedy,
     keep_prefix,
@@ -36,12 +39,8 @@ from kvgate.bench.fidelity import (
     teacher_forced,
     top1,
 )
-from kvgate.bench.report import table, write_section
-from kvgate.runtime.blend import BlendConfig
-from kvgate.runtime.calibration import load as load_calibration
-from kvgate.runtime.calibration import model_fingerprint, path
-from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.loader import load
+from kvgate.runtime.report import table, write_section
 from kvgate.runtime.reuse import Reuse, Reuser
 
 TARGET_SPEEDUP = 4.0  # the target, against the fastest full prefill, on shuffled documents

@@ -169,6 +169,18 @@ def create_app(settings: Settings, backend: Backend) -> FastAPI:
     app.include_router(messages.router, dependencies=[Depends(authenticate)])
     app.include_router(admin.router)
     app.include_router(admin.keys_router)
+    document_bodies(app)
+    metrics.watch(backend.metrics)
+    probes(app, settings, backend, metrics)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    front_only(app, settings)  # a runtime worker answers its front only, before reading a body
+    app.add_middleware(Observe, metrics=metrics)
+    app.add_middleware(RequestId)  # outermost: even a 413 carries the id
+    return app
+
+
+def document_bodies(app: FastAPI) -> None:
+    """/openapi.json with the request bodies the routes parse themselves (routes.with_bodies)."""
     described = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -177,7 +189,10 @@ def create_app(settings: Settings, backend: Backend) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-    metrics.watch(backend.metrics)
+
+
+def probes(app: FastAPI, settings: Settings, backend: Backend, metrics: Metrics) -> None:
+    """/health, /ready and /metrics (the last as `metrics_access` says: open, admin only, or absent)."""
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -199,9 +214,3 @@ def create_app(settings: Settings, backend: Backend) -> FastAPI:
     if settings.metrics_access != "off":  # off: no route, a 404
         guard = [Depends(admin.admin_only)] if settings.metrics_access == "admin" else []
         app.add_api_route("/metrics", prometheus, methods=["GET"], dependencies=guard)
-
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
-    front_only(app, settings)  # a runtime worker answers its front only, before reading a body
-    app.add_middleware(Observe, metrics=metrics)
-    app.add_middleware(RequestId)  # outermost: even a 413 carries the id
-    return app

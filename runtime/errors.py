@@ -61,3 +61,8 @@ class EngineError(ServerError, RuntimeError):
     """A step failed; the requests in it end with this error."""
 
     status, code = 500, "internal_error"
+
+
+class DataError(ValueError):
+    """Not a request's error: a command's data, or the options asking for it, cannot give any item (a usage
+    error of `kvgate calibrate` or a benchmark, reported as `kvgate: error: ...`, exit 2)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvgate.bench.agents import BASELINE, HEADER, Policy, Run, rows, section
-from kvgate.bench.report import write_section
+from kvgate.runtime.report import write_section
 
 
 def run(jct: list[float], makespan: float, evictions: int = 3) -> Run:

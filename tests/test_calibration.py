@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.bench.calibrate import deviation_limit
-from kvgate.bench.fidelity import Scores
 from kvgate.runtime.blend import BlendConfig
+from kvgate.runtime.calibrate import deviation_limit
 from kvgate.runtime.calibration import Calibration, find, load, model_fingerprint, path, pick_ratio, save
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.engine import Engine
+from kvgate.runtime.fidelity import Scores
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.loader import load as load_model
 from kvgate.runtime.planner import Planner

@@ -162,8 +162,8 @@ def test_calibrate_stores_a_calibration_the_engine_finds(tmp_path: Path, setting
 def test_importing_the_cli_and_parsing_loads_no_heavy_module() -> None:
     """The console script imports kvgate.gateway.cli on every start (a proxy front included): that, and
     parsing any command, imports no torch, transformers or hnswlib; and beyond the kvgate packages
-    themselves, only the CLI, the bench options (kvgate.bench.commands: argparse only, no benchmark)
-    and the standard library."""
+    themselves, only the CLI, the bench options (kvgate.bench.commands, the entry point of `kvgate bench`:
+    argparse only, no benchmark) and the standard library."""
     code = (
         "import sys, json\n"
         "import kvgate.gateway  # the packages: what they import is theirs\n"
@@ -221,7 +221,6 @@ def test_settings_come_from_defaults_file_environment_and_flags_in_that_order(tm
 
 
 BENCH_RUNS = [  # argv, the module its runner must import, the function it calls, what that returns
-    (["calibrate", "--ratios", "0,20"], "calibrate", "calibrate", None),
     (["bench", "prefill", "--lengths", "32,64"], "prefill", "bench_prefill", None),
     (["bench", "grammar", "--requests", "4"], "grammar", "bench_grammar", ""),
     (["bench", "fidelity", "--ratios", "0,50"], "fidelity", "bench_fidelity", None),

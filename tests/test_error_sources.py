@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from kvgate.bench.error_sources import ALL, NAIVE, alone, analysis, assemble, measure, reference, repair, report, score
-from kvgate.bench.fidelity import Item, make_reuser
 from kvgate.runtime.documents import chat_pieces, document_ids
+from kvgate.runtime.fidelity import Item, make_reuser
 from kvgate.runtime.loader import LoadedModel
 
 PASSAGES = (

@@ -1,4 +1,4 @@
-"""Write one benchmark's section of BENCHMARKS.md, leaving the other sections as they are."""
+"""Write one section of a BENCHMARKS.md (a benchmark's, `kvgate calibrate --report`'s), keeping the others."""
 
 from __future__ import annotations
 
