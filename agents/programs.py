@@ -105,6 +105,7 @@ class Programs:
         costs: Costs,
         clock: Callable[[], float] = time.monotonic,
         shared: SharedTools | None = None,
+        flight: Flight | None = None,
     ) -> None:
         self.config, self.store, self.costs, self.clock, self.shared = config, store, costs, clock, shared
         # Tool durations per tenant: one tenant's tools never move another's pins.
@@ -122,7 +123,8 @@ class Programs:
         self.queue_found: float | None = None
         self.kept_earns: float | None = None
         self.kept_holds: float | None = None
-        self.flight = Flight(costs.memory_bytes, config.in_flight, config.in_flight_linger_s, clock)
+        # The programs in flight: the engine's (whose scheduler holds first turns at its door), else of its own.
+        self.flight = flight or Flight(costs.memory_bytes, config.in_flight, config.in_flight_linger_s, clock)
         self.lock = threading.Lock()
         self.wake = threading.Event()  # a new deadline: the expiry thread looks again
 

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.agents import Turn
 from kvgate.gateway.admission import Admission
 from kvgate.gateway.backend import Outcome
 from kvgate.gateway.errors import bad_request
@@ -17,7 +16,7 @@ from kvgate.gateway.render import chat_logprobs, completion_logprobs
 from kvgate.gateway.toolcalls import CallStream, message
 from kvgate.runtime.engine import Engine, Result
 from kvgate.runtime.sampling import SamplingParams
-from kvgate.runtime.sequence import Output, Plan
+from kvgate.runtime.sequence import Output, Request
 from kvgate.runtime.tokens import TokenBytes, text_prompt
 
 NONE = {"logprobs": None, "finish_reason": None}
@@ -28,11 +27,7 @@ COMPLETION_CHUNK = {"object": "text_completion"}
 @dataclass
 class Choice:
     index: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    plan: Plan | None = None
-    turn: Turn | None = None
-    tenant: str = ""  # whose: admission counts it, the scheduler shares its slots fairly by it
+    request: Request
 
 
 def sampling_params(
@@ -95,13 +90,13 @@ async def run(
     """Every choice's outputs, interleaved as they come; leaving early aborts the rest. With
     `admission`, the choices are admitted together before any reaches the engine (or the request is
     refused: APIError), and each counts until it ends: finished, failed, or aborted."""
-    tenant = choices[0].tenant if choices else ""
+    tenant = choices[0].request.tenant if choices else ""
     held = admission.admit(tenant, len(choices)) if admission is not None else None
     merged: asyncio.Queue[tuple[int, Output | Exception]] = asyncio.Queue()
 
     async def pump(choice: Choice) -> None:
         try:
-            outputs = engine.generate(choice.prompt_ids, choice.params, choice.plan, choice.turn, tenant=choice.tenant)
+            outputs = engine.generate(choice.request)
             async for out in outputs:
                 await merged.put((choice.index, out))
         except Exception as exc:

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from functools import partial
 from typing import Any
 
 from prometheus_client.core import Metric
 
-from kvgate.agents import AnchorPool, Expirer, Programs, Turn
+from kvgate.agents import Turn
 from kvgate.gateway.admission import Admission
+from kvgate.gateway.agent_turns import AgentTurns, Ended
 from kvgate.gateway.backend import Backend, Call, Reply
 from kvgate.gateway.choices import (
     CHAT_CHUNK,
@@ -32,7 +32,6 @@ from kvgate.gateway.choices import (
     sampling_params,
     token_ids,
 )
-from kvgate.gateway.conversation_index import conversation_index
 from kvgate.gateway.embeddings import Embeddings
 from kvgate.gateway.errors import APIError, bad_request
 from kvgate.gateway.metrics import counter, fidelity_metrics, gauge, tier_metrics
@@ -40,13 +39,11 @@ from kvgate.gateway.programs import HEADER
 from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest, Sampling
 from kvgate.gateway.render import dumps, response_head, sse, sse_error, usage
 from kvgate.gateway.settings import Settings
-from kvgate.gateway.tool_times import RedisToolTimes
-from kvgate.gateway.toolcalls import CallStream, constraint, message, repeat_guard
-from kvgate.runtime.costs import EngineCosts
+from kvgate.gateway.toolcalls import CallStream, constraint, repeat_guard
 from kvgate.runtime.engine import Engine, Result
 from kvgate.runtime.errors import GrammarError, InvalidPrompt
 from kvgate.runtime.planner import Chat, Planner
-from kvgate.runtime.sequence import Output, Plan
+from kvgate.runtime.sequence import Output, Plan, Request
 from kvgate.runtime.tokens import TokenBytes
 from kvgate.runtime.tools import detect, prepare
 
@@ -65,17 +62,8 @@ class Local(Backend):
         self.token_bytes = TokenBytes(self.tokenizer)
         self.tool_format = detect(self.tokenizer)
         self.created = int(time.time())
-        config = self.agent_config = settings.agent_config()
-        self.tool_times = RedisToolTimes(settings.redis_url, max_tools=config.max_tools) if settings.redis_url else None
-        costs = EngineCosts(engine, config.reload_bytes_per_s)
-        self.programs = Programs(config, engine.reuser.store, costs, shared=self.tool_times)
-        self.expirer = Expirer(self.programs)
-        if config.in_flight > 0:  # new programs wait at the engine's door for room (agents/flight.py)
-            engine.scheduler.gate = self.programs.flight
-        self.conversations = conversation_index(settings.redis_url, config.conversations, settings.route_ttl_s)
-        self.anchors = AnchorPool(config.anchors) if config.kvcomm else None
-        engine.spans.offsets = self.anchors
-        self.planner = Planner(engine.reuser, config.kvcomm)
+        self.agents = AgentTurns(settings, engine)
+        self.planner = Planner(engine.reuser, kvcomm=engine.anchors is not None)
         self.embeddings = Embeddings(settings)  # /v1/embeddings: the semantic cache's embedding model
         self.admission = Admission(
             settings.max_request_seqs, settings.max_waiting_seqs, settings.max_waiting_seqs_per_tenant
@@ -133,16 +121,13 @@ class Local(Backend):
             param = "tools" if body.calls_tools else "response_format"
             raise bad_request(f"the schema cannot be used for constrained decoding: {exc}", param) from exc
         messages, given, prompt, plan = await self.prompt(call, body)
-        program = call.program or await self.continued(call.tenant, given, messages)
-        turn = None
-        if program is not None:
-            turn = self.programs.begin(program, call.tenant, messages, len(prompt))
+        turn = await self.agents.begin(call.program, call.tenant, given, messages, len(prompt))
         choices = self.choices([prompt], body, body.max_new_tokens, body.logprobs_k, plan, turn, grammar, call.tenant)
         names = frozenset(t.function.name for t in body.tools or ())
         calls = partial(CallStream, self.tool_format, names, incremental) if body.calls_tools else None
         head = response_head("chatcmpl", call.request_id, self.name)
         headers = {} if turn is None else {HEADER: turn.program, "x-kvgate-pin-ttl": f"{turn.pin_s:.3f}"}
-        ended = self.ender(call.tenant, turn, given, messages, calls)
+        ended = self.agents.ender(call.tenant, turn, given, messages, calls)
         if body.stream:
             opening = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, **NONE} for c in choices]
             chunks = chat_chunks(self.token_bytes, body.logprobs, calls)
@@ -207,7 +192,7 @@ class Local(Backend):
                 index = p * body.n + i
                 params = sampling_params(body, limit, logprobs, len(self.tokenizer), index, grammar, calls)
                 keep = turn if index == 0 or turn is None else replace(turn, keep="", pin_s=0.0)
-                choices.append(Choice(index, ids, params, plan, keep, tenant))
+                choices.append(Choice(index, Request(ids, params, plan, keep, tenant)))
         return choices
 
     async def prompt(self, call: Call, body: ChatCompletionRequest) -> tuple[Dicts, Dicts | None, list[int], Plan]:
@@ -235,41 +220,6 @@ class Local(Backend):
         self.generates(call.model)
         return len((await self.prompt(call, call.parsed))[2])
 
-    async def continued(
-        self, tenant: str, tools: list[dict[str, Any]] | None, messages: list[dict[str, Any]]
-    ) -> str | None:
-        """A program for a request that named none: the one whose answered turn its messages resend,
-        else a new one when a later request may resend this one's (it has tools, or a history)."""
-        if not self.agent_config.implicit_programs:
-            return None
-        found = await self.conversations.find(tenant, tools, messages)
-        if found is None and (tools or any(m["role"] == "assistant" for m in messages)):
-            found = "conv-" + uuid.uuid4().hex
-        return found
-
-    def ender(
-        self,
-        tenant: str,
-        turn: Turn | None,
-        tools: list[dict[str, Any]] | None,
-        messages: list[dict[str, Any]],
-        calls: Callable[[], CallStream] | None,
-    ) -> Callable[[str | None], Awaitable[None]]:
-        async def end(text: str | None) -> None:
-            """The turn is over (its context kept or not; `text`: the first choice's answer, None when
-            it failed); off the event loop, as a lower tier may be remote."""
-            if turn is None:
-                return
-            answer: dict[str, Any] | None = None
-            if text is not None:
-                answer = message(calls(), text) if calls is not None else {"role": "assistant", "content": text}
-            more = answer is None or bool(answer.get("tool_calls"))  # a failed turn may be retried
-            await asyncio.to_thread(self.programs.end, tenant, turn, more)
-            if answer is not None and turn.keep:
-                await self.conversations.remember(tenant, tools, messages, answer, turn.program)
-
-        return end
-
     async def streamed(
         self,
         body: Sampling,
@@ -279,7 +229,7 @@ class Local(Backend):
         opening: list[dict[str, Any]],
         render: Render,
         headers: dict[str, str] | None = None,
-        ended: Callable[[str | None], Awaitable[None]] | None = None,
+        ended: Ended | None = None,
     ) -> Reply:
         """SSE: the opening choice chunks, each output as `render` makes it into choice chunks, the
         usage chunk if asked for, and always [DONE]. The reply is made once the prompt is prefilled:
@@ -366,16 +316,9 @@ class Local(Backend):
         yield gauge("kvgate_requests_waiting", "sequences waiting for the engine", load["waiting"])
         yield gauge("kvgate_requests_running", "sequences the engine is running", load["running"])
         yield from fidelity_metrics(self.name, engine.gate.stats(), engine.gate.due_count, engine.gate.dropped)
-        programs = self.programs.stats()
-        yield gauge("kvgate_programs", "agent programs seen recently", programs["programs"])
-        yield gauge("kvgate_pinned_programs", "agent programs whose context is pinned", programs["pinned"])
-        yield counter("kvgate_program_turns", "agent turns ended", programs["turns_ended"])
-        yield counter("kvgate_tool_returns", "agent turns that followed a tool call", programs["tool_returns"])
-        yield gauge("kvgate_programs_in_flight", "agent programs admitted and not ended", programs["in_flight"])
-        if (limit := programs["in_flight_limit"]) is not None:
-            yield gauge("kvgate_programs_in_flight_limit", "programs in flight a new one waits behind", limit)
-        if self.anchors is not None:
-            anchors = self.anchors.stats()
+        yield from self.agents.metrics()
+        if self.engine.anchors is not None:
+            anchors = self.engine.anchors.stats()
             yield gauge("kvgate_kvcomm_anchors", "KVCOMM anchors held", anchors["anchors"])
             yield gauge("kvgate_kvcomm_anchor_bytes", "bytes of KVCOMM anchor deviations", anchors["bytes"])
             yield counter("kvgate_kvcomm_estimates", "spans reused with offsets from anchors", anchors["estimates"])
@@ -383,9 +326,4 @@ class Local(Backend):
             yield counter("kvgate_kvcomm_anchor_evictions", "KVCOMM anchors evicted", anchors["evicted"])
 
     async def close(self) -> None:
-        self.expirer.close()
-        await self.conversations.close()
-        if self.tool_times is not None:
-            self.tool_times.close()
-        if self.engine.scheduler.gate is self.programs.flight:
-            self.engine.scheduler.gate = None
+        await self.agents.close()

@@ -16,7 +16,7 @@ from kvgate.gateway.backend import Backend, Call
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.messages_output import Translator, message_of, new_id, skeleton
 from kvgate.gateway.messages_protocol import CountRequest, MessagesRequest, chat_body, refuse_unsupported
-from kvgate.gateway.programs import program_of
+from kvgate.gateway.programs import HEADER, program_of
 from kvgate.gateway.protocol import ChatCompletionRequest
 from kvgate.gateway.render import SSE_HEADERS, dumps
 from kvgate.gateway.responses import chat_answer, plain, whole
@@ -37,8 +37,7 @@ async def create(request: Request) -> Response:
     check_model(request, req.model)
     chat = chat_body(req, body)
     parsed = validated(ChatCompletionRequest, chat, strict=True)
-    options = body.get("kvgate") if isinstance(body.get("kvgate"), dict) else {}
-    program = program_of(request, options.get("program_id"))
+    program = program_of(request.headers.get(HEADER), body)
     tenant, request_id = request.state.tenant, request.state.request_id
     got = await generate(request, Call(CHAT, chat, dumps(chat), req.model, tenant, request_id, program, parsed))
     message_id, stops = new_id(), req.stop_sequences or []

@@ -4,8 +4,7 @@ or its body's `kvgate.program_id`."""
 from __future__ import annotations
 
 import re
-
-from fastapi import Request
+from typing import Any
 
 from kvgate.gateway.errors import bad_request
 
@@ -13,10 +12,12 @@ HEADER = "x-kvgate-program-id"
 PROGRAM_ID = re.compile(r"^[A-Za-z0-9._:/@+=-]{1,256}$")
 
 
-def program_of(request: Request, given: object) -> str | None:
-    """The program id of a request: its header, or `given` (the body's kvgate.program_id). An error names
-    what the caller sent: the header by its name, the body's field by its path."""
-    header = request.headers.get(HEADER)
+def program_of(header: str | None, body: dict[str, Any]) -> str | None:
+    """The program id of a request: its header `x-kvgate-program-id` (`header`, None where it has none), or
+    its body's kvgate.program_id. An error names what the caller sent: the header by its name, the body's
+    field by its path."""
+    options = body.get("kvgate") if isinstance(body.get("kvgate"), dict) else {}
+    given = options.get("program_id")
     if header is not None and given is not None and header != given:
         raise bad_request(f"the {HEADER} header and kvgate.program_id differ", HEADER)
     program, sent = (header, HEADER) if header is not None else (given, "kvgate.program_id")

@@ -21,7 +21,7 @@ from fastapi.responses import Response
 
 from kvgate.gateway.backend import Call
 from kvgate.gateway.errors import APIError, bad_request
-from kvgate.gateway.programs import program_of
+from kvgate.gateway.programs import HEADER, program_of
 from kvgate.gateway.protocol import ChatCompletionRequest
 from kvgate.gateway.render import SSE_HEADERS, dumps
 from kvgate.gateway.responses_output import answered, new_id, skeleton
@@ -108,8 +108,7 @@ async def begin(request: Request, req: ResponsesRequest, body: dict[str, Any]) -
     messages = before + messages_of(req.input)
     if not messages:
         raise bad_request("input must not be empty (without a previous_response_id)", "input", "invalid_value")
-    options = body.get("kvgate") if isinstance(body.get("kvgate"), dict) else {}
-    program = program_of(request, options.get("program_id")) or program
+    program = program_of(request.headers.get(HEADER), body) or program
     if program is None and req.store and not has_history(messages):
         program = chain(response_id)
     return Turn(response_id, req, tenant, messages, program, store)

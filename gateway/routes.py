@@ -22,7 +22,7 @@ from kvgate.gateway import semantic
 from kvgate.gateway.backend import Backend, Call, Reply
 from kvgate.gateway.errors import APIError, bad_request, from_validation
 from kvgate.gateway.keys import allow_model, spend
-from kvgate.gateway.programs import program_of
+from kvgate.gateway.programs import HEADER, program_of
 from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest, DocumentRequest, FeedbackRequest
 from kvgate.gateway.render import SSE_HEADERS
 from kvgate.gateway.responses_protocol import ResponsesRequest
@@ -189,8 +189,7 @@ async def answer(request: Request, path: str, kind: type[BaseModel] | None) -> R
     parsed = validated(kind, body, strict=backend.validates)
     model: str = body["model"]
     check_model(request, model)
-    options = body.get("kvgate") if isinstance(body.get("kvgate"), dict) else {}
-    program = program_of(request, options.get("program_id"))
+    program = program_of(request.headers.get(HEADER), body)
     call = Call(path, body, raw, model, request.state.tenant, request.state.request_id, program, parsed)
     return await passed_on(request, await generate(request, call))
 

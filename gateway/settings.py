@@ -254,6 +254,9 @@ class Settings(BaseSettings):
             blend_select=self.blend_select,
             queue_order=self.queue_order,
             kvcomm_ratio=self.kvcomm_recompute_ratio,
+            anchors=self.anchor_config() if self.kvcomm else None,
+            in_flight=self.agent_in_flight,
+            in_flight_linger_s=self.agent_in_flight_linger_s,
             documents_in_context=self.documents_in_context,
             prefix_caching=self.prefix_caching,
             prefix_block=self.prefix_block,
@@ -277,11 +280,14 @@ class Settings(BaseSettings):
             ),
         )
 
-    def agent_config(self) -> AgentConfig:
-        pins = PinPolicy(self.agent_pins, self.agent_fixed_ttl_s, self.agent_max_ttl_s, self.agent_memory_weight)
-        anchors = AnchorConfig(
+    def anchor_config(self) -> AnchorConfig:
+        return AnchorConfig(
             self.kvcomm_anchors, self.kvcomm_anchor_bytes, self.kvcomm_max_distance, self.kvcomm_temperature
         )
+
+    def agent_config(self) -> AgentConfig:
+        pins = PinPolicy(self.agent_pins, self.agent_fixed_ttl_s, self.agent_max_ttl_s, self.agent_memory_weight)
+        anchors = self.anchor_config()
         prior = Prior(median_s=self.agent_tool_prior_s)
         return AgentConfig(
             pins=pins,

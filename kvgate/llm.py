@@ -25,7 +25,7 @@ from kvgate.errors import error_for
 from kvgate.gateway.backend import Call, Reply
 from kvgate.gateway.errors import APIError, internal
 from kvgate.gateway.local import Local
-from kvgate.gateway.programs import PROGRAM_ID
+from kvgate.gateway.programs import program_of
 from kvgate.gateway.protocol import ChatCompletionRequest
 from kvgate.gateway.routes import validated
 from kvgate.gateway.settings import Settings
@@ -81,9 +81,10 @@ class LLM(_Base[ChatCompletion, "LLMStream"]):
             raise error_for(exc.status, exc.body()) from None
         if not self.backend.serves(body["model"]):
             raise error_for(404, {"error": {"message": f"this LLM runs `{self.model}`", "param": "model"}})
-        program = parsed.kvgate.program_id if parsed.kvgate else None
-        if program is not None and not PROGRAM_ID.match(program):
-            raise error_for(400, {"error": {"message": "invalid program id", "param": "kvgate.program_id"}})
+        try:
+            program = program_of(None, body)
+        except APIError as exc:
+            raise error_for(exc.status, exc.body()) from None
         call = Call("/v1/chat/completions", body, b"", body["model"], self.tenant, uuid.uuid4().hex, program, parsed)
         reply = self._run(self.backend.generate(call))
         if reply.events is None:

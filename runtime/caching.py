@@ -63,19 +63,19 @@ class Caches:
             # carries its context.
             documents = sum(len(p) for p, d in zip(plan.pieces, plan.documents) if d)
             if 2 * sum(len(ids) for _, ids in found) >= documents:
-                seq.in_context = {key for key, _ in found}
+                seq.cache.in_context = {key for key, _ in found}
                 return []
         return [Missing(key, ids, *self.reuser.document_kv(len(ids))) for key, ids in found]
 
     def computed(self, seq: Sequence) -> None:
         """A step ran a chunk of a document the prompt lacked: once whole, it is stored."""
-        assert seq.missing
-        doc = seq.missing[0]
+        assert seq.cache.missing
+        doc = seq.cache.missing[0]
         if len(doc.kv) < len(doc.token_ids):
             return
-        seq.missing.pop(0)
+        seq.cache.missing.pop(0)
         cost = self.cost(len(doc.token_ids))
-        seq.fresh[doc.key] = self.reuser.stored(doc.key, doc.token_ids, doc.keys, doc.values, cost)
+        seq.cache.fresh[doc.key] = self.reuser.stored(doc.key, doc.token_ids, doc.keys, doc.values, cost)
 
     def remember(self, seq: Sequence) -> None:
         """An ingest is done: its documents' tokens are kept to find them by id."""
@@ -90,27 +90,27 @@ class Caches:
         continues, then the prefix blocks that continue that (every prompt stores its exact blocks)."""
         if seq.ingest:
             return
-        turn, reuse = seq.turn, seq.reuse
+        turn, reuse = seq.turn, seq.cache.reuse
         if turn is not None and turn.resume:
-            seq.cached_tokens = self.reuser.resume(seq.kv, seq.prompt_ids, turn.resume)
-            reuse = "program" if seq.cached_tokens else ""
+            seq.cache.cached_tokens = self.reuser.resume(seq.kv, seq.prompt_ids, turn.resume)
+            reuse = "program" if seq.cache.cached_tokens else ""
             if turn.keep:  # the KV now lives in the sequence: the stored copy would count twice
                 self.reuser.store.delete(turn.resume)
         resumed = len(seq.kv)
         blocks = self.blocks_for(seq)
         found = blocks.attach(seq.kv, seq.prompt_ids, seq.tenant) if blocks is not None else 0
-        seq.cached_tokens += found
-        seq.reuse = reuse or ("prefix" if found else "")
-        seq.exact = len(seq.kv)
+        seq.cache.cached_tokens += found
+        seq.cache.reuse = reuse or ("prefix" if found else "")
+        seq.cache.exact = len(seq.kv)
         # Blocks found need not be stored again: only from the block where the found ones end.
-        seq.kept = 0 if resumed or blocks is None else found - found % blocks.size
-        seq.fidelity = EXACT if seq.cached_tokens else ""
+        seq.cache.kept = 0 if resumed or blocks is None else found - found % blocks.size
+        seq.cache.fidelity = EXACT if seq.cache.cached_tokens else ""
         again = self.blended_for(seq)
         if again is not None and (read := again.attach(seq.kv, seq.prompt_ids, seq.tenant)):
-            seq.blended = read
-            seq.cached_tokens += read
-            seq.reuse = f"blend; {read} tokens as a blend of the same tokens left them"
-            seq.fidelity = self.fidelity("blend", self.reuser.blend.ratio, 0)
+            seq.cache.blended = read
+            seq.cache.cached_tokens += read
+            seq.cache.reuse = f"blend; {read} tokens as a blend of the same tokens left them"
+            seq.cache.fidelity = self.fidelity("blend", self.reuser.blend.ratio, 0)
         seq.plan = self.chunked(seq)
 
     def chunked(self, seq: Sequence) -> Plan | None:
@@ -170,42 +170,46 @@ class Caches:
         plan = seq.plan
         head = len(seq.kv)
         if plan is None or plan.spans:
-            seq.planned = True
+            seq.cache.planned = True
             if plan is None:
-                seq.exact = seq.exact if seq.blended else len(seq.prompt_ids)
+                seq.cache.exact = seq.cache.exact if seq.cache.blended else len(seq.prompt_ids)
                 return None
             reuse, why = self.choose(seq, plan)
             own = self.gate.base("kvcomm" if reuse.mode == "kvcomm" else "blend")
             ratio = reuse.ratio if reuse.ratio is not None else own
-            seq.shared = self.spans.prefill(seq.kv, plan.pieces, plan.spans, reuse.mode, plan.agent, plan.scope, ratio)
-            done = seq.shared.prefilled
-            label = seq.reuse if done.mode == "full" else done.mode  # "full": no span reused
-            seq.cached_tokens, seq.recomputed_tokens = done.reused, done.recomputed
-            seq.reuse = "; ".join(x for x in (label, done.note, why) if x)
+            seq.cache.shared = self.spans.prefill(
+                seq.kv, plan.pieces, plan.spans, reuse.mode, plan.agent, plan.scope, ratio
+            )
+            done = seq.cache.shared.prefilled
+            label = seq.cache.reuse if done.mode == "full" else done.mode  # "full": no span reused
+            seq.cache.cached_tokens, seq.cache.recomputed_tokens = done.reused, done.recomputed
+            seq.cache.reuse = "; ".join(x for x in (label, done.note, why) if x)
             spans = done.reused > head and done.mode != "full"
-            withheld = seq.gated is not None and seq.gated[1] == FULL
-            if not (spans or (withheld and any(s.source is not None for s in seq.shared.spans))):
-                seq.gated = None  # nothing reused, or nothing to reuse: a check would compare dense with dense
-            seq.exact = head if spans else len(seq.prompt_ids)
-            key = seq.gated[0] if seq.gated is not None else "kvcomm"
-            seq.fidelity = self.fidelity(key, ratio, 0) if spans else EXACT if seq.cached_tokens else ""
+            withheld = seq.cache.gated is not None and seq.cache.gated[1] == FULL
+            if not (spans or (withheld and any(s.source is not None for s in seq.cache.shared.spans))):
+                seq.cache.gated = None  # nothing reused, or nothing to reuse: a check would compare dense with dense
+            seq.cache.exact = head if spans else len(seq.prompt_ids)
+            key = seq.cache.gated[0] if seq.cache.gated is not None else "kvcomm"
+            seq.cache.fidelity = self.fidelity(key, ratio, 0) if spans else EXACT if seq.cache.cached_tokens else ""
             return done.logits
         rest = after(plan, head)
         reuse, why = self.choose(seq, rest) if any(rest.documents) else (Reuse("full"), "")
-        done = yield from self.reuser.prefilling(seq.kv, rest.pieces, rest.documents, reuse, plan.scope, seq.fresh)
-        seq.planned = True
-        seq.cached_tokens, seq.recomputed_tokens = head + done.reused, done.recomputed
+        done = yield from self.reuser.prefilling(
+            seq.kv, rest.pieces, rest.documents, reuse, plan.scope, seq.cache.fresh
+        )
+        seq.cache.planned = True
+        seq.cache.cached_tokens, seq.cache.recomputed_tokens = head + done.reused, done.recomputed
         blended = done.mode in ("naive", "blend")
-        label = done.mode if blended or not head else seq.reuse  # else all it reused: the exact head
-        seq.reuse = "; ".join(x for x in (label, plan.note, done.note, why) if x)
-        if not seq.blended:  # else exact up to where a blend's blocks were read, as start() left it
-            seq.exact = len(seq.prompt_ids)
+        label = done.mode if blended or not head else seq.cache.reuse  # else all it reused: the exact head
+        seq.cache.reuse = "; ".join(x for x in (label, plan.note, done.note, why) if x)
+        if not seq.cache.blended:  # else exact up to where a blend's blocks were read, as start() left it
+            seq.cache.exact = len(seq.prompt_ids)
             if blended:  # exact up to the first document placed from its own KV
                 lead = next((i for i, d in enumerate(rest.documents) if d), len(rest.pieces))
-                seq.exact = head + sum(len(p) for p in rest.pieces[:lead])
+                seq.cache.exact = head + sum(len(p) for p in rest.pieces[:lead])
         if done.reused:
-            key = seq.gated[0] if seq.gated is not None else done.mode
-            seq.fidelity = self.fidelity(key, done.ratio, sum(rest.documents))
+            key = seq.cache.gated[0] if seq.cache.gated is not None else done.mode
+            seq.cache.fidelity = self.fidelity(key, done.ratio, sum(rest.documents))
         return done.logits
 
     def fidelity(self, mode: str, ratio: float, documents: int) -> str:
@@ -226,10 +230,10 @@ class Caches:
         """The reuse to run, and why when it is not the one the plan asked for. A ratio asked is run
         as asked. A mode left to the server gets the smallest ratio the calibration table says meets
         the fidelity target for this many documents (none: full prefill), never below the quality
-        gate's rung, and may be checked (`seq.gated`); a blend the cost model says is slower than full
+        gate's rung, and may be checked (`seq.cache.gated`); a blend the cost model says is slower than full
         prefill runs as full prefill."""
         reuse, why = plan.reuse, ""
-        if seq.in_context:
+        if seq.cache.in_context:
             return Reuse("full"), "documents new to the cache: prefilled in full, their KV kept as computed here"
         gated = reuse.ratio is None and reuse.mode == ("kvcomm" if plan.spans else "blend")
         key = self.gated(seq, plan, reuse.mode)
@@ -242,13 +246,13 @@ class Caches:
                     return Reuse("full"), note
                 ratio = max(ratio, planned)
             if ratio == FULL:
-                seq.gated = (key, FULL)
+                seq.cache.gated = (key, FULL)
                 return Reuse("full"), why
             reuse = Reuse(reuse.mode, None if ratio == self.gate.base(reuse.mode) else ratio)
         if reuse.mode in ("blend", "kvcomm") and plan.reuse.ratio is None and (slower := self.slower(seq, plan, reuse)):
             return Reuse("full"), slower
         if gated:  # checks are of the gate's rung, whatever the calibration added on top
-            seq.gated = (key, rung)
+            seq.cache.gated = (key, rung)
         return reuse, why
 
     def gated(self, seq: Sequence, plan: Plan, mode: str) -> str:
@@ -286,18 +290,26 @@ class Caches:
         """The prompt's KV is complete and its first token out (sampling leaves the prompt's rows
         as they are): what it leaves to store, its exact prefix or its new spans as sources and
         its dense ones as anchors."""
-        plan, shared, seq.shared = seq.plan, seq.shared, None
+        plan, shared, seq.cache.shared = seq.plan, seq.cache.shared, None
         try:
             if blocks := self.blocks_for(seq):
-                seq.kept = blocks.keep(seq.kv, seq.prompt_ids[: seq.exact], seq.tenant, seq.kept)
+                seq.cache.kept = blocks.keep(seq.kv, seq.prompt_ids[: seq.cache.exact], seq.tenant, seq.cache.kept)
             again = self.blended_for(seq)
-            if again is not None and seq.exact < len(seq.prompt_ids) and seq.cached_tokens > seq.exact:
-                read = seq.exact + seq.blended if seq.blended else 0  # the chain's blocks from its first
+            if (
+                again is not None
+                and seq.cache.exact < len(seq.prompt_ids)
+                and seq.cache.cached_tokens > seq.cache.exact
+            ):
+                read = (
+                    seq.cache.exact + seq.cache.blended if seq.cache.blended else 0
+                )  # the chain's blocks from its first
                 again.keep(seq.kv, seq.prompt_ids, seq.tenant, read)
             if chunks := self.chunks_for(seq):
-                seq.chunked = chunks.keep(seq.kv, seq.prompt_ids, seq.tenant)
-            if plan is not None and seq.in_context:
-                self.reuser.keep_in_context(seq.kv, plan.pieces, plan.documents, seq.in_context, plan.scope, self.cost)
+                seq.cache.chunked = chunks.keep(seq.kv, seq.prompt_ids, seq.tenant)
+            if plan is not None and seq.cache.in_context:
+                self.reuser.keep_in_context(
+                    seq.kv, plan.pieces, plan.documents, seq.cache.in_context, plan.scope, self.cost
+                )
             if shared is not None and plan is not None:
                 self.spans.settle(seq.kv, shared, plan.agent, plan.scope)
         except Exception:  # the answer stands; later prompts compute these again
@@ -308,14 +320,14 @@ class Caches:
         keeps full decode blocks; the next turn of a chat begins with them); and a program's turn
         its whole context for the next turn."""
         blocks = self.blocks_for(seq)
-        if blocks is not None and seq.exact == len(seq.prompt_ids):
+        if blocks is not None and seq.cache.exact == len(seq.prompt_ids):
             try:
-                blocks.keep(seq.kv, seq.all_ids, seq.tenant, seq.kept)
+                blocks.keep(seq.kv, seq.all_ids, seq.tenant, seq.cache.kept)
             except Exception:
                 log.exception("request %d: storing its prefix blocks failed", seq.id)
         if chunks := self.chunks_for(seq):  # its answer: a span a later prompt may quote
             try:
-                chunks.keep(seq.kv, seq.all_ids, seq.tenant, seq.chunked, final=True)
+                chunks.keep(seq.kv, seq.all_ids, seq.tenant, seq.cache.chunked, final=True)
             except Exception:
                 log.exception("request %d: storing its chunks failed", seq.id)
         turn = seq.turn

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvgate.agents.config import AnchorConfig
 from kvgate.chunk_cache import ChunkCacheConfig
 from kvgate.chunk_cache.config import default_cache_dir, user_cache_dir
 from kvgate.runtime.quality import QualityConfig
@@ -66,5 +67,12 @@ class EngineConfig:
     documents_in_context: bool = True
     # KVCOMM's recompute ratio for shared spans, on top of the anchors' offsets.
     kvcomm_ratio: float = 0.0
+    # KVCOMM's anchor pool (agents/anchors.py): the offsets that let one agent's span KV serve another's
+    # context; None: spans are reused only where exact (runtime/shared.py).
+    anchors: AnchorConfig | None = None
+    # Agent programs in flight (agents/flight.py): a program's first turn waits at the scheduler's door while
+    # `in_flight` times the contexts memory holds are out, or `in_flight_linger_s` past a late tool; 0: never.
+    in_flight: float = 0.0
+    in_flight_linger_s: float = 60.0
     # Shadow checks of reuse against full prefill, and the gate they move (runtime/quality.py).
     quality: QualityConfig = QualityConfig()

@@ -11,7 +11,8 @@ from concurrent.futures import Future
 
 import torch
 
-from kvgate.agents.programs import Turn
+from kvgate.agents.anchors import AnchorPool
+from kvgate.agents.flight import Flight
 from kvgate.chunk_cache import ChunkStore
 from kvgate.runtime.blend import BlendConfig
 from kvgate.runtime.caching import make_caches
@@ -27,7 +28,7 @@ from kvgate.runtime.quality import Gate
 from kvgate.runtime.reuse import Reuser
 from kvgate.runtime.sampling import SamplingParams, choose, logprob_of, penalise
 from kvgate.runtime.scheduler import Scheduler
-from kvgate.runtime.sequence import Output, Plan, Result, Sequence
+from kvgate.runtime.sequence import Output, Plan, Request, Result, Sequence
 from kvgate.runtime.shadow import Shadow
 from kvgate.runtime.shared import Spans
 from kvgate.runtime.timing import StepTimes
@@ -58,12 +59,16 @@ class Engine:
         self.reuser = self.make_reuser(self.calibration)
         self.grammars = Grammars(self.tokenizer, self.loaded.eos_token_ids)
         self.times = StepTimes()
-        self.spans = Spans(self.reuser, cost=self.prefill_s)  # the gateway lends it its anchor pool (agents.AnchorPool)
+        self.anchors = AnchorPool(c.anchors) if c.anchors is not None else None
+        self.spans = Spans(self.reuser, self.anchors, cost=self.prefill_s)
         self.gate = Gate(config.quality, {"blend": self.reuser.blend.ratio, "kvcomm": config.kvcomm_ratio})
         self.shadow = Shadow(self.gate, self.reuser, self.spans)
         self.caches = make_caches(config, self.reuser, self.spans, self.gate, self.calibration, self.prefill_s)
         budget = max(config.max_num_batched_tokens, config.max_num_seqs)
-        self.scheduler = Scheduler(config.max_num_seqs, budget, config.queue_order)
+        # Programs in flight: counted by the gateway's agent programs, held at the scheduler's door when on.
+        self.flight = Flight(self.reuser.store.memory_bytes, c.in_flight, c.in_flight_linger_s)
+        gate = self.flight if c.in_flight > 0 else None
+        self.scheduler = Scheduler(config.max_num_seqs, budget, config.queue_order, gate=gate)
         self.pool = Pool()  # finished sequences' KV storage, for new ones (used only on the engine thread)
         self.callbacks: dict[int, Callback] = {}
         self.inbox: list[tuple[Sequence | int | Future, Callback | None]] = []
@@ -100,22 +105,11 @@ class Engine:
                 f"model's context window of {self.max_model_len} tokens"
             )
 
-    def submit(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        callback: Callback,
-        plan: Plan | None = None,
-        turn: Turn | None = None,
-        tenant: str = "",
-        ingest: bool = False,
-    ) -> int:
-        self.check(len(prompt_ids), params.max_tokens)
+    def submit(self, request: Request, callback: Callback) -> int:
+        params = request.params
+        self.check(len(request.prompt_ids), params.max_tokens)
         kv = KVCache(*self.kv_shape, self.model.dtype, self.config.device, self.max_model_len, self.pool)
-        eos = self.loaded.eos_token_ids
-        seq = Sequence(
-            list(prompt_ids), params, kv, eos, self.max_model_len, plan=plan, turn=turn, tenant=tenant, ingest=ingest
-        )
+        seq = Sequence.of(request, kv, self.loaded.eos_token_ids, self.max_model_len)
         if params.grammar is not None:
             seq.matcher = self.grammars.matcher(params.grammar)
         with self.lock:
@@ -136,22 +130,14 @@ class Engine:
         self.wake.set()
         return future
 
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        plan: Plan | None = None,
-        turn: Turn | None = None,
-        tenant: str = "",
-        ingest: bool = False,
-    ) -> AsyncIterator[Output]:
+    async def generate(self, request: Request) -> AsyncIterator[Output]:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[Output | BaseException] = asyncio.Queue()
 
         def put(item: Output | BaseException) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, item)
 
-        seq_id = self.submit(prompt_ids, params, put, plan, turn, tenant, ingest)
+        seq_id = self.submit(request, put)
         done = False
         try:
             while not done:
@@ -170,7 +156,9 @@ class Engine:
         sequences' steps; the tokens found already stored (0: computed now)."""
         plan = Plan([list(token_ids)], [True], scope=scope)
         cached = 0
-        async for out in self.generate(token_ids, SamplingParams(max_tokens=1), plan, tenant=tenant, ingest=True):
+        async for out in self.generate(
+            Request(token_ids, SamplingParams(max_tokens=1), plan, tenant=tenant, ingest=True)
+        ):
             cached = out.cached_tokens
         return cached
 
@@ -179,7 +167,7 @@ class Engine:
 
         async def gather() -> Result:
             result = Result()
-            async for out in self.generate(prompt_ids, params):
+            async for out in self.generate(Request(prompt_ids, params)):
                 result.add(out)
             return result
 
@@ -249,7 +237,7 @@ class Engine:
         batch: list[tuple[Sequence, Run]] = []
         for seq, tokens in self.scheduler.schedule():
             try:  # reuse first: the exact head, the documents lacking, the reuse; then the rest computed
-                run = Run(seq.kv, tokens, seq.computed) if seq.planned else self.prepare(seq, len(tokens))
+                run = Run(seq.kv, tokens, seq.computed) if seq.cache.planned else self.prepare(seq, len(tokens))
             except Exception as exc:
                 self.fail(seq, exc)
                 continue
@@ -292,28 +280,28 @@ class Engine:
         chunk of a document the prompt lacks, or the prompt's own next chunk once reuse left the rest
         to prefill; None when the step has nothing to run for it (the reuse goes on, or it covered the
         whole prompt and the first token is out)."""
-        if seq.missing is None:
+        if seq.cache.missing is None:
             self.caches.start(seq)
-            seq.missing = self.caches.lacking(seq)
-        if seq.missing:
-            doc = seq.missing[0]
+            seq.cache.missing = self.caches.lacking(seq)
+        if seq.cache.missing:
+            doc = seq.cache.missing[0]
             done = len(doc.kv)
             return Run(doc.kv, doc.token_ids[done : done + budget], done)
         if seq.ingest:
             self.ingested(seq)
             return None
-        if seq.reusing is None:
-            seq.reusing = self.caches.reuse(seq)
+        if seq.cache.reusing is None:
+            seq.cache.reusing = self.caches.reuse(seq)
         spent = 0.0
         try:
             while spent < budget:
-                spent += next(seq.reusing)
+                spent += next(seq.cache.reusing)
             return None
         except StopIteration as stop:
             logits = stop.value
         finally:
-            if seq.planned:
-                seq.reusing = None
+            if seq.cache.planned:
+                seq.cache.reusing = None
         if logits is not None:  # the whole prompt is in the KV: straight to the first token
             self.sample(seq, logits)
             return None
@@ -322,7 +310,7 @@ class Engine:
     def ingested(self, seq: Sequence) -> None:
         """A document ingest is done: its KV is stored, its tokens remembered to find it by id."""
         self.caches.remember(seq)
-        seq.cached_tokens = len(seq.prompt_ids) - sum(len(entry.token_ids) for entry in seq.fresh.values())
+        seq.cache.cached_tokens = len(seq.prompt_ids) - sum(len(entry.token_ids) for entry in seq.cache.fresh.values())
         seq.finish_reason = "stop"
         callback = self.callbacks[seq.id]
         self.finish(seq)

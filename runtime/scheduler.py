@@ -87,9 +87,8 @@ class Scheduler:
     def release(self) -> None:
         """Let held first turns into the queue while the gate has room, and one whenever nothing else
         would run: the gate counts programs whose end it cannot see until their tools are late (a
-        client may end a program after a tool call), and an idle engine serves no program sooner. A gate
-        taken away (its backend closed) holds nothing."""
-        gate = self.gate  # read once: another thread may take it away
+        client may end a program after a tool call), and an idle engine serves no program sooner."""
+        gate = self.gate
         while self.held and (gate is None or gate.room() or not (self.waiting or self.running)):
             seq = self.held.pop()
             self.released.add(id(seq))

@@ -50,6 +50,20 @@ class Missing:
     values: torch.Tensor
 
 
+@dataclass(frozen=True)
+class Request:
+    """One generation as the engine takes it (the one message from the gateway, or any caller, to the
+    engine): the prompt, how to sample it (the grammar among that), how its KV may be reused, the agent
+    program turn it belongs to, and whose it is. `ingest`: only compute and keep the plan's documents."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    plan: Plan | None = None
+    turn: Turn | None = None
+    tenant: str = ""  # admission counts it, the scheduler shares its slots fairly by it
+    ingest: bool = False
+
+
 class Status(Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -100,6 +114,28 @@ class Result:
 
 
 @dataclass
+class CacheState:
+    """What reuse did and has yet to do for one sequence. Written by caching (runtime/caching.py) and by the
+    engine's prefill steps that run it; the rest of the engine only reads it (for the answer's usage)."""
+
+    planned: bool = False  # the plan's (or the turn's) reuse has run
+    exact: int = 0  # leading prompt tokens whose KV is full prefill's own (what prefix blocks may keep)
+    blended: int = 0  # prompt tokens read from the blocks an earlier blend of the same tokens left
+    kept: int = 0  # where storing its prefix blocks goes on (the blocks before are stored)
+    chunked: int = 0  # where keeping its content-defined chunks goes on
+    missing: list[Missing] | None = None  # the plan's documents no tier holds (None: not looked yet)
+    fresh: dict[str, ChunkKV] = field(default_factory=dict)  # documents computed for this prompt
+    in_context: set[str] = field(default_factory=set)  # new documents whose KV this prompt's full prefill leaves
+    reusing: Steps[torch.Tensor | None] | None = None  # the reuse underway, spread over steps
+    gated: tuple[str, float] | None = None  # the gate's key served (a mode or KVCOMM shape) and its ratio (FULL: none)
+    shared: Shared | None = None  # a span prefill whose lessons wait for the prompt's KV to complete
+    cached_tokens: int = 0  # prompt tokens whose KV came from a cache and was kept
+    recomputed_tokens: int = 0  # cached prompt tokens computed again (blend)
+    reuse: str = ""  # how the prompt's KV was made (x-kvgate-reuse)
+    fidelity: str = ""  # how far that moves the first token, as last measured (x-kvgate-fidelity)
+
+
+@dataclass
 class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
@@ -119,24 +155,25 @@ class Sequence:
     plan: Plan | None = None
     turn: Turn | None = None
     tenant: str = ""  # whose: the scheduler shares its queue fairly between tenants
-    planned: bool = False  # the plan's (or the turn's) reuse has run
     ingest: bool = False  # only compute and store the plan's documents: no answer
-    exact: int = 0  # leading prompt tokens whose KV is full prefill's own (what prefix blocks may keep)
-    blended: int = 0  # prompt tokens read from the blocks an earlier blend of the same tokens left
-    kept: int = 0  # where storing its prefix blocks goes on (the blocks before are stored)
-    chunked: int = 0  # where keeping its content-defined chunks goes on
-    missing: list[Missing] | None = None  # the plan's documents no tier holds (None: not looked yet)
-    fresh: dict[str, ChunkKV] = field(default_factory=dict)  # documents computed for this prompt
-    in_context: set[str] = field(default_factory=set)  # new documents whose KV this prompt's full prefill leaves
-    reusing: Steps[torch.Tensor | None] | None = None  # the reuse underway, spread over steps
-    gated: tuple[str, float] | None = None  # the gate's key served (a mode or KVCOMM shape) and its ratio (FULL: none)
-    shared: Shared | None = None  # a span prefill whose lessons wait for the prompt's KV to complete
+    cache: CacheState = field(default_factory=CacheState)  # what reuse did for it (runtime/caching.py)
     matcher: Any = None  # the grammar's state (an llguidance LLMatcher) when params.grammar is set
     arrival: float = field(default_factory=time.monotonic)
-    cached_tokens: int = 0
-    recomputed_tokens: int = 0
-    reuse: str = ""
-    fidelity: str = ""
+
+    @classmethod
+    def of(cls, request: Request, kv: KVCache, eos_ids: frozenset[int], max_len: int) -> Sequence:
+        r = request
+        return cls(
+            list(r.prompt_ids),
+            r.params,
+            kv,
+            eos_ids,
+            max_len,
+            plan=r.plan,
+            turn=r.turn,
+            tenant=r.tenant,
+            ingest=r.ingest,
+        )
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
@@ -235,10 +272,10 @@ class Sequence:
             stop_reason=self.stop_reason,
             prompt_tokens=len(self.prompt_ids),
             completion_tokens=len(self.output_ids),
-            cached_tokens=self.cached_tokens,
-            recomputed_tokens=self.recomputed_tokens,
-            reuse=self.reuse,
-            fidelity=self.fidelity,
+            cached_tokens=self.cache.cached_tokens,
+            recomputed_tokens=self.cache.recomputed_tokens,
+            reuse=self.cache.reuse,
+            fidelity=self.cache.fidelity,
         )
         self.sent, self.pending_ids, self.pending_logprobs = end, [], []
         return out

@@ -92,12 +92,14 @@ class Shadow:
             if len(followed.greedy) < ANSWER:
                 followed.greedy.append(int(logits.argmax()))
             return
-        if seq.gated is None or seq.plan is None or seq.output_ids or not self.gate.due(seq.gated[0]):
+        if seq.cache.gated is None or seq.plan is None or seq.output_ids or not self.gate.due(seq.cache.gated[0]):
             return
         if len(self.jobs) >= self.gate.config.max_pending:
             self.drop(self.jobs.popleft())  # the oldest: the newest says more of where the gate stands now
         first = logits.detach().float().clone()
-        job = Job(seq.id, list(seq.prompt_ids), seq.plan, *seq.gated, first, seq.output_ids, [int(first.argmax())])
+        job = Job(
+            seq.id, list(seq.prompt_ids), seq.plan, *seq.cache.gated, first, seq.output_ids, [int(first.argmax())]
+        )
         self.jobs.append(job)
         self.followed[seq.id] = job
 

@@ -15,7 +15,7 @@ from kvgate.gateway.choices import Choice, collect, run
 from kvgate.gateway.errors import APIError
 from kvgate.runtime.errors import EngineError
 from kvgate.runtime.sampling import SamplingParams
-from kvgate.runtime.sequence import Output
+from kvgate.runtime.sequence import Output, Request
 
 
 def test_waiters_are_let_through_by_rank_not_arrival():
@@ -218,7 +218,7 @@ class FakeEngine:
 
 
 def work(n: int, tenant: str = "t") -> list[Choice]:
-    return [Choice(i, [1, 2], SamplingParams(max_tokens=2), tenant=tenant) for i in range(n)]
+    return [Choice(i, Request([1, 2], SamplingParams(max_tokens=2), tenant=tenant)) for i in range(n)]
 
 
 def test_finished_sequences_are_released_and_the_tenant_reaches_the_engine():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -25,10 +26,16 @@ TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"typ
 
 
 @pytest.fixture(scope="module")
-def url(engine: Engine) -> Iterator[str]:
-    settings = Settings(max_num_seqs=4, semantic_cache=False, agent_pins="fixed", agent_fixed_ttl_s=60)
-    with serving(settings, engine) as base:
-        yield base
+def url(settings: Settings, loaded) -> Iterator[str]:
+    """A server over an engine of this module's own, as the session's is built: the KVCOMM anchors its
+    tests count are learnt here alone (an engine owns its anchor pool)."""
+    engine = Engine(settings.engine_config(), loaded)
+    agents = Settings(max_num_seqs=4, semantic_cache=False, agent_pins="fixed", agent_fixed_ttl_s=60)
+    try:
+        with serving(agents, engine) as base:
+            yield base
+    finally:
+        engine.shutdown()
 
 
 def client(url: str, key: str = "agent-key") -> openai.OpenAI:
@@ -199,7 +206,6 @@ def test_spans_stay_within_a_tenant_even_where_documents_are_shared(engine: Engi
     """`tenant_scoped_kv: false` shares documents, computed alone; a span's KV holds its first
     reader's context, so spans stay with their tenant."""
     settings = Settings(max_num_seqs=4, semantic_cache=False, tenant_scoped_kv=False)
-    offsets = engine.spans.offsets
     # No other test's: nobody has its KV. Long enough that reusing it pays (the cost model prices spans).
     system = (
         "You answer questions about tenants, and nothing else. A tenant is a team that holds its own keys, "
@@ -207,20 +213,20 @@ def test_spans_stay_within_a_tenant_even_where_documents_are_shared(engine: Engi
         "When a question names no tenant, ask which one it means; when it names two, answer for each apart."
     )
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "Which tenant asks this?"}]
-    try:
-        with serving(settings, engine) as base:
-            turn(base, messages, "first-agent", key="tenant-a", tools=None)
-            raw = turn(base, messages, "other-agent", key="tenant-b", tools=None)
-            assert int(raw.headers["x-kvgate-reused-tokens"]) <= OPENING  # its own prompts' opening at most
-            raw = turn(base, messages, "same-agent", key="tenant-a", tools=None)  # exact spans: its own tenant's
-            assert int(raw.headers["x-kvgate-reused-tokens"]) > 0
-    finally:
-        engine.spans.offsets = offsets
+    with serving(settings, engine) as base:
+        turn(base, messages, "first-agent", key="tenant-a", tools=None)
+        raw = turn(base, messages, "other-agent", key="tenant-b", tools=None)
+        assert int(raw.headers["x-kvgate-reused-tokens"]) <= OPENING  # its own prompts' opening at most
+        raw = turn(base, messages, "same-agent", key="tenant-a", tools=None)  # exact spans: its own tenant's
+        assert int(raw.headers["x-kvgate-reused-tokens"]) > 0
 
 
-def test_a_new_program_waits_while_the_programs_in_flight_fill_memory(engine: Engine) -> None:
-    """A server of its own that lets one program fly at a time (any context fills a billionth of memory).
-    The engine is kept busy by a long request of no program: an idle engine would let b through anyway."""
+def test_a_new_program_waits_while_the_programs_in_flight_fill_memory(settings: Settings, loaded, request) -> None:
+    """A server and engine of their own that let one program fly at a time (any context fills a billionth of
+    memory). The engine is kept busy by a long request of no program: an idle engine would let b through anyway."""
+    engine = Engine(replace(settings.engine_config(), in_flight=1e-9), loaded)
+    request.addfinalizer(engine.shutdown)
+    assert engine.scheduler.gate is engine.flight  # the engine's door is the programs' count
     settings = Settings(max_num_seqs=4, semantic_cache=False, agent_in_flight=1e-9)
     closed = {"type": "object", "properties": {}, "additionalProperties": False}  # a short call: no arguments
     forced = {"tools": [{"type": "function", "function": {"name": "search", "parameters": closed}}]}
@@ -246,4 +252,3 @@ def test_a_new_program_waits_while_the_programs_in_flight_fill_memory(engine: En
             assert other.result(timeout=120).parse().choices[0].message.content is not None
             assert not busy.done()  # b went when a landed, not when the engine ran out of work
             assert busy.result(timeout=300).parse().usage.completion_tokens == 512
-    assert engine.scheduler.gate is None  # the server's gate leaves the shared engine with it

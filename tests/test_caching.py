@@ -46,7 +46,7 @@ def chosen(engine: Engine, plan: Plan, in_context: frozenset[str] = frozenset())
     """`in_context`: the keys of documents new to the cache that the prompt's full prefill would keep."""
     ids = [t for piece in plan.pieces for t in piece]
     seq = Sequence(ids, SamplingParams(), engine.reuser.new_kv(), frozenset(), 100, plan=plan)
-    seq.in_context = set(in_context)
+    seq.cache.in_context = set(in_context)
     return engine.caches.choose(seq, plan)
 
 

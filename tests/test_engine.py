@@ -12,6 +12,7 @@ from kvgate.runtime.engine import Engine
 from kvgate.runtime.errors import PromptTooLong
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.sampling import SamplingParams
+from kvgate.runtime.sequence import Request
 from tests.conftest import QUESTIONS
 from tests.waiting import wait_until
 
@@ -128,7 +129,7 @@ def test_generate_sync_gathers_every_output_and_raises_engine_errors(engine: Eng
 def test_abandoned_stream_frees_its_slot(engine: Engine, chat_ids) -> None:
     async def read_two() -> None:
         params = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
-        stream = engine.generate(chat_ids(QUESTIONS[3]), params)
+        stream = engine.generate(Request(chat_ids(QUESTIONS[3]), params))
         async for _ in stream:
             break
         await stream.aclose()
@@ -142,7 +143,9 @@ def test_a_client_that_cannot_take_output_only_loses_its_own_request(engine: Eng
     def closed_loop(_: object) -> None:
         raise RuntimeError("Event loop is closed")
 
-    engine.submit(chat_ids(QUESTIONS[0]), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True), closed_loop)
+    engine.submit(
+        Request(chat_ids(QUESTIONS[0]), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)), closed_loop
+    )
     survivor = engine.generate_sync(chat_ids(QUESTIONS[1]), GREEDY)
     assert survivor.token_ids == engine.generate_sync(chat_ids(QUESTIONS[1]), GREEDY).token_ids
     wait_until(lambda: not any(engine.load_stats.values()), 10, "the failed request still scheduled")

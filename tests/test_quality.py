@@ -18,7 +18,7 @@ from kvgate.runtime.planner import Planner
 from kvgate.runtime.quality import FULL, Gate, QualityConfig, shape_key
 from kvgate.runtime.reuse import Reuse
 from kvgate.runtime.sampling import SamplingParams
-from kvgate.runtime.sequence import Plan, Result, Sequence
+from kvgate.runtime.sequence import Plan, Request, Result, Sequence
 from kvgate.runtime.shadow import compare
 
 CONFIG = QualityConfig(shadow_rate=1.0, window=4, min_checks=2, ratios=(0.5,))
@@ -261,14 +261,14 @@ def test_kvcomm_spans_climb_the_ladder_of_their_reader(gated) -> None:
     seq = Sequence([1, 2, 3, 4], SamplingParams(), engine.reuser.new_kv(), frozenset(), 100, plan=plan)
     key = engine.caches.gated(seq, plan, "kvcomm")
     reuse, why = engine.caches.choose(seq, plan)  # a new reader: its spans' reuse checked before it is served
-    assert reuse == Reuse("full") and "a new agent's reuse" in why and seq.gated == (key, FULL)
+    assert reuse == Reuse("full") and "a new agent's reuse" in why and seq.cache.gated == (key, FULL)
     earned(engine.gate, key)
-    assert engine.caches.choose(seq, plan) == (Reuse("kvcomm"), "") and seq.gated == (key, 0.0)
+    assert engine.caches.choose(seq, plan) == (Reuse("kvcomm"), "") and seq.cache.gated == (key, 0.0)
     blend = dict(engine.gate.stats())["blend"]["ratio"]
     for _ in range(2):
         engine.gate.record(key, 0.0, 0.5, False)
     reuse, why = engine.caches.choose(seq, plan)  # a shape's rungs: its reuse, or the prompt after its exact prefix
-    assert reuse == Reuse("full") and "quality gate (this agent)" in why and seq.gated == (key, FULL)
+    assert reuse == Reuse("full") and "quality gate (this agent)" in why and seq.cache.gated == (key, FULL)
     assert dict(engine.gate.stats())["blend"]["ratio"] == blend  # one mode's checks never move another
     asked = Plan(plan.pieces, plan.documents, Reuse("kvcomm", 0.0), spans=plan.spans, agent=plan.agent)
     assert engine.caches.choose(seq, asked) == (Reuse("kvcomm", 0.0), "")  # a ratio asked is not gated
@@ -288,7 +288,7 @@ def test_a_span_prefill_that_reused_no_span_is_not_checked(gated) -> None:
     due = engine.gate.due_count
 
     async def first() -> None:
-        async for _ in engine.generate(ids, SamplingParams(max_tokens=1, temperature=0), plan):
+        async for _ in engine.generate(Request(ids, SamplingParams(max_tokens=1, temperature=0), plan)):
             pass
 
     asyncio.run(first())

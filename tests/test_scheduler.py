@@ -344,16 +344,6 @@ def test_an_idle_engine_lets_one_held_first_turn_through_over_the_limit() -> Non
     assert [s.text for s in scheduler.held] == ["c"] and len(flight) == 2
 
 
-def test_a_gate_taken_away_lets_every_held_first_turn_through() -> None:
-    scheduler, flight = gated(1)
-    scheduler.add(first("a", 1.0))
-    scheduler.add(first("b", 2.0))
-    scheduler.add(first("c", 3.0))
-    scheduler.schedule()
-    scheduler.gate = None  # the gateway's backend closed
-    assert [s.text for s, _ in scheduler.schedule()] == ["a", "b", "c"] and not scheduler.held
-
-
 def test_a_held_first_turn_can_be_withdrawn() -> None:
     scheduler, flight = gated(1)
     scheduler.add(first("a", 1.0))

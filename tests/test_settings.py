@@ -71,3 +71,13 @@ def test_the_answer_target_of_agent_programs_reaches_the_gate() -> None:
     assert Settings(fidelity_answer=0.5).engine_config().quality.target_answer == 0.5
     with pytest.raises(pydantic.ValidationError):
         Settings(fidelity_answer=1.5)
+
+
+def test_kvcomm_anchors_and_programs_in_flight_are_the_engines_own() -> None:
+    """The engine builds its anchor pool and its door for programs from its config: nothing sets them on it."""
+    assert Settings().engine_config().anchors == Settings().agent_config().anchors
+    assert Settings(kvcomm=False).engine_config().anchors is None
+    assert Settings(kvcomm_anchors=3).engine_config().anchors.max_anchors == 3
+    config = Settings(agent_in_flight=0.5, agent_in_flight_linger_s=9).engine_config()
+    assert (config.in_flight, config.in_flight_linger_s) == (0.5, 9)
+    assert Settings().engine_config().in_flight == 0.0

@@ -20,7 +20,7 @@ from kvgate.runtime.planner import Chat, Planner
 from kvgate.runtime.quality import FULL, Gate, QualityConfig, shape_key
 from kvgate.runtime.reuse import Reuse
 from kvgate.runtime.sampling import SamplingParams
-from kvgate.runtime.sequence import Output, Plan
+from kvgate.runtime.sequence import Output, Plan, Request
 from kvgate.runtime.shadow import ANSWER, MAX_BUDGET_S, Job, Shadow, common
 from tests.conftest import QUESTIONS
 from tests.kv import new_kv
@@ -54,7 +54,7 @@ def busy_with_a_long_answer(engine: Engine, chat_ids) -> tuple[int, threading.Ev
             ended.set()
 
     params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
-    return engine.submit(chat_ids(QUESTIONS[0]), params, callback), ended
+    return engine.submit(Request(chat_ids(QUESTIONS[0]), params), callback), ended
 
 
 def blend(engine: Engine) -> None:
@@ -64,7 +64,7 @@ def blend(engine: Engine) -> None:
     ids, plan = planner.chat(Chat(messages, documents=[{"text": d} for d in DOCS]))
 
     async def first() -> None:
-        async for out in engine.generate(ids, SamplingParams(max_tokens=1, temperature=0.0), plan):
+        async for out in engine.generate(Request(ids, SamplingParams(max_tokens=1, temperature=0.0), plan)):
             assert not out.reuse or out.reuse.startswith("blend")
 
     asyncio.run(first())
@@ -137,7 +137,7 @@ def greedy(engine: Engine, ids: list[int], plan=None, tokens: int = 8) -> list[i
 
     async def answer() -> list[int]:
         got: list[int] = []
-        async for out in engine.generate(ids, params, plan):
+        async for out in engine.generate(Request(ids, params, plan)):
             got += out.token_ids
         return got
 

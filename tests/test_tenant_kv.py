@@ -40,12 +40,8 @@ def notes(subject: str) -> str:
 @contextmanager
 def keyed_server(settings: Settings, engine: Engine, **more: Any) -> Iterator[str]:
     """A server over the session's engine where each key is a tenant of its own."""
-    offsets = engine.spans.offsets  # a server's backend sets the engine's anchor pool: the session's comes back
-    try:
-        with serving(settings.model_copy(update={"api_keys": KEYS, **more}), engine) as url:
-            yield url
-    finally:
-        engine.spans.offsets = offsets
+    with serving(settings.model_copy(update={"api_keys": KEYS, **more}), engine) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
