@@ -124,7 +124,9 @@ class Programs:
         self.kept_earns: float | None = None
         self.kept_holds: float | None = None
         # The programs in flight: the engine's (whose scheduler holds first turns at its door), else of its own.
-        self.flight = flight or Flight(costs.memory_bytes, config.in_flight, config.in_flight_linger_s, clock)
+        if flight is None:
+            flight = Flight(costs.memory_bytes, config.in_flight, config.in_flight_linger_s, clock)
+        self.flight = flight
         self.lock = threading.Lock()
         self.wake = threading.Event()  # a new deadline: the expiry thread looks again
 

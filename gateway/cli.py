@@ -75,21 +75,25 @@ def musique_args(parser: argparse.ArgumentParser, limit: int, offset: int, data:
 
 
 def percentages(text: str) -> tuple[float, ...]:
-    """Percentages, comma-separated, as fractions: "0,5,10" -> (0.0, 0.05, 0.1)."""
+    """Percentages, comma-separated, as fractions: "0,5,10" -> (0.0, 0.05, 0.1); a usage error otherwise."""
+    from kvgate.runtime.errors import DataError
+
     try:
         found = tuple(float(x) / 100 for x in text.split(",") if x.strip())
     except ValueError:
         found = ()
     if not found or any(not 0.0 <= r <= 1.0 for r in found):
-        raise argparse.ArgumentTypeError(f"{text!r}: percentages between 0 and 100, comma-separated")
+        raise DataError(f"{text!r}: percentages between 0 and 100, comma-separated")
     return found
 
 
 def counts(text: str) -> tuple[int, ...]:
-    """Counts of at least 1, comma-separated: "2,4,6" -> (2, 4, 6)."""
+    """Counts of at least 1, comma-separated: "2,4,6" -> (2, 4, 6); a usage error otherwise."""
+    from kvgate.runtime.errors import DataError
+
     parts = [x.strip() for x in text.split(",") if x.strip()]
     if not parts or not all(x.isdigit() and int(x) > 0 for x in parts):
-        raise argparse.ArgumentTypeError(f"{text!r}: counts (at least 1), comma-separated")
+        raise DataError(f"{text!r}: counts (at least 1), comma-separated")
     return tuple(sorted({int(x) for x in parts}))
 
 
@@ -100,8 +104,7 @@ def add_calibrate(sub: argparse._SubParsersAction[argparse.ArgumentParser], comm
     calibrate.add_argument("--target", type=float, default=0.95, help="the fidelity the ratio must reach")
     calibrate.add_argument(
         "--table-docs",
-        type=counts,
-        default=(2, 4, 6),
+        default="2,4,6",
         help="document counts the served table covers, comma-separated (each measured on its own items)",
     )
     calibrate.add_argument(
@@ -111,9 +114,7 @@ def add_calibrate(sub: argparse._SubParsersAction[argparse.ArgumentParser], comm
         help="top1: mean teacher-forced top-1 agreement over 32 answer positions, at least the target; "
         "kl: mean first-token KL, at most the target",
     )
-    calibrate.add_argument(
-        "--ratios", type=percentages, default=percentages("0,5,10,15,20,30,50"), help="candidate ratios, percent"
-    )
+    calibrate.add_argument("--ratios", default="0,5,10,15,20,30,50", help="candidate ratios, percent")
     calibrate.add_argument(
         "--shuffle",
         action=argparse.BooleanOptionalAction,
@@ -201,10 +202,10 @@ def run_calibrate(args: argparse.Namespace, settings: Settings, command: str) ->
         offset=args.offset,
         target=args.target,
         metric=args.metric,
-        ratios=args.ratios,
+        ratios=percentages(args.ratios),
         shuffle=args.shuffle,
         words=args.words,
-        counts=args.table_docs,
+        counts=counts(args.table_docs),
         select=args.select or settings.blend_select,
         document_kv=args.document_kv or ("context" if settings.documents_in_context else "alone"),
     )

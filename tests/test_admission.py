@@ -199,8 +199,8 @@ class FakeEngine:
         self.submitted: list[str] = []
         self.aborted = 0
 
-    async def generate(self, prompt_ids, params, plan=None, turn=None, tenant="") -> AsyncIterator[Output]:
-        self.submitted.append(tenant)
+    async def generate(self, request: Request) -> AsyncIterator[Output]:
+        self.submitted.append(request.tenant)
         done = False
         try:
             for i in range(self.tokens):

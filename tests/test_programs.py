@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvgate.agents import AgentConfig, PinPolicy, Programs, tool_return
+from kvgate.agents.flight import Flight
 from kvgate.agents.programs import Turn
 from kvgate.chunk_cache import ChunkKV, ChunkStore, MemoryTier
 from tests.test_chunk_cache import Clock
@@ -151,6 +152,17 @@ def test_only_a_programs_first_turn_is_first_and_each_turn_measures_its_context(
     assert not programs.begin("p", "t", [CALL, RESULT], 500).first
     assert programs.flight.context_bytes == 25_000 + (50_000 - 25_000) / 16  # 100 bytes a token, a running mean
     assert programs.flight.limit() == 3  # 100 kB of memory over ~26.6 kB
+
+
+def test_the_flight_passed_in_is_the_one_counted_even_while_empty() -> None:
+    """The engine's own door (an empty Flight is falsy: it has a length) is what the programs count in."""
+    clock = Clock()
+    store = ChunkStore([MemoryTier(budget_bytes=1 << 20, clock=clock)])
+    door = Flight(1 << 20, per_context=1.0, clock=clock)
+    programs = Programs(AgentConfig(pins=FIXED), store, FixedCosts(), clock=clock, flight=door)
+    assert programs.flight is door
+    programs.end("t", programs.begin("p", "t", [], 250))
+    assert door.context_bytes == 25_000  # measured on the door the scheduler holds
 
 
 def test_a_program_stays_in_flight_through_its_tool_calls_and_lands_with_its_last_turn() -> None:
