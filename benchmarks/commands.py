@@ -8,6 +8,7 @@ when a command runs."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -70,73 +71,81 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
     """`kvgate bench KIND`; `common`: the options every (sub)command accepts (--config)."""
     bench = sub.add_parser("bench", parents=[common], help=f"measurements written to {OUTPUT}")
     kinds = bench.add_subparsers(dest="kind", required=True)
-
-    def kind(name: str, text: str) -> argparse.ArgumentParser:
-        return kinds.add_parser(name, parents=[common], help=text)
-
     for name, module in MODULES.items():  # listed here; `kvgate` hands them their arguments unparsed
         kinds.add_parser(name, add_help=False, help=f"python -m kvgate.bench.{module} (its own options: --help)")
+    for name, (text, options) in KINDS.items():
+        parser = kinds.add_parser(name, parents=[common], help=text)
+        options(parser)
+        parser.add_argument("--output", type=Path, default=OUTPUT, help="the BENCHMARKS.md to write the section to")
 
-    prefill = kind("prefill", "prefill and decode tokens/s by prompt length")
-    prefill.add_argument("--model")
-    prefill.add_argument("--lengths", default="512,1024,2048,4096")
-    prefill.add_argument("--decode-tokens", type=int, default=32)
-    prefill.add_argument("--repeats", type=int, default=2)
 
-    fidelity = kind("fidelity", "how far each reuse mode moves the answer from full prefill")
-    musique_args(fidelity, limit=6, offset=0, data=MUSIQUE)
-    fidelity.add_argument("--shuffle", action="store_true", help="documents in a fixed random order per item")
-    fidelity.add_argument("--ratios", default="0,5,10,15,20,30,50", help="blend recompute ratios, percent")
+def prefill_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model")
+    parser.add_argument("--lengths", default="512,1024,2048,4096")
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2)
+
+
+def fidelity_options(parser: argparse.ArgumentParser) -> None:
+    musique_args(parser, limit=6, offset=0, data=MUSIQUE)
+    parser.add_argument("--shuffle", action="store_true", help="documents in a fixed random order per item")
+    parser.add_argument("--ratios", default="0,5,10,15,20,30,50", help="blend recompute ratios, percent")
     # The blend's other settings (BlendConfig); any given names the section, so variants do not overwrite it.
-    fidelity.add_argument(
+    parser.add_argument(
         "--select", choices=["deviation", "attention", "random"], help="how the blend picks tokens to recompute"
     )
-    fidelity.add_argument("--first-k", type=count, help="always recompute each document's first N tokens")
-    fidelity.add_argument("--check-layers", type=layers, help="layers where tokens are selected, e.g. 1,4")
-    fidelity.add_argument("--widen", type=float, help="tokens kept at each earlier check layer, times")
-    fidelity.add_argument(
+    parser.add_argument("--first-k", type=count, help="always recompute each document's first N tokens")
+    parser.add_argument("--check-layers", type=layers, help="layers where tokens are selected, e.g. 1,4")
+    parser.add_argument("--widen", type=float, help="tokens kept at each earlier check layer, times")
+    parser.add_argument(
         "--document-kv",
         choices=["alone", "context"],
         default="alone",
         help="each document's KV computed alone, or from a dense prefill of the same documents in the other order",
     )
 
-    sources = kind("error-sources", "where the error of reused document KV comes from: repairs and an oracle")
-    musique_args(sources, limit=6, offset=0, data=MUSIQUE)
-    sources.add_argument("--shuffle", action="store_true", help="documents in a fixed random order per item")
 
-    ttft = kind("ttft", "time to first token of each reuse mode against full prefill")
-    musique_args(ttft, limit=6, offset=0, data=MUSIQUE)
-    ttft.add_argument("--ratio", type=float, help="blend recompute ratio, percent (default: the calibrated one)")
-    ttft.add_argument("--ratios", default="", help="more blend ratios to time, percent, comma-separated")
-    ttft.add_argument("--repeats", type=int, default=2, help="timings per mode and item; the fastest is kept")
+def error_sources_options(parser: argparse.ArgumentParser) -> None:
+    musique_args(parser, limit=6, offset=0, data=MUSIQUE)
+    parser.add_argument("--shuffle", action="store_true", help="documents in a fixed random order per item")
 
-    grammar = kind("grammar", "constrained decoding: forced calls and json_schema answers checked, cost per step")
-    grammar.add_argument("--requests", type=int, default=1000, help="forced calls, and as many json_schema answers")
-    grammar.add_argument("--batch", type=int, default=16, help="requests decoding together")
-    grammar.add_argument("--tokens", type=int, default=48, help="tokens per sequence when timing steps")
-    grammar.add_argument("--max-tokens", type=int, default=160, help="max_tokens of each checked request")
 
-    tiers = kind("tiers", "load bandwidth of each chunk cache tier, and TTFT of a blend from it")
-    musique_args(tiers, limit=3, offset=0, data=MUSIQUE)
-    tiers.add_argument("--ratio", type=float, default=15.0, help="blend recompute ratio, percent")
-    tiers.add_argument("--repeats", type=int, default=2, help="timings per load and prefill; the fastest is kept")
-    tiers.add_argument("--redis-url", help="an existing Redis (default: a redis-server started for the run)")
+def ttft_options(parser: argparse.ArgumentParser) -> None:
+    musique_args(parser, limit=6, offset=0, data=MUSIQUE)
+    parser.add_argument("--ratio", type=float, help="blend recompute ratio, percent (default: the calibrated one)")
+    parser.add_argument("--ratios", default="", help="more blend ratios to time, percent, comma-separated")
+    parser.add_argument("--repeats", type=int, default=2, help="timings per mode and item; the fastest is kept")
 
-    compressed = kind("compressed", "compressed document KV on disk and Redis: size, load, blend TTFT, fidelity")
-    musique_args(compressed, limit=6, offset=0, data=MUSIQUE)
-    compressed.add_argument("--ratio", type=float, default=15.0, help="blend recompute ratio, percent")
-    compressed.add_argument("--repeats", type=int, default=2, help="timings per load and blend; the fastest is kept")
-    compressed.add_argument("--redis-url", help="an existing Redis (default: a redis-server started for the run)")
 
-    semantic = kind("semantic", "semantic cache: hit precision/recall, traps, lookup latency")
-    semantic.add_argument("--data", type=Path, default=QQP, help="QQP pairs jsonl (a, b, duplicate)")
-    semantic.add_argument("--limit", type=int, default=20000, help="pairs (the first rows of the data file)")
-    semantic.add_argument("--traps", type=int, default=1000, help="synthetic traps per type")
-    semantic.add_argument("--sizes", default="1000,10000,100000", help="cache sizes for the latency, entries")
-    semantic.add_argument("--queries", type=int, default=1000, help="lookups timed at each size")
-    semantic.add_argument("--gateway", type=int, default=8, help="questions asked through the gateway (0: none)")
-    semantic.add_argument(
+def grammar_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=1000, help="forced calls, and as many json_schema answers")
+    parser.add_argument("--batch", type=int, default=16, help="requests decoding together")
+    parser.add_argument("--tokens", type=int, default=48, help="tokens per sequence when timing steps")
+    parser.add_argument("--max-tokens", type=int, default=160, help="max_tokens of each checked request")
+
+
+def tiers_options(parser: argparse.ArgumentParser) -> None:
+    musique_args(parser, limit=3, offset=0, data=MUSIQUE)
+    parser.add_argument("--ratio", type=float, default=15.0, help="blend recompute ratio, percent")
+    parser.add_argument("--repeats", type=int, default=2, help="timings per load and prefill; the fastest is kept")
+    parser.add_argument("--redis-url", help="an existing Redis (default: a redis-server started for the run)")
+
+
+def compressed_options(parser: argparse.ArgumentParser) -> None:
+    musique_args(parser, limit=6, offset=0, data=MUSIQUE)
+    parser.add_argument("--ratio", type=float, default=15.0, help="blend recompute ratio, percent")
+    parser.add_argument("--repeats", type=int, default=2, help="timings per load and blend; the fastest is kept")
+    parser.add_argument("--redis-url", help="an existing Redis (default: a redis-server started for the run)")
+
+
+def semantic_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", type=Path, default=QQP, help="QQP pairs jsonl (a, b, duplicate)")
+    parser.add_argument("--limit", type=int, default=20000, help="pairs (the first rows of the data file)")
+    parser.add_argument("--traps", type=int, default=1000, help="synthetic traps per type")
+    parser.add_argument("--sizes", default="1000,10000,100000", help="cache sizes for the latency, entries")
+    parser.add_argument("--queries", type=int, default=1000, help="lookups timed at each size")
+    parser.add_argument("--gateway", type=int, default=8, help="questions asked through the gateway (0: none)")
+    parser.add_argument(
         "--fit-verifier",
         type=Path,
         metavar="PATH",
@@ -144,37 +153,38 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
         "(semantic_cache/verifier.npz is the one shipped)",
     )
 
-    agents = kind("agents", "agent programs: JCT of TTL pins and program FCFS, live and simulated")
-    agents.add_argument("--programs", type=int, default=10, help="programs run live through the gateway")
-    agents.add_argument("--rate", type=float, default=0.125, help="program arrivals per second (Poisson)")
-    agents.add_argument("--memory-mb", type=int, default=160, help="the KV memory tier's budget, MiB")
-    agents.add_argument("--fixed-ttl", type=float, default=4.0, help="the TTL of the fixed-TTL policy, seconds")
-    agents.add_argument("--output-tokens", type=int, default=16, help="tokens each turn generates")
-    agents.add_argument("--seed", type=int, default=0)
-    agents.add_argument(
+
+def agents_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--programs", type=int, default=10, help="programs run live through the gateway")
+    parser.add_argument("--rate", type=float, default=0.125, help="program arrivals per second (Poisson)")
+    parser.add_argument("--memory-mb", type=int, default=160, help="the KV memory tier's budget, MiB")
+    parser.add_argument("--fixed-ttl", type=float, default=4.0, help="the TTL of the fixed-TTL policy, seconds")
+    parser.add_argument("--output-tokens", type=int, default=16, help="tokens each turn generates")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
         "--workloads",
         type=count,
         default=1,
         help="live workloads (seeds from --seed), every policy on each, pooled (0: simulation only)",
     )
-    agents.add_argument(
+    parser.add_argument(
         "--client",
         choices=["agents-sdk", "openai"],
         default="agents-sdk",
         help="what drives each program's tool loop: the OpenAI Agents SDK (no kvgate field), or the openai SDK "
         "with kvgate's program header",
     )
-    agents.add_argument(
+    parser.add_argument(
         "--data", type=Path, default=MUSIQUE, help="MuSiQue jsonl: the text of prompts and tool results"
     )
-    agents.add_argument(
+    parser.add_argument(
         "--sim-programs",
         type=int,
         default=300,
         help="programs in the simulator (0: no simulation; with --sweep 0 too, the live run writes a section of "
         "its own, agents-live-PROGRAMS)",
     )
-    agents.add_argument(
+    parser.add_argument(
         "--sweep",
         type=int,
         default=0,
@@ -182,7 +192,7 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
         help="also simulate every regime of arrival rate x memory x tool-duration spread with PROGRAMS programs "
         "each, and check decided pins against the best of off and fixed (0: no sweep)",
     )
-    agents.add_argument(
+    parser.add_argument(
         "--policies",
         type=policies,
         default=None,
@@ -191,51 +201,71 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
         "off+fcfs, the baseline, always runs)",
     )
 
-    multiagent = kind("multiagent", "agents reading each other's answers: KVCOMM against dense")
-    multiagent.add_argument("--data", type=Path, default=GSM8K, help="GSM8K jsonl: the questions")
-    multiagent.add_argument("--questions", type=int, default=8)
-    multiagent.add_argument("--agents", type=int, default=5, help="2 to 5")
-    multiagent.add_argument("--ratio", type=float, default=0.15, help="span tokens blend and kvcomm recompute")
-    multiagent.add_argument("--written", type=int, default=128, help="tokens each agent's answer has at most")
 
-    gateway = kind("gateway", "latency proxy mode adds, against calling the upstream directly")
-    gateway.add_argument("--requests", type=int, default=2000, help="timed requests per path")
-    gateway.add_argument("--litellm", type=Path, help="LiteLLM's proxy command (default: a venv of its own)")
-    gateway.add_argument("--no-litellm", action="store_true", help="no LiteLLM row")
+def multiagent_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", type=Path, default=GSM8K, help="GSM8K jsonl: the questions")
+    parser.add_argument("--questions", type=int, default=8)
+    parser.add_argument("--agents", type=int, default=5, help="2 to 5")
+    parser.add_argument("--ratio", type=float, default=0.15, help="span tokens blend and kvcomm recompute")
+    parser.add_argument("--written", type=int, default=128, help="tokens each agent's answer has at most")
 
-    front = kind("front", "start-up time and memory of a proxy-mode front (no model, no semantic cache)")
-    front.add_argument("--before", type=Path, help="a checkout of an earlier commit, measured beside this one")
-    front.add_argument("--runs", type=int, default=5, help="starts of each front; the median is kept")
 
-    engines = kind("engines", "kvgate's default server against vLLM's CPU build, side by side, in one run")
-    engines.add_argument("--vs", choices=["vllm"], default="vllm", help="the engine to measure against")
-    engines.add_argument("--model", help="the HF directory both serve (default: the one `kvgate convert` writes)")
-    engines.add_argument("--data", type=Path, default=MUSIQUE, help="MuSiQue RAG jsonl: documents and questions")
-    engines.add_argument("--repeats", type=int, default=3, help="requests per row and engine (new documents each)")
-    engines.add_argument(
+def gateway_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=2000, help="timed requests per path")
+    parser.add_argument("--litellm", type=Path, help="LiteLLM's proxy command (default: a venv of its own)")
+    parser.add_argument("--no-litellm", action="store_true", help="no LiteLLM row")
+
+
+def front_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--before", type=Path, help="a checkout of an earlier commit, measured beside this one")
+    parser.add_argument("--runs", type=int, default=5, help="starts of each front; the median is kept")
+
+
+def engines_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--vs", choices=["vllm"], default="vllm", help="the engine to measure against")
+    parser.add_argument("--model", help="the HF directory both serve (default: the one `kvgate convert` writes)")
+    parser.add_argument("--data", type=Path, default=MUSIQUE, help="MuSiQue RAG jsonl: documents and questions")
+    parser.add_argument("--repeats", type=int, default=3, help="requests per row and engine (new documents each)")
+    parser.add_argument(
         "--cores", type=int, default=0, help="both engines computing on this many cores (0: each engine's defaults)"
     )
-    engines.add_argument(
+    parser.add_argument(
         "--kvgate-dtype", choices=["float32", "bfloat16"], help="kvgate's dtype (default: its own, auto)"
     )
-    engines.add_argument(
+    parser.add_argument(
         "--venv", type=Path, help="vLLM's virtualenv, made on first use (default: the user cache's vllm-venv)"
     )
 
-    chunks = kind("chunks", "documents pasted into the prompt, found by their content, against full prefill")
-    chunks.add_argument("--data", type=Path, default=MUSIQUE, help="MuSiQue RAG jsonl: documents and questions")
-    chunks.add_argument("--questions", type=int, default=5, help="items, each 6 new documents of ~300 words")
 
-    precision = kind("precision", "bf16 against fp32, both full prefill: speed and how far the answer moves")
-    precision.add_argument("--data", type=Path, default=MUSIQUE, help="MuSiQue RAG jsonl: documents and questions")
-    precision.add_argument("--docs", type=int, default=6, help="passages per item")
-    precision.add_argument("--limit", type=int, default=10, help="items")
-    precision.add_argument("--tokens", type=int, default=16, help="greedy answer tokens compared")
+def chunks_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", type=Path, default=MUSIQUE, help="MuSiQue RAG jsonl: documents and questions")
+    parser.add_argument("--questions", type=int, default=5, help="items, each 6 new documents of ~300 words")
 
-    every = (prefill, fidelity, sources, ttft, grammar, tiers, compressed, semantic, agents, multiagent, gateway, front)
-    every += (engines, chunks, precision)
-    for each in every:
-        each.add_argument("--output", type=Path, default=OUTPUT, help="the BENCHMARKS.md to write the section to")
+
+def precision_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", type=Path, default=MUSIQUE, help="MuSiQue RAG jsonl: documents and questions")
+    parser.add_argument("--docs", type=int, default=6, help="passages per item")
+    parser.add_argument("--limit", type=int, default=10, help="items")
+    parser.add_argument("--tokens", type=int, default=16, help="greedy answer tokens compared")
+
+
+KINDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {  # kind: its help, its options
+    "prefill": ("prefill and decode tokens/s by prompt length", prefill_options),
+    "fidelity": ("how far each reuse mode moves the answer from full prefill", fidelity_options),
+    "error-sources": ("where the error of reused document KV comes from: repairs and an oracle", error_sources_options),
+    "ttft": ("time to first token of each reuse mode against full prefill", ttft_options),
+    "grammar": ("constrained decoding: forced calls and json_schema answers checked, cost per step", grammar_options),
+    "tiers": ("load bandwidth of each chunk cache tier, and TTFT of a blend from it", tiers_options),
+    "compressed": ("compressed document KV on disk and Redis: size, load, blend TTFT, fidelity", compressed_options),
+    "semantic": ("semantic cache: hit precision/recall, traps, lookup latency", semantic_options),
+    "agents": ("agent programs: JCT of TTL pins and program FCFS, live and simulated", agents_options),
+    "multiagent": ("agents reading each other's answers: KVCOMM against dense", multiagent_options),
+    "gateway": ("latency proxy mode adds, against calling the upstream directly", gateway_options),
+    "front": ("start-up time and memory of a proxy-mode front (no model, no semantic cache)", front_options),
+    "engines": ("kvgate's default server against vLLM's CPU build, side by side, in one run", engines_options),
+    "chunks": ("documents pasted into the prompt, found by their content, against full prefill", chunks_options),
+    "precision": ("bf16 against fp32, both full prefill: speed and how far the answer moves", precision_options),
+}
 
 
 def passthrough(argv: list[str]) -> argparse.Namespace | None:

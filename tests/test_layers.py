@@ -13,6 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 400
+MAX_FUNCTION = 80  # a product function's lines stay under this (a benchmark's run reads as a script: not held to it)
 FOLDERS = (
     "kvgate",
     "kvgate/integrations",
@@ -208,6 +209,18 @@ def long_files(folders: list[Path], limit: int = MAX_LINES) -> list[str]:
     return found
 
 
+def long_functions(folders: list[Path], limit: int = MAX_FUNCTION) -> list[str]:
+    found = []
+    for folder in folders:
+        for path in sorted(folder.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                    if lines >= limit:
+                        found.append(f"{path.relative_to(folder.parent)}:{node.lineno} {node.name}: {lines} lines")
+    return found
+
+
 # The tree as it is.
 
 
@@ -232,6 +245,12 @@ def test_no_source_file_over_400_lines() -> None:
     folders = [ROOT / folder for folder in package_dirs().values()] + [ROOT / "tests"]
     found = long_files(folders)
     assert not found, f"files over {MAX_LINES} lines:\n" + "\n".join(found)
+
+
+def test_no_product_function_of_80_lines_or_more() -> None:
+    folders = [ROOT / folder for package, folder in package_dirs().items() if package != BENCH]
+    found = long_functions(folders)
+    assert not found, f"product functions of {MAX_FUNCTION} lines or more:\n" + "\n".join(found)
 
 
 def test_the_checked_folders_are_the_ones_the_wheel_ships() -> None:
@@ -343,3 +362,11 @@ def test_a_long_file_is_listed(tmp_path: Path) -> None:
     (tmp_path / "pkg" / "ok.py").write_text("x = 1\n" * MAX_LINES)
     (tmp_path / "pkg" / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
     assert long_files([tmp_path / "pkg"]) == [f"pkg/long.py: {MAX_LINES + 1} lines"]
+
+
+def test_a_long_function_is_listed(tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    body = "    x = 1\n"
+    text = "def ok():\n" + body * (MAX_FUNCTION - 2) + "async def long():\n" + body * (MAX_FUNCTION - 1)
+    (tmp_path / "pkg" / "m.py").write_text(text)
+    assert long_functions([tmp_path / "pkg"]) == [f"pkg/m.py:{MAX_FUNCTION} long: {MAX_FUNCTION} lines"]
