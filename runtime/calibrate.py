@@ -21,7 +21,7 @@ from kvgate.runtime.errors import DataError
 from kvgate.runtime.fidelity import Item, Scores, load_items, make_reuser, measure
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.report import table, write_section
-from kvgate.runtime.reuse import Reuse
+from kvgate.runtime.reuse import Reuse, Reuser
 
 MARGIN = 1.5  # deviation limit = MARGIN x the largest per-item deviation seen at the chosen ratio
 Curve = dict[float, Scores]  # recompute ratio -> the scores measured at it
@@ -69,7 +69,10 @@ def calibrate(
     """Measure, choose, store where the engine finds it; also write the curve as a section of `report`."""
     began = time.perf_counter()
     loaded = load(config)
-    measured = {n: curve(loaded, job, n) for n in sorted({job.docs, *job.counts})}
+    # One reuser for every count, `docs` first, as each count's documents meet the store the counts before left.
+    reuser = make_reuser(loaded, BlendConfig(select=job.select))
+    counts = [job.docs, *sorted(set(job.counts) - {job.docs})]
+    measured = {n: curve(loaded, reuser, job, n) for n in counts}
     scores, items = measured[job.docs]
     values = {r: s.mean("top1" if job.metric == "top1" else "kl") for r, s in scores.items()}
     ratio, met = pick_ratio(values, job.target, job.metric)
@@ -82,7 +85,7 @@ def calibrate(
         curve={f"{r:g}": v for r, v in values.items()},
         table={
             str(n): {f"{r:g}": {"kl": s.mean("kl"), "top1": s.mean("top1")} for r, s in c.items()}
-            for n, (c, _) in measured.items()
+            for n, (c, _) in sorted(measured.items())
         },
         select=job.select,
         document_kv=job.document_kv,
@@ -97,14 +100,13 @@ def calibrate(
     return cal, where
 
 
-def curve(loaded: LoadedModel, job: Calibrating, docs: int) -> tuple[Curve, list[Item]]:
+def curve(loaded: LoadedModel, reuser: Reuser, job: Calibrating, docs: int) -> tuple[Curve, list[Item]]:
     """Every ratio's scores over the items of `docs` documents, and the items."""
     found = load_items(loaded, job.data, docs, job.limit, job.shuffle, job.offset, job.words)
     others = None
     if job.document_kv == "context":
         others = load_items(loaded, job.data, docs, job.limit, not job.shuffle, job.offset, job.words)
     ratios = sorted(set(job.ratios))
-    reuser = make_reuser(loaded, BlendConfig(select=job.select))
     modes = [Reuse("blend", r) for r in ratios]
     decode = loaded.tokenizer.decode
     scores = measure(reuser, found, modes, loaded.eos_token_ids, decode, answers=False, others=others)
