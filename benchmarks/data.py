@@ -1,6 +1,6 @@
-"""What several benchmarks share about their data and options: the usage error they raise, ratio lists
-as the command line gives them, and the QQP pairs and halves of `kvgate bench semantic` (built in
-semantic.py, read by traps.py and semantic_latency.py)."""
+"""What several benchmarks share about their data: the usage error they raise (runtime's DataError), and
+the QQP pairs and halves of `kvgate bench semantic` (built in semantic.py, read by traps.py and
+semantic_latency.py). Ratio lists are read as `kvgate calibrate` reads them (gateway/cli.py `percentages`)."""
 
 from __future__ import annotations
 
@@ -10,20 +10,9 @@ import numpy as np
 
 from kvgate.runtime.errors import DataError
 
-__all__ = ["DataError", "Half", "Pair", "parse_ratios"]
+__all__ = ["DataError", "Half", "Pair"]
 
 Pair = tuple[str, str, bool]  # a QQP row: question a, question b, duplicate
-
-
-def parse_ratios(text: str) -> list[float]:
-    """Percentages, comma-separated, as fractions: "0,5,10" -> [0.0, 0.05, 0.1]."""
-    try:
-        ratios = [float(x) / 100 for x in text.split(",") if x.strip()]
-    except ValueError:
-        ratios = []
-    if not ratios or any(not 0.0 <= r <= 1.0 for r in ratios):
-        raise DataError(f"ratios {text!r}: percentages between 0 and 100, comma-separated")
-    return ratios
 
 
 @dataclass

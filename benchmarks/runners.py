@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvgate.bench.data import DataError
+from kvgate.gateway.cli import percentages
 
 if TYPE_CHECKING:
     from kvgate.gateway.settings import Settings
@@ -54,12 +55,11 @@ def run_prefill(args: argparse.Namespace, settings: Settings, command: str) -> i
 
 
 def run_fidelity(args: argparse.Namespace, settings: Settings, command: str) -> int:
-    from kvgate.bench.data import parse_ratios
     from kvgate.bench.fidelity import bench_fidelity
     from kvgate.runtime.blend import BlendConfig
 
     check_numbers(args)
-    ratios = parse_ratios(args.ratios)
+    ratios = list(percentages(args.ratios))
     config = settings.engine_config()
     bench_fidelity(
         config,
@@ -90,12 +90,11 @@ def run_error_sources(args: argparse.Namespace, settings: Settings, command: str
 
 
 def run_ttft(args: argparse.Namespace, settings: Settings, command: str) -> int:
-    from kvgate.bench.data import parse_ratios
     from kvgate.bench.ttft import bench_ttft
 
     check_numbers(args)
     ratio = None if args.ratio is None else args.ratio / 100
-    more = parse_ratios(args.ratios) if args.ratios.strip() else []
+    more = list(percentages(args.ratios)) if args.ratios.strip() else []
     config = settings.engine_config()
     bench_ttft(
         config,

@@ -83,7 +83,7 @@ def percentages(text: str) -> tuple[float, ...]:
     except ValueError:
         found = ()
     if not found or any(not 0.0 <= r <= 1.0 for r in found):
-        raise DataError(f"{text!r}: percentages between 0 and 100, comma-separated")
+        raise DataError(f"ratios {text!r}: percentages between 0 and 100, comma-separated")
     return found
 
 
