@@ -22,7 +22,9 @@ from tests.servers import serving
 PASSWORD = "s3cret-pw-4711"
 ADMIN = "sk-stall-admin"
 SETTINGS_KEY = "sk-stall-settings"
-BOUND_S = 2.0  # an answer during an outage comes within this (Redis socket timeouts are 0.5 s)
+# An answer during an outage comes within this. Redis socket timeouts are 0.5 s; the rest is slack for a
+# loaded machine (CI saw 2.8 s beside another test process); without a timeout a call waits for ever.
+BOUND_S = 5.0
 
 
 def only_503s(response: httpx.Response) -> None:
