@@ -248,15 +248,12 @@ def bench_agents(
     for (w, specs), policy in itertools.product(workload.items(), order):  # every policy on a workload, in turn
         settings = base.model_copy(
             update={
-                "chunk_cache_bytes": memory_mb << 20,
-                "chunk_cache_disk_bytes": 0,  # an evicted context is computed again
+                # no disk tier: an evicted context is computed again
+                "caches": {"memory_bytes": memory_mb << 20, "disk_bytes": 0, "policy": "lru"},
                 "redis_url": None,
-                "chunk_cache_policy": "lru",
-                "agent_pins": policy.pins,
-                "agent_fixed_ttl_s": fixed_ttl_s,
-                "agent_in_flight": policy.in_flight,
-                "queue_order": policy.queue,
-                "semantic_cache": False,
+                "agents": {"pins": policy.pins, "fixed_ttl_s": fixed_ttl_s, "in_flight": policy.in_flight},
+                "engine": {"queue_order": policy.queue},
+                "semantic_cache": {"enabled": False},
             }
         )
         with gateway(settings, loaded) as (url, model):

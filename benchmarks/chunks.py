@@ -159,12 +159,12 @@ def report(r: Results, items: int) -> str:
 
 def bench_chunks(settings: Settings, data: Path, count: int, output: Path, command: str) -> str:
     items = load_rag(data, count, docs=6, words=300)
-    base = settings.model_copy(update={"semantic_cache": False})
+    base = settings.model_copy(update={"semantic_cache": {"enabled": False}})
     loaded = load(base.engine_config())
     results = Results()
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:  # nothing cached from before
-        with_chunks = base.model_copy(update={"chunk_cache_dir": Path(a)})
-        without = base.model_copy(update={"chunk_cache_dir": Path(b), "content_chunks": False})
+        with_chunks = base.model_copy(update={"caches": {"dir": Path(a)}})
+        without = base.model_copy(update={"caches": {"dir": Path(b), "content_chunks": False}})
         with gateway(with_chunks, loaded) as (on, model), gateway(without, loaded) as (off, _):
             on, off = on.removesuffix("/v1"), off.removesuffix("/v1")
             for i, item in enumerate(items):

@@ -126,7 +126,10 @@ def bench_fleet(kind: str, data: Path, conversations: int, turns: int, rounds: i
         fronts = {}
         for arm in ARMS:
             settings = Settings(
-                upstreams=upstreams, routing=arm, redis_url=redis_url, semantic_cache=False, cache_dir=logs / arm
+                proxy={"upstreams": upstreams, "routing": arm},
+                redis_url=redis_url,
+                semantic_cache={"enabled": False},
+                cache_dir=logs / arm,
             )
             fronts[arm] = [stack.enter_context(front(settings)) for _ in range(2)]
         for url in urls:  # lazy start-up work is not measured

@@ -140,13 +140,11 @@ def main() -> None:
     args = p.parse_args()
 
     values = {
-        "api_keys": KEYS,
-        "semantic_cache": False,
-        "chunk_cache_disk_bytes": 0,
-        "max_num_seqs": args.max_num_seqs,
-        "threads": args.threads,
-        "device": args.device,
-        "log_level": "warning",
+        "security": {"api_keys": KEYS},
+        "semantic_cache": {"enabled": False},
+        "caches": {"disk_bytes": 0},
+        "engine": {"max_num_seqs": args.max_num_seqs, "threads": args.threads, "device": args.device},
+        "operations": {"log_level": "warning"},
     }
     port = free_port()
     server = multiprocessing.get_context("spawn").Process(

@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             " / ".join(f"{x * 1000:.0f} ms" for x in spread(served["checked"].gaps)),
             "",
         ],
-        ["checks due (shadow_rate of requests)", str(due), ""],
+        ["checks due (quality.shadow_rate of requests)", str(due), ""],
         ["checks completed", f"{done:.0f} ({done / due:.0%} of due)" if due else "0", ">= 80%"],
         ["checks dropped (the oldest past max_pending, or of a rung left since)", str(dropped), ""],
         [
@@ -214,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     body = (
         f"{len(items)} MuSiQue items (rows 0..{len(items) - 1}), {args.docs} passages cut to {args.words} words, "
         f"{args.clients} closed-loop clients, {args.tokens}-token answers, {args.rounds} turns of {args.seconds:g} s "
-        f"per engine, alternating. Checked engine: shadow_rate {q.shadow_rate:g}, shadow_share {q.shadow_share:g}, "
+        f"per engine, alternating. Checked engine: quality.shadow_rate {q.shadow_rate:g}, "
+        f"quality.shadow_share {q.shadow_share:g}, "
         f"targets KL <= {q.target_kl:g}, top-1 >= {q.target_top1:.0%}; prefix caching off (blends are the subject).\n\n"
         + table(["row", "measured", "target"], body_rows)
     )

@@ -88,11 +88,10 @@ def litellm_proxy(binary: Path, upstream: str, folder: Path) -> Iterator[str]:
 def front(upstream: str, semantic: bool, cache_dir: Path, race: bool = False) -> Iterator[str]:
     """A kvgate front over `upstream`, as `kvgate serve` runs it."""
     config = {
-        "upstreams": [{"base_url": upstream, "models": [MODEL]}],
-        "semantic_cache": semantic,
-        "semantic_race": race,
+        "proxy": {"upstreams": [{"base_url": upstream, "models": [MODEL]}]},
+        "semantic_cache": {"enabled": semantic, "race": race},
         "cache_dir": str(cache_dir),
-        "log_level": "warning",
+        "operations": {"log_level": "warning"},
     }
     with serving(config) as process:
         yield process.url
@@ -185,7 +184,7 @@ def measure(variants: dict[str, Callable[[int], float]], requests: int) -> dict[
     return seen
 
 
-RACE = "proxy, temperature 0 (semantic miss), semantic_race"
+RACE = "proxy, temperature 0 (semantic miss), semantic_cache.race"
 BESIDE_LITELLM = " (LiteLLM's phase)"
 PAIRS = [
     ("proxy", "direct"),
@@ -229,7 +228,7 @@ httpx client; the upstream, kvgate's front and LiteLLM's proxy (its default conf
 key it requires to start, one worker) are processes of their own on loopback. Non-streamed rows time the
 whole answer (8 words); stream rows the first SSE event. "temperature 0" requests are new questions each
 time: the front's semantic cache looks each one up (an embedding, a miss) and stores the answer; with
-`semantic_race: true` (a second front) the upstream is asked at once, the lookup runs beside it, and
+`semantic_cache.race: true` (a second front) the upstream is asked at once, the lookup runs beside it, and
 the answer is stored after it went out. The run has three phases, each timing its direct paths in its
 own rounds: the proxy paths; the temperature 0 paths (the work a semantic request leaves behind, the
 store and with the race the lookup, would land on the proxy paths' timings); LiteLLM's, its proxy

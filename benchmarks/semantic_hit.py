@@ -57,7 +57,7 @@ def row(name: str, seconds: list[float], model: float) -> list[str]:
 def bench_hit(base: Settings, pairs: list[tuple[str, str]], max_tokens: int, workdir: Path) -> str:
     """Each pair (question, paraphrase): the question is a miss (the model answers it), then the same
     question and its paraphrase are asked again; every timing is kept. Returns a markdown body."""
-    settings = base.model_copy(update={"semantic_cache": True, "semantic_cache_path": workdir / "hit.sqlite3"})
+    settings = base.model_copy(update={"semantic_cache": {"enabled": True, "path": workdir / "hit.sqlite3"}})
     kinds: dict[str, list[float]] = {"miss": [], "hit (same question)": [], "hit (paraphrase)": []}
     skip = "cache skipped (no-cache, no-store)"
     streamed: dict[str, list[float]] = {"miss": [], "hit (same question)": [], skip: []}

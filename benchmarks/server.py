@@ -31,14 +31,14 @@ def gateway_engine(settings: Settings, loaded: LoadedModel | None = None) -> Ite
     engine = Engine(settings.engine_config(), loaded)
     try:
         with serving(create_app(settings, make_backend(settings, engine))) as url:
-            yield f"{url}/v1", settings.served_model_name or engine.loaded.name, engine
+            yield f"{url}/v1", settings.engine.served_model_name or engine.loaded.name, engine
     finally:
         engine.shutdown()
 
 
 @contextmanager
 def front(settings: Settings) -> Iterator[str]:
-    """A front over `settings.upstreams` (no model of its own); yields its base URL (without /v1)."""
+    """A front over `settings.proxy.upstreams` (no model of its own); yields its base URL (without /v1)."""
     with serving(create_app(settings, make_backend(settings, None))) as url:
         yield url
 

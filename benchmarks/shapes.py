@@ -209,12 +209,12 @@ def rows(shape: Shape, t: Turns) -> list[str]:
 
 def bench_shapes(settings: Settings, data: Path, pipelines: int, warmup: int, output: Path, command: str) -> str:
     asked = questions(data, warmup + pipelines)
-    base = settings.model_copy(update={"semantic_cache": False})
+    base = settings.model_copy(update={"semantic_cache": {"enabled": False}})
     loaded = load(base.engine_config())
     measured: dict[str, Turns] = {}
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
-        served = base.model_copy(update={"chunk_cache_dir": Path(a)})
-        plain = base.model_copy(update={"chunk_cache_dir": Path(b)})
+        served = base.model_copy(update={"caches": {"dir": Path(a)}})
+        plain = base.model_copy(update={"caches": {"dir": Path(b)}})
         with gateway_engine(served, loaded) as (on, model, engine), gateway(plain, loaded) as (off, _):
             urls = on.removesuffix("/v1"), off.removesuffix("/v1")
             for shape in SHAPES:
@@ -245,7 +245,7 @@ def bench_shapes(settings: Settings, data: Path, pipelines: int, warmup: int, ou
         + table(header, [rows(s, measured[s.name]) for s in SHAPES])
         + f"\n\nHow kvgate served the readers' turns:\n{how}\n\nThe quality gate at the end (a new shape "
         f"withheld until {config.min_checks} checks keep answers; every shape's first {config.min_checks} requests "
-        f"on a rung checked, then shadow_rate {config.shadow_rate:g}): "
+        f"on a rung checked, then quality.shadow_rate {config.shadow_rate:g}): "
         + "; ".join(
             f"{mode}: {s['checks']:.0f} checks, answers {s['answer']:.2f}, {s['ladders'] - 1:.0f} shapes, "
             f"{s['withheld']:.0f} withheld"

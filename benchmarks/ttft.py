@@ -298,7 +298,7 @@ def bench_ttft(
         f"{len(stored)} MuSiQue items (rows {offset}..{offset + len(stored) - 1}), {docs} passages each as "
         f"documents{cut}, {tokens:.0f} prompt tokens on average; model {loaded.name}, {loaded.dtype}, "
         f"{torch.get_num_threads()} threads. Blend ratio: {source}; tokens recomputed selected by "
-        f"{select.select} (`blend_select`). Each mode timed {repeats} times per item, "
+        f"{select.select} (`caches.blend_select`). Each mode timed {repeats} times per item, "
         "interleaved, fastest kept; TTFT = from an empty KV until the first answer token's logits exist. "
         "Speedup = mean full TTFT / mean mode TTFT. Fidelity against full prefill of the same prompt: first-token KL, "
         f"whether the first token's argmax matches, top-1 agreement over the reference answer's first {ANSWER} "

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 
 async def admin_only(request: Request) -> None:
-    key: str | None = request.app.state.settings.admin_key
+    key: str | None = request.app.state.settings.security.admin_key
     if key is None:
         raise APIError(403, "admin endpoints are closed: set admin_key to open them", code="admin_disabled")
     token = bearer(request)

@@ -34,7 +34,7 @@ class AgentTurns:
         costs = EngineCosts(engine, config.reload_bytes_per_s)
         self.programs = Programs(config, engine.reuser.store, costs, shared=self.tool_times, flight=engine.flight)
         self.expirer = Expirer(self.programs)
-        self.conversations = conversation_index(settings.redis_url, config.conversations, settings.route_ttl_s)
+        self.conversations = conversation_index(settings.redis_url, config.conversations, settings.proxy.route_ttl_s)
 
     async def begin(
         self, program: str | None, tenant: str, tools: Messages | None, messages: Messages, prompt_tokens: int

@@ -132,7 +132,7 @@ def create_app(settings: Settings, backend: Backend) -> FastAPI:
     limiter = make_limiter(settings.redis_url)
     kept = response_store(settings.redis_url)  # /v1/responses kept for previous_response_id
     semantic = None
-    if settings.semantic_cache:  # the embedder and the index: torch and hnswlib, only when wanted
+    if settings.semantic_cache.enabled:  # the embedder and the index: torch and hnswlib, only when wanted
         from kvgate.semantic_cache import SemanticCache
 
         semantic = SemanticCache(settings.semantic_cache_config())
@@ -148,7 +148,7 @@ def create_app(settings: Settings, backend: Backend) -> FastAPI:
         if semantic is not None:
             semantic.close()
 
-    docs = settings.openapi_docs
+    docs = settings.security.openapi_docs
     app = FastAPI(
         title="kvgate",
         version="0.1.0",
@@ -172,7 +172,7 @@ def create_app(settings: Settings, backend: Backend) -> FastAPI:
     document_bodies(app)
     metrics.watch(backend.metrics)
     probes(app, settings, backend, metrics)
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=settings.security.max_body_bytes)
     front_only(app, settings)  # a runtime worker answers its front only, before reading a body
     app.add_middleware(Observe, metrics=metrics)
     app.add_middleware(RequestId)  # outermost: even a 413 carries the id
@@ -211,6 +211,6 @@ def probes(app: FastAPI, settings: Settings, backend: Backend, metrics: Metrics)
         behind = await backend.scrape()
         return Response(merged(metrics.text(), behind) if behind else metrics.text(), media_type=CONTENT_TYPE)
 
-    if settings.metrics_access != "off":  # off: no route, a 404
-        guard = [Depends(admin.admin_only)] if settings.metrics_access == "admin" else []
+    if settings.security.metrics_access != "off":  # off: no route, a 404
+        guard = [Depends(admin.admin_only)] if settings.security.metrics_access == "admin" else []
         app.add_api_route("/metrics", prometheus, methods=["GET"], dependencies=guard)

@@ -16,12 +16,19 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvgate.gateway.settings import Settings
 
-FLAGS = ("host", "port", "model", "served_model_name", "workers")  # flags that are settings (they win over all)
+# flags that are settings (they win over all) -> their group
+FLAGS = {
+    "host": "operations",
+    "port": "operations",
+    "model": "engine",
+    "served_model_name": "engine",
+    "workers": "proxy",
+}
 GROUP = "kvgate.commands"  # entry points: a module with add(sub, common), passthrough(argv) and run(args, ...)
 
 
@@ -145,6 +152,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
+def flags(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The flags given, by their settings' groups."""
+    groups: dict[str, dict[str, Any]] = {}
+    for flag, group in FLAGS.items():
+        if (value := getattr(args, flag, None)) is not None:
+            groups.setdefault(group, {})[flag] = value
+    return groups
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
@@ -154,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
 
     command = " ".join(["kvgate", *argv])  # as BENCHMARKS.md shows it
     try:
-        settings = Settings.load(getattr(args, "config", None), **{k: getattr(args, k, None) for k in FLAGS})
-        logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        settings = Settings.load(getattr(args, "config", None), **flags(args))
+        logging.basicConfig(
+            level=settings.operations.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
         if args.command in COMMANDS:
             return COMMANDS[args.command](args, settings, command)
         return added()[args.command].run(args, settings, command)
@@ -206,8 +224,8 @@ def run_calibrate(args: argparse.Namespace, settings: Settings, command: str) ->
         shuffle=args.shuffle,
         words=args.words,
         counts=counts(args.table_docs),
-        select=args.select or settings.blend_select,
-        document_kv=args.document_kv or ("context" if settings.documents_in_context else "alone"),
+        select=args.select or settings.caches.blend_select,
+        document_kv=args.document_kv or ("context" if settings.caches.documents_in_context else "alone"),
     )
     calibrate(settings.engine_config(), job, args.report, command)
     return 0

@@ -145,7 +145,7 @@ class Embeddings:
 
     def __init__(self, settings: Settings, *, max_requests: int = 64, batch: int = 256) -> None:
         self.settings = settings
-        self.name = embedder_name(settings.semantic_embedder)
+        self.name = embedder_name(settings.semantic_cache.embedder)
         self.max_requests = max_requests
         self.in_flight = 0
         self.embedder: Embedder | None = None
@@ -161,7 +161,7 @@ class Embeddings:
     def load(self) -> Embedder:
         with self.loading:
             if self.embedder is None:
-                self.embedder = make_embedder(self.settings.semantic_embedder)
+                self.embedder = make_embedder(self.settings.semantic_cache.embedder)
             return self.embedder
 
     async def answer(self, call: Call) -> Reply:

@@ -97,10 +97,10 @@ class Keys:
     def __init__(
         self, settings: Settings, clock: Callable[[], float] = time.monotonic, cache_max: int = CACHE_MAX
     ) -> None:
-        self.required, self.default = settings.keys_required, settings.limits()
+        self.required, self.default = settings.security.keys_required, settings.limits()
         self.clock, self.cache_max = clock, cache_max  # the Redis lookups' cache: how long, how many
         self.known: dict[str, Key] = {}  # sha256 of the key -> Key
-        for token, spec in settings.api_keys.items():
+        for token, spec in settings.security.api_keys.items():
             hashed = token.removeprefix("sha256:").lower() if token.startswith("sha256:") else digest(token)
             self.known[hashed] = key_of(hashed, spec, "settings", self.default)
         self.redis: aioredis.Redis | None = None
@@ -108,13 +108,13 @@ class Keys:
             self.redis = connect(settings.redis_url)
         self.cached: dict[str, tuple[float, Key | None]] = {}
         self.secret: bytes | None = b""  # None: Redis's, fetched at the first token (`named`)
-        if settings.tenant_secret is not None:
-            self.secret = settings.tenant_secret.get_secret_value().encode()
+        if settings.security.tenant_secret is not None:
+            self.secret = settings.security.tenant_secret.get_secret_value().encode()
         elif not self.required and self.redis is None:
             self.secret = tenant_secret(settings.cache_dir)
         elif not self.required:
             self.secret = None
-        self.proxies = networks(settings.trusted_proxies)
+        self.proxies = networks(settings.security.trusted_proxies)
 
     def tenant(self, token: str) -> str:
         """The tenant of a caller without a key: its token's own, or ANONYMOUS without one. The secret

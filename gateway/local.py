@@ -58,7 +58,7 @@ class Local(Backend):
     def __init__(self, settings: Settings, engine: Engine) -> None:
         self.settings, self.engine = settings, engine
         self.tokenizer = engine.tokenizer
-        self.name = settings.served_model_name or engine.loaded.name
+        self.name = settings.engine.served_model_name or engine.loaded.name
         self.token_bytes = TokenBytes(self.tokenizer)
         self.tool_format = detect(self.tokenizer)
         self.created = int(time.time())
@@ -66,7 +66,9 @@ class Local(Backend):
         self.planner = Planner(engine.reuser, kvcomm=engine.anchors is not None)
         self.embeddings = Embeddings(settings)  # /v1/embeddings: the semantic cache's embedding model
         self.admission = Admission(
-            settings.max_request_seqs, settings.max_waiting_seqs, settings.max_waiting_seqs_per_tenant
+            settings.security.max_request_seqs,
+            settings.security.max_waiting_seqs,
+            settings.security.max_waiting_seqs_per_tenant,
         )
 
     # ---- what is served ----------------------------------------------------------------
@@ -97,7 +99,7 @@ class Local(Backend):
 
     def scope(self, tenant: str) -> str:
         """Whose documents: the tenant's own (tenant_scoped_kv), else everyone's."""
-        return tenant if self.settings.tenant_scoped_kv else ""
+        return tenant if self.settings.caches.tenant_scoped else ""
 
     # ---- completions ---------------------------------------------------------------------
 
@@ -179,7 +181,7 @@ class Local(Backend):
         """The engine's work for a request: n choices per prompt, the tenant's. Only the first choice of a
         program's turn keeps its context for the next one. `run` admits them (or none) before any runs."""
         param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
-        calls = repeat_guard(body, self.tool_format) if self.settings.repeated_tool_calls == "end" else None
+        calls = repeat_guard(body, self.tool_format) if self.settings.engine.repeated_tool_calls == "end" else None
         choices = []
         for p, ids in enumerate(prompts):
             try:

@@ -38,18 +38,20 @@ class Upstreams(Backend):
     def __init__(self, settings: Settings, workers: tuple[Upstream, ...] = ()) -> None:
         self.pool = Pool(settings.proxy_config(workers))
         names = [u.name for u in self.pool.config.upstreams if not u.fallback]
-        kept = placements(settings.redis_url, settings.route_conversations, settings.route_ttl_s)
-        self.router = Router(names, kept, settings.spill_at, settings.routing)
+        kept = placements(settings.redis_url, settings.proxy.route_conversations, settings.proxy.route_ttl_s)
+        self.router = Router(names, kept, settings.proxy.spill_at, settings.proxy.routing)
         self.loads = ReplicaLoads(
-            names, self.pool.scrape_named, self.pool.load, settings.replica_load_poll_s, settings.spill_at
+            names, self.pool.scrape_named, self.pool.load, settings.proxy.replica_load_poll_s, settings.proxy.spill_at
         )
         self.clock = ProgramClock(settings.agent_config().idle_s)
         self.owners: OrderedDict[str, str] = OrderedDict()  # document id -> the affinity key of its text
         self.created = int(time.time())
         self.admission = Admission(
-            settings.max_request_seqs, settings.max_waiting_seqs, settings.max_waiting_seqs_per_tenant
+            settings.security.max_request_seqs,
+            settings.security.max_waiting_seqs,
+            settings.security.max_waiting_seqs_per_tenant,
         )
-        self.limit = settings.proxy_max_response_bytes  # a whole answer, or one SSE event, held here
+        self.limit = settings.proxy.max_response_bytes  # a whole answer, or one SSE event, held here
 
     def models(self) -> list[dict[str, Any]]:
         return [

@@ -232,7 +232,7 @@ async def generate(request: Request, call: Call) -> Generated:
     call.keep = cached.store
     if cached.status != "look":
         return Generated(call, cached, await unless_gone(request, backend.generate(call)))
-    if not request.app.state.settings.semantic_race:
+    if not request.app.state.settings.semantic_cache.race:
         await semantic.look(request, cache, cached, backend.queued())
         if cached.status == "hit":
             return served(request, call, cached)

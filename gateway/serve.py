@@ -25,10 +25,10 @@ def stopped(signum: int, frame: FrameType | None) -> None:
 def serve_forever(settings: Settings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stopped)
-    if settings.exit_with_pid is not None:
+    if settings.operations.exit_with_pid is not None:
         from kvgate.gateway.workers import exit_with
 
-        exit_with(settings.exit_with_pid)
+        exit_with(settings.operations.exit_with_pid)
     try:
         run(settings)
     except Stopped:
@@ -56,23 +56,23 @@ def run(settings: Settings) -> None:
         uvicorn.run(
             app,  # type: ignore[arg-type]
             http=http_protocol(),
-            host=settings.host,
-            port=settings.port,
-            log_level=settings.log_level,
+            host=settings.operations.host,
+            port=settings.operations.port,
+            log_level=settings.operations.log_level,
             proxy_headers=False,  # X-Forwarded-For is believed from `trusted_proxies` only (gateway/keys.py)
-            timeout_graceful_shutdown=settings.shutdown_grace_s,  # type: ignore[arg-type]  # a float waits as well
+            timeout_graceful_shutdown=settings.operations.shutdown_grace_s,  # type: ignore[arg-type]  # a float waits as well
         )
 
-    if settings.upstreams and not settings.workers:
+    if settings.proxy.upstreams and not settings.proxy.workers:
         serve(create_app(settings, make_backend(settings)))
         return
     from kvgate.runtime.loader import resolve
 
     resolve(settings.engine_config(), progress=True)  # convert once, with a progress bar, before loading
-    if settings.workers:
+    if settings.proxy.workers:
         from kvgate.gateway.workers import running
 
-        with running(settings, settings.workers) as workers:
+        with running(settings, settings.proxy.workers) as workers:
             serve(create_app(settings, make_backend(settings, workers=workers)))
         return
     from kvgate.runtime.engine import Engine

@@ -63,29 +63,25 @@ def free_port() -> int:
 
 def worker_settings(settings: Settings, index: int, port: int, secret: str) -> dict[str, object]:
     values = settings.model_dump(mode="json", exclude_none=True)
-    values.update(
-        host="127.0.0.1",
-        port=port,
-        workers=0,
-        upstreams=[],
-        api_keys={},
-        require_api_key=False,
-        semantic_cache=False,
-        chunk_cache_dir=str((settings.chunk_cache_dir or settings.cache_dir / "chunks") / f"worker-{index}"),
-        log_level="warning",
-        metrics_access="public",  # the front scrapes it (with the secret) and decides who sees it
-        worker_secret=secret,
-    )
     for name in ("rate_limit_rpm", "rate_limit_tpm", "admin_key", "tenant_secret"):  # the front's to use
-        values.pop(name, None)
-    return values
+        values["security"].pop(name, None)
+    mine = {
+        "operations": {"host": "127.0.0.1", "port": port, "log_level": "warning"},
+        "proxy": {"workers": 0, "upstreams": []},
+        # metrics public: the front scrapes them (with the secret) and decides who sees them
+        "security": {"api_keys": {}, "require_api_key": False, "metrics_access": "public", "worker_secret": secret},
+        "semantic_cache": {"enabled": False},
+        "caches": {"dir": str(settings.chunk_dir / f"worker-{index}")},
+    }
+    return {**values, **{group: {**values[group], **changed} for group, changed in mine.items()}}
 
 
 def launch(name: str, values: dict[str, object], output: IO[bytes] | None = None) -> Worker:
-    """`kvgate serve` as its own process group, its settings `values` (which must hold a port) written to
+    """`kvgate serve` as its own process group, its settings `values` (grouped; with a port) written to
     its stdin: they may hold secrets (the worker's, a Redis password), so no file and no argv ever has
     them; the environment's KVGATE_* are left out. It stops itself once this process is gone."""
-    values = {**values, "exit_with_pid": os.getpid()}
+    operations = {**values.get("operations", {}), "exit_with_pid": os.getpid()}  # type: ignore[dict-item]
+    values = {**values, "operations": operations}
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
     command = [sys.executable, "-m", "kvgate.gateway.cli", "--config", "/dev/stdin", "serve"]
     process = subprocess.Popen(
@@ -102,15 +98,16 @@ def launch(name: str, values: dict[str, object], output: IO[bytes] | None = None
             process.stdin.write(yaml.safe_dump(values).encode())
     except BrokenPipeError:
         pass  # it exited before reading them: wait_ready says how
-    secret = values.get("worker_secret")
-    url = f"http://{values.get('host', '127.0.0.1')}:{values['port']}"
+    secret = values.get("security", {}).get("worker_secret")  # type: ignore[attr-defined]
+    url = f"http://{operations.get('host', '127.0.0.1')}:{operations['port']}"
     return Worker(name, url, process, secret if isinstance(secret, str) else None)
 
 
 @contextmanager
 def serving(values: dict[str, object], output: IO[bytes] | None = None, within_s: float = READY_S) -> Iterator[Worker]:
     """One `kvgate serve` process on a free loopback port, once it is ready; stopped at exit."""
-    worker = launch("kvgate", {"host": "127.0.0.1", "port": free_port(), **values}, output)
+    operations = {"host": "127.0.0.1", "port": free_port(), **values.get("operations", {})}  # type: ignore[dict-item]
+    worker = launch("kvgate", {**values, "operations": operations}, output)
     try:
         wait_ready(worker, within_s)
         yield worker
@@ -131,7 +128,9 @@ def running(settings: Settings, n: int) -> Iterator[tuple[Upstream, ...]]:
             log.info("%s ready at %s (pid %d)", w.name, w.url, w.process.pid)
         names = [httpx.get(w.url + "/v1/models", headers=w.headers, timeout=5).json()["data"][0]["id"] for w in workers]
         yield tuple(
-            Upstream(w.name, w.url, {name: name}, max_in_flight=2 * settings.max_num_seqs, worker=True, secret=secret)
+            Upstream(
+                w.name, w.url, {name: name}, max_in_flight=2 * settings.engine.max_num_seqs, worker=True, secret=secret
+            )
             for w, name in zip(workers, names)
         )
     finally:
@@ -209,5 +208,5 @@ class FrontOnly:
 
 def front_only(app: FastAPI, settings: Settings) -> None:
     """Where `settings` are a worker's (they hold its front's secret): only the front is answered."""
-    if settings.worker_secret is not None:
-        app.add_middleware(FrontOnly, secret=settings.worker_secret.get_secret_value())
+    if settings.security.worker_secret is not None:
+        app.add_middleware(FrontOnly, secret=settings.security.worker_secret.get_secret_value())

@@ -197,7 +197,7 @@ def write_report(
     body = (
         described
         + "\n\nThe table served (what a request of that many documents gets: the smallest ratio meeting both "
-        + "`fidelity_kl` and `fidelity_top1`, else full prefill):\n\n"
+        + "`quality.kl` and `quality.top1`, else full prefill):\n\n"
         + served_table(cal)
         + f"\n\nResult: {choice}. Deviation limit (served requests above it get a larger ratio): "
         f"{limit_text(cal)} = {MARGIN:g} x the largest per-item key deviation seen. Took {took:.0f} s."

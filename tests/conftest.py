@@ -10,6 +10,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from kvgate.gateway import settings_flat
 from kvgate.gateway.settings import Settings, user_cache_dir
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel, load
@@ -42,9 +43,18 @@ def run_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             shutil.copytree(theirs / name, ours / name)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("KVGATE_CACHE_DIR", str(ours))
-        env.setenv("KVGATE_DTYPE", "float32")
-        env.setenv("KVGATE_SHIPPED_CALIBRATION", "false")  # nor does the calibration kvgate ships
+        env.setenv("KVGATE_ENGINE__DTYPE", "float32")
+        env.setenv("KVGATE_CACHES__SHIPPED_CALIBRATION", "false")  # nor does the calibration kvgate ships
         yield ours
+
+
+@pytest.fixture(scope="session", autouse=True)
+def grouped_names() -> Iterator[None]:
+    """The suite spells settings by their groups: only tests/test_settings.py uses the flat names of before
+    (a developer's own KVGATE_* variables aside)."""
+    yield
+    flat = sorted(name for name in settings_flat.noticed if not name.startswith("KVGATE_"))
+    assert not flat, f"settings spelled by their flat names of before: {flat}"
 
 
 @pytest.fixture(scope="session")
@@ -84,8 +94,9 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
     # run before (an agent's first requests are all checked); it is tested on engines of its own
     # (test_quality.py, test_shadow.py, test_fidelity.py).
     chunks = tmp_path_factory.mktemp("chunks")
-    off = {"prefix_caching": False, "content_chunks": False, "shadow_rate": 0.0}
-    return Settings(max_num_seqs=8, chunk_cache_dir=chunks, semantic_cache=False, **off)
+    caches = {"dir": chunks, "prefix_caching": False, "content_chunks": False}
+    off = {"semantic_cache": {"enabled": False}, "quality": {"shadow_rate": 0.0}}
+    return Settings(engine={"max_num_seqs": 8}, caches=caches, **off)
 
 
 @pytest.fixture(scope="session")
@@ -108,7 +119,7 @@ def base_url(settings: Settings, engine: Engine) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def prefix_settings(settings: Settings) -> Settings:
-    return settings.model_copy(update={"prefix_caching": True, "content_chunks": True})
+    return settings.model_copy(update={"caches": {"prefix_caching": True, "content_chunks": True}})
 
 
 @pytest.fixture(scope="session")

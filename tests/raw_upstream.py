@@ -140,8 +140,8 @@ def sse_stream(*writes: tuple[float, bytes]) -> Answer:
 
 def front(tmp_path: Path, *urls: str, **overrides: Any) -> Settings:
     upstreams = [{"name": f"up-{i}", "base_url": url + "/v1", "models": ["stub-a"]} for i, url in enumerate(urls)]
-    values = {"upstreams": upstreams, "semantic_cache": False, "cache_dir": tmp_path, "proxy_backoff_s": 0.01}
-    return Settings(**{**values, **overrides})
+    proxy = {"upstreams": upstreams, "backoff_s": 0.01}
+    return Settings(proxy=proxy, semantic_cache={"enabled": False}, cache_dir=tmp_path).model_copy(update=overrides)
 
 
 def sdk(url: str, timeout_s: float = 10) -> openai.OpenAI:

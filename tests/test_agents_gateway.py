@@ -30,7 +30,9 @@ def url(settings: Settings, loaded) -> Iterator[str]:
     """A server over an engine of this module's own, as the session's is built: the KVCOMM anchors its
     tests count are learnt here alone (an engine owns its anchor pool)."""
     engine = Engine(settings.engine_config(), loaded)
-    agents = Settings(max_num_seqs=4, semantic_cache=False, agent_pins="fixed", agent_fixed_ttl_s=60)
+    agents = Settings(
+        engine={"max_num_seqs": 4}, semantic_cache={"enabled": False}, agents={"pins": "fixed", "fixed_ttl_s": 60}
+    )
     try:
         with serving(agents, engine) as base:
             yield base
@@ -123,7 +125,9 @@ def test_a_pin_holds_until_its_ttl_then_the_context_moves_to_disk(engine: Engine
         ChunkCacheConfig(tiers=("memory", "disk"), memory_bytes=1 << 30, disk_dir=tmp_path, disk_bytes=1 << 30)
     )
     shared, engine.reuser.store = engine.reuser.store, store
-    settings = Settings(max_num_seqs=4, semantic_cache=False, agent_pins="fixed", agent_fixed_ttl_s=1.5)
+    settings = Settings(
+        engine={"max_num_seqs": 4}, semantic_cache={"enabled": False}, agents={"pins": "fixed", "fixed_ttl_s": 1.5}
+    )
     try:
         with serving(settings, engine) as base:
             messages = [{"role": "user", "content": "Run the tests."}]
@@ -205,7 +209,7 @@ def test_prefix_reuse_keeps_a_program_to_its_own_context(url: str) -> None:
 def test_spans_stay_within_a_tenant_even_where_documents_are_shared(engine: Engine) -> None:
     """`tenant_scoped_kv: false` shares documents, computed alone; a span's KV holds its first
     reader's context, so spans stay with their tenant."""
-    settings = Settings(max_num_seqs=4, semantic_cache=False, tenant_scoped_kv=False)
+    settings = Settings(engine={"max_num_seqs": 4}, semantic_cache={"enabled": False}, caches={"tenant_scoped": False})
     # No other test's: nobody has its KV. Long enough that reusing it pays (the cost model prices spans).
     system = (
         "You answer questions about tenants, and nothing else. A tenant is a team that holds its own keys, "
@@ -227,7 +231,7 @@ def test_a_new_program_waits_while_the_programs_in_flight_fill_memory(settings: 
     engine = Engine(replace(settings.engine_config(), in_flight=1e-9), loaded)
     request.addfinalizer(engine.shutdown)
     assert engine.scheduler.gate is engine.flight  # the engine's door is the programs' count
-    settings = Settings(max_num_seqs=4, semantic_cache=False, agent_in_flight=1e-9)
+    settings = Settings(engine={"max_num_seqs": 4}, semantic_cache={"enabled": False}, agents={"in_flight": 1e-9})
     closed = {"type": "object", "properties": {}, "additionalProperties": False}  # a short call: no arguments
     forced = {"tools": [{"type": "function", "function": {"name": "search", "parameters": closed}}]}
     forced |= {"tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 48}

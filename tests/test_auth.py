@@ -48,8 +48,8 @@ REDIS_SAID = "Redis (keys, the semantic cache) is not answering; retry shortly."
 
 def app_of(tmp_path: Path, **settings: Any) -> FastAPI:
     """The gateway in proxy mode without upstreams: every route of keys.py, no model."""
-    values = {"cache_dir": tmp_path, "semantic_cache": False, "api_keys": KEYS, "admin_key": ADMIN, **settings}
-    config = Settings(**values)
+    keyed = {"api_keys": KEYS, "admin_key": ADMIN}
+    config = Settings(cache_dir=tmp_path, semantic_cache={"enabled": False}, security=keyed).model_copy(update=settings)
     return create_app(config, make_backend(config))
 
 
@@ -114,7 +114,7 @@ async def test_a_key_sets_its_tenant_and_a_keyless_token_gets_its_own(tmp_path: 
     await authenticate(r)
     assert r.state.tenant == "beta" and r.state.key.models == ("model-b",)
     assert budget_of(r) == r.state.key.id  # a key's own budget, wherever it calls from
-    keyless = app_of(tmp_path, api_keys={})
+    keyless = app_of(tmp_path, security={"api_keys": {}})
     for token, tenant in (("tok-1", keyless.state.keys.tenant("tok-1")), ("", "anonymous")):
         r = request(keyless, token)
         await authenticate(r)
@@ -148,13 +148,13 @@ async def test_key_management_needs_the_admin_key(tmp_path: Path) -> None:
         error(await c.get("/admin/keys"), 401, "invalid_api_key")
         error(await c.post("/admin/keys", json={"tenant": "x"}, headers=bearer("sk-alpha")), 403, "forbidden")
         error(await c.delete("/admin/keys/key-0123456789abcdef", headers=bearer("sk-alpha")), 403, "forbidden")
-    async with client(app_of(tmp_path, admin_key=None)) as c:
+    async with client(app_of(tmp_path, security={"admin_key": None})) as c:
         error(await c.get("/admin/keys", headers=bearer(ADMIN)), 403, "admin_disabled")
 
 
 async def test_a_created_key_is_shown_once_then_only_its_card(tmp_path: Path) -> None:
     admin = bearer(ADMIN)
-    async with client(app_of(tmp_path, rate_limit_rpm=50)) as c:
+    async with client(app_of(tmp_path, security={"rate_limit_rpm": 50})) as c:
         made = (await c.post("/admin/keys", json={"tenant": "t1", "models": ["m"], "tpm": 70}, headers=admin)).json()
         token = made.pop("key")
         assert token.startswith("sk-kvgate-") and len(token) == len("sk-kvgate-") + 43  # 256 random bits
@@ -207,15 +207,15 @@ async def test_a_revoked_key_is_refused_and_only_created_keys_can_be_revoked(tmp
 def test_x_forwarded_for_is_believed_from_trusted_proxies_only(
     tmp_path: Path, peer: str | None, forwarded: tuple[str, ...], caller: str
 ) -> None:
-    app = app_of(tmp_path, api_keys={}, trusted_proxies=["127.0.0.1", " 10.1.2.3/8 "])
+    app = app_of(tmp_path, security={"api_keys": {}, "trusted_proxies": ["127.0.0.1", " 10.1.2.3/8 "]})
     assert caller_address(request(app, peer=peer, forwarded=forwarded)) == caller
-    untrusting = app_of(tmp_path, api_keys={})
+    untrusting = app_of(tmp_path, security={"api_keys": {}})
     assert caller_address(request(untrusting, peer=peer, forwarded=forwarded)) == (peer or "")
 
 
 def test_trusted_proxies_must_be_addresses_or_networks(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="^trusted_proxies: 'nonsense' does not appear"):
-        app_of(tmp_path, trusted_proxies=["10.0.0.1", "nonsense"])
+        app_of(tmp_path, security={"trusted_proxies": ["10.0.0.1", "nonsense"]})
 
 
 # --- rate limits ------------------------------------------------------------------------------------
@@ -223,7 +223,7 @@ def test_trusted_proxies_must_be_addresses_or_networks(tmp_path: Path) -> None:
 
 async def test_a_429_says_when_to_retry_in_seconds_and_milliseconds(tmp_path: Path) -> None:
     now = [6000.0 + 59.5]  # half a second before a fixed window ends
-    app = app_of(tmp_path, api_keys={}, rate_limit_rpm=1)
+    app = app_of(tmp_path, security={"api_keys": {}, "rate_limit_rpm": 1})
     app.state.limiter = MemoryLimiter(clock=lambda: now[0])
     async with client(app) as c, client(app, peer="203.0.113.2") as elsewhere:
         assert (await c.get("/v1/models")).status_code == 200

@@ -208,7 +208,7 @@ def test_the_engine_blends_as_its_stored_calibration_says(
 def test_kvgate_ships_the_default_models_calibration(engine, tmp_path: Path, select: str, document_kv: str) -> None:
     """`kvgate calibrate --table-docs 2,4,6` for the default model in float32 is in the package, per way of
     selecting tokens, under the fingerprint a fresh conversion of that model gives (the suite's own): a fresh
-    server serves the table of its `blend_select`, until `kvgate calibrate` makes one here, which wins."""
+    server serves the table of its `caches.blend_select`, until `kvgate calibrate` makes one here, which wins."""
     shipped = find(tmp_path, engine.model_fp, select=select)
     assert shipped is not None and set(shipped.table) == {"2", "4", "6"}, shipped
     assert (shipped.select, shipped.document_kv) == (select, document_kv)

@@ -34,7 +34,7 @@ def test_default_model_is_found_without_importing_its_package(settings) -> None:
 
 def test_serve_answers_the_openai_sdk(tmp_path: Path, model_name, settings) -> None:
     port = free_port()
-    env = {**os.environ, "KVGATE_MAX_NUM_SEQS": "2"}
+    env = {**os.environ, "KVGATE_ENGINE__MAX_NUM_SEQS": "2"}
     proc = subprocess.Popen(
         [KVGATE, "serve", "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -146,9 +146,9 @@ def test_calibrate_stores_a_calibration_the_engine_finds(tmp_path: Path, setting
     # Where the engine looks: the model's fingerprint (its content: the same from this cache dir) and the
     # server's blend_select; measured as the server serves: that selection, documents' KV from another prompt.
     model_fp = model_fingerprint(loaded)
-    cal = load_calibration(calibration_path(cache, model_fp, settings.blend_select))
+    cal = load_calibration(calibration_path(cache, model_fp, settings.caches.blend_select))
     assert cal is not None and cal.items == 1 and cal.metric == "top1" and cal.target == 0.5
-    assert (cal.select, cal.document_kv) == (settings.blend_select, "context")
+    assert (cal.select, cal.document_kv) == (settings.caches.blend_select, "context")
     assert set(cal.curve) == {"0", "0.2"} and cal.ratio in (0.0, 0.2)
     # The served table: per document count, per ratio, both fidelity measures.
     assert set(cal.table) == {"1", "2"} and all(set(row) == {"0", "0.2"} for row in cal.table.values())
@@ -205,9 +205,15 @@ def test_config_is_accepted_before_and_after_the_command() -> None:
 
 
 def test_settings_come_from_defaults_file_environment_and_flags_in_that_order(tmp_path: Path, monkeypatch) -> None:
-    (tmp_path / "g.yaml").write_text("host: 10.1.1.1\nport: 9000\nserved_model_name: from-file\nmax_num_seqs: 3\n")
-    monkeypatch.setenv("KVGATE_HOST", "10.2.2.2")
-    for name in ("KVGATE_CONFIG", "KVGATE_PORT", "KVGATE_SERVED_MODEL_NAME", "KVGATE_MAX_NUM_SEQS"):
+    grouped = "operations: {host: 10.1.1.1, port: 9000}\nengine: {served_model_name: from-file, max_num_seqs: 3}\n"
+    (tmp_path / "g.yaml").write_text(grouped)
+    monkeypatch.setenv("KVGATE_OPERATIONS__HOST", "10.2.2.2")
+    for name in (
+        "KVGATE_CONFIG",
+        "KVGATE_OPERATIONS__PORT",
+        "KVGATE_ENGINE__SERVED_MODEL_NAME",
+        "KVGATE_ENGINE__MAX_NUM_SEQS",
+    ):
         monkeypatch.delenv(name, raising=False)
     seen = []
     monkeypatch.setitem(cli.COMMANDS, "serve", lambda args, settings, command: seen.append(settings) or 0)
@@ -215,8 +221,12 @@ def test_settings_come_from_defaults_file_environment_and_flags_in_that_order(tm
     assert cli.main(["serve", "--config", config, "--port", "9100"]) == 0
     assert cli.main(["--config", config, "serve", "--port", "9100"]) == 0
     for settings in seen:
-        assert (settings.host, settings.port, settings.served_model_name) == ("10.2.2.2", 9100, "from-file")
-        assert settings.max_num_seqs == 3 and settings.max_num_batched_tokens == 2048  # file; default
+        assert (settings.operations.host, settings.operations.port, settings.engine.served_model_name) == (
+            "10.2.2.2",
+            9100,
+            "from-file",
+        )
+        assert settings.engine.max_num_seqs == 3 and settings.engine.max_num_batched_tokens == 2048  # file; default
     assert cli.main(["serve", "--config", str(tmp_path / "none.yaml")]) == 2  # a usage error, not a traceback
 
 

@@ -194,11 +194,11 @@ def test_the_codec_is_an_option_per_tier(tmp_path: Path, redis_url: str) -> None
         assert got is not None and float((got.values - entry.values).abs().max()) < 0.5
     store.close()
 
-    settings = Settings(chunk_cache_disk_codec="int8", chunk_cache_redis_codec="int4")
+    settings = Settings(caches={"disk_codec": "int8", "redis_codec": "int4"})
     assert (settings.chunk_cache_config().disk_codec, settings.chunk_cache_config().redis_codec) == ("int8", "int4")
     assert ChunkCacheConfig().tier_options("disk")["codec"] is None  # raw unless asked
     with pytest.raises(ValidationError):
-        Settings(chunk_cache_disk_codec="zstd")
+        Settings(caches={"disk_codec": "zstd"})
     with pytest.raises(ValueError, match="unknown KV codec"):
         DiskTier(tmp_path, budget_bytes=1 << 20, codec="zstd")
 

@@ -112,7 +112,7 @@ def test_a_stored_document_is_on_disk_when_its_card_says_so(base_url, settings) 
     card = httpx.post(f"{base_url}/v1/documents", json={"text": text}, headers=AS_CLIENT, timeout=60).json()
     assert card["cached"] and card["durable"] and card["tier"] == "disk"
     # Whole on disk as the server answers: another process opening the directory reads it.
-    assert DiskTier(settings.chunk_cache_dir, 1 << 30).get(card["id"].removeprefix("doc-")) is not None
+    assert DiskTier(settings.caches.dir, 1 << 30).get(card["id"].removeprefix("doc-")) is not None
 
 
 def test_exact_prefix_reuse_finds_an_earlier_prompt(client, model_name) -> None:

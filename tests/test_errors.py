@@ -190,11 +190,11 @@ def test_unknown_model_is_404(base_url, client) -> None:
 
 
 def test_oversized_body_is_413(base_url, model_name, settings) -> None:
-    huge = chat(model_name, messages=[{"role": "user", "content": "x" * (settings.max_body_bytes + 1)}])
+    huge = chat(model_name, messages=[{"role": "user", "content": "x" * (settings.security.max_body_bytes + 1)}])
     assert error_of(post(base_url, "/v1/chat/completions", json=huge), 413)["code"] == "request_too_large"
 
     def chunks():  # no content-length: the limit must hold for a streamed body too
-        for _ in range(settings.max_body_bytes // 65536 + 2):
+        for _ in range(settings.security.max_body_bytes // 65536 + 2):
             yield b"x" * 65536
 
     r = post(base_url, "/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"})

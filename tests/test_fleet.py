@@ -38,7 +38,11 @@ def replicas(loaded: LoadedModel, where: Path, count: int = 2, **more) -> Iterat
         urls = []
         for i in range(count):
             settings = Settings(
-                max_num_seqs=4, semantic_cache=False, cache_dir=where / f"r{i}", chunk_cache_disk_bytes=0, **more
+                engine={"max_num_seqs": 4},
+                semantic_cache={"enabled": False},
+                cache_dir=where / f"r{i}",
+                caches={"disk_bytes": 0},
+                **more,
             )
             engine = Engine(settings.engine_config(), loaded)
             stack.callback(engine.shutdown)
@@ -48,7 +52,8 @@ def replicas(loaded: LoadedModel, where: Path, count: int = 2, **more) -> Iterat
 
 def fronted(urls: list[str], model: str, redis_url: str, where: Path, **more) -> Settings:
     upstreams = [{"name": f"replica-{i}", "base_url": url + "/v1", "models": [model]} for i, url in enumerate(urls)]
-    return Settings(upstreams=upstreams, redis_url=redis_url, semantic_cache=False, cache_dir=where, **more)
+    settings = Settings(proxy={"upstreams": upstreams}, redis_url=redis_url, semantic_cache={"enabled": False})
+    return settings.model_copy(update={"cache_dir": where, **more})
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +140,9 @@ def test_a_replica_busy_with_another_fronts_requests_spills_a_conversation(loade
     directly: only the replica's own metrics tell the front."""
     asked = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Book a trip to Turku."}]
     with replicas(loaded, tmp_path / "r") as urls:
-        settings = fronted(urls, model_name, redis_url, tmp_path / "front", spill_at=2, replica_load_poll_s=0.2)
+        settings = fronted(
+            urls, model_name, redis_url, tmp_path / "front", proxy={"spill_at": 2, "replica_load_poll_s": 0.2}
+        )
         with serving(settings, None) as front, httpx.Client(timeout=120) as direct:
             first = chat(front, model_name, asked)
             home = first.headers["x-kvgate-upstream"]

@@ -43,14 +43,14 @@ FUZZ = settings(
 CONFIG = schemathesis.Config.from_dict({"output": {"sanitization": {"enabled": False}}})
 # The fuzzer may ask for 8k new tokens (the model's whole window; `ignore_eos` makes the model take them all) in
 # 16 choices: many minutes a request on two CPU cores. A smaller `max_model_len` in the gateway's Settings does not
-# bound that: the context window is the engine's, fixed when it was built (Settings.max_model_len reaches it only
+# bound that: the context window is the engine's, fixed when it was built (Settings.engine.max_model_len reaches it only
 # through Settings.engine_config()), and the gateway over the session's engine still takes 300 new tokens with
 # max_model_len=256 in its Settings. So bodies are bounded before they are sent (bound_generation).
 MAX_TOKENS = 8
 
 VARIANTS = {
-    "admin-key": ({"admin_key": ADMIN_KEY}, {"authorization": f"Bearer {ADMIN_KEY}"}),
-    "api-key": ({"api_keys": {API_KEY: "tenant-a"}}, {"authorization": f"Bearer {API_KEY}"}),
+    "admin-key": ({"security": {"admin_key": ADMIN_KEY}}, {"authorization": f"Bearer {ADMIN_KEY}"}),
+    "api-key": ({"security": {"api_keys": {API_KEY: "tenant-a"}}}, {"authorization": f"Bearer {API_KEY}"}),
 }
 # Examples per operation: the open variant reaches every route and is the deep run; with keys required the
 # same bodies meet the same code past authentication (and the admin routes a 401), so a third of them.
@@ -170,7 +170,7 @@ def engine_gateway(
 ) -> Iterator[Gateway]:
     values, headers = VARIANTS[request.param]
     # Only the gateway's own settings count here: the engine, its window and its KV store are the session's.
-    config = Settings(semantic_cache=False, cache_dir=tmp_path_factory.mktemp("fuzz-engine"), **values)
+    config = Settings(semantic_cache={"enabled": False}, cache_dir=tmp_path_factory.mktemp("fuzz-engine"), **values)
     with serving(config, engine) as url:
         yield Gateway(url, headers, engine.loaded.name, EXAMPLES[request.param])
 
@@ -206,7 +206,7 @@ def proxy_gateway(
     values, headers = VARIANTS[request.param]
     upstreams = [{"base_url": upstream, "models": [STUB_MODEL]}]
     cache = tmp_path_factory.mktemp("fuzz-proxy")
-    config = Settings(upstreams=upstreams, semantic_cache=False, cache_dir=cache, **values)
+    config = Settings(proxy={"upstreams": upstreams}, semantic_cache={"enabled": False}, cache_dir=cache, **values)
     with serving(config, None) as url:  # no engine: proxy mode
         yield Gateway(url, headers, STUB_MODEL, EXAMPLES[request.param])
 

@@ -43,7 +43,7 @@ def digest(token: str) -> str:
 
 
 def store(tmp_path: Path, clock: Clock | None = None, cache_max: int = CACHE_MAX, **settings: Any) -> Keys:
-    given = Settings(**{"cache_dir": tmp_path, "semantic_cache": False, **settings})
+    given = Settings(cache_dir=tmp_path, semantic_cache={"enabled": False}).model_copy(update=settings)
     return Keys(given, clock or time.monotonic, cache_max)
 
 
@@ -52,7 +52,7 @@ def store(tmp_path: Path, clock: Clock | None = None, cache_max: int = CACHE_MAX
 
 async def test_a_settings_key_takes_the_default_limits_it_does_not_set(tmp_path: Path) -> None:
     given = {"sk-a": "a", "sk-b": {"tenant": "b", "models": ["m1", "m2"], "tpm": 3}, "sk-c": {"tenant": "c", "rpm": 4}}
-    keys = store(tmp_path, api_keys=given, rate_limit_rpm=5, rate_limit_tpm=7)
+    keys = store(tmp_path, security={"api_keys": given, "rate_limit_rpm": 5, "rate_limit_tpm": 7})
     assert await keys.find("sk-a") == Key("key-" + digest("sk-a")[:16], "a", (), Limits(5, 7), "settings")
     assert await keys.find("sk-b") == Key("key-" + digest("sk-b")[:16], "b", ("m1", "m2"), Limits(5, 3), "settings")
     assert (await keys.find("sk-c")).limits == Limits(4, 7)
@@ -75,7 +75,7 @@ WRONG = [
 @pytest.mark.parametrize("spec", WRONG)
 def test_a_wrong_settings_entry_is_refused_naming_its_hash_not_the_key(tmp_path: Path, spec: dict[str, Any]) -> None:
     with pytest.raises(ValueError) as refused:
-        store(tmp_path, api_keys={"sk-secret-key": spec})
+        store(tmp_path, security={"api_keys": {"sk-secret-key": spec}})
     said = str(refused.value)
     assert said.startswith(f"api key {digest('sk-secret-key')[:12]}...: expected a tenant or {{tenant, models, rpm,")
     assert "sk-secret-key" not in said
@@ -85,7 +85,7 @@ def test_a_wrong_settings_entry_is_refused_naming_its_hash_not_the_key(tmp_path:
 
 
 async def test_a_key_created_without_redis_lives_in_this_process(tmp_path: Path) -> None:
-    keys = store(tmp_path, rate_limit_rpm=9)
+    keys = store(tmp_path, security={"rate_limit_rpm": 9})
     token, key = await keys.create("t", ["m"], Limits(None, 11))
     assert key == Key("key-" + digest(token)[:16], "t", ("m",), Limits(9, 11), "memory")
     assert await keys.find(token) == key and key in await keys.all()
@@ -97,7 +97,10 @@ async def test_a_key_created_without_redis_lives_in_this_process(tmp_path: Path)
 
 
 async def test_a_key_created_in_redis_is_found_and_listed_by_every_process(tmp_path: Path, redis_url: str) -> None:
-    one, two = store(tmp_path, redis_url=redis_url, rate_limit_tpm=8), store(tmp_path, redis_url=redis_url)
+    one, two = (
+        store(tmp_path, redis_url=redis_url, security={"rate_limit_tpm": 8}),
+        store(tmp_path, redis_url=redis_url),
+    )
     token, key = await one.create("t", [], Limits(2, None))
     assert key == Key("key-" + digest(token)[:16], "t", (), Limits(2, 8), "redis")
     assert await two.find(token) == Key(key.id, "t", (), Limits(2, None), "redis")  # two's own defaults
@@ -167,7 +170,7 @@ async def test_a_key_is_kept_in_redis_under_its_hash(redis_url: str, tmp_path: P
 
 
 async def test_even_one_token_counts_against_a_tokens_per_minute_limit(tmp_path: Path) -> None:
-    app = app_of(tmp_path, api_keys={"sk-one": {"tenant": "t", "tpm": 1}})
+    app = app_of(tmp_path, security={"api_keys": {"sk-one": {"tenant": "t", "tpm": 1}}})
     first = request(app, "sk-one")
     await authenticate(first)
     await spend(first, 1)
@@ -234,9 +237,9 @@ def test_a_cache_dir_that_cannot_hold_the_secret_gives_a_secret_of_this_process(
 
 
 def test_a_server_that_requires_keys_keeps_no_tenant_secret(tmp_path: Path) -> None:
-    store(tmp_path / "keyed", api_keys={"sk-a": "a"})
+    store(tmp_path / "keyed", security={"api_keys": {"sk-a": "a"}})
     assert not (tmp_path / "keyed" / SECRET_FILE).exists()  # no keyless tenants to name
-    store(tmp_path / "open", api_keys={"sk-a": "a"}, require_api_key=False)
+    store(tmp_path / "open", security={"api_keys": {"sk-a": "a"}, "require_api_key": False})
     assert (tmp_path / "open" / SECRET_FILE).exists()
 
 
@@ -262,8 +265,8 @@ async def test_a_configured_tenant_secret_names_tenants_alike_and_is_never_shown
     tmp_path: Path, redis_url: str
 ) -> None:
     given = "t" * 40
-    one = store(tmp_path / "a", tenant_secret=given)
-    two = store(tmp_path / "b", tenant_secret=given, redis_url=redis_url)
+    one = store(tmp_path / "a", security={"tenant_secret": given})
+    two = store(tmp_path / "b", security={"tenant_secret": given}, redis_url=redis_url)
     assert (
         await one.named("tok")
         == await two.named("tok")
@@ -272,8 +275,10 @@ async def test_a_configured_tenant_secret_names_tenants_alike_and_is_never_shown
     assert not (tmp_path / "a" / SECRET_FILE).exists()
     with redis.Redis.from_url(redis_url) as raw:
         assert raw.get(SECRET_KEY) is None  # the settings' secret wins: nothing made in Redis
-    assert given not in repr(Settings(tenant_secret=given)) and given not in str(Settings(tenant_secret=given))
+    assert given not in repr(Settings(security={"tenant_secret": given})) and given not in str(
+        Settings(security={"tenant_secret": given})
+    )
     with pytest.raises(ValidationError) as refused:
-        Settings(tenant_secret="s" * 31)
+        Settings(security={"tenant_secret": "s" * 31})
     assert "at least 32 characters" in str(refused.value) and "s" * 31 not in str(refused.value)
     await two.close()

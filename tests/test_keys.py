@@ -125,7 +125,7 @@ def test_keys_created_through_the_admin_api_live_hashed_in_redis(settings, engin
 
 def test_callers_without_a_key_share_their_address_budget(settings, engine, model_name):
     """A bearer token made up for each request does not buy a new budget."""
-    with serving(settings.model_copy(update={"rate_limit_rpm": 1}), engine) as url:
+    with serving(settings.model_copy(update={"security": {"rate_limit_rpm": 1}}), engine) as url:
         assert ask(url, "made-up-1", model_name).status_code == 200
         assert ask(url, "made-up-2", model_name).status_code == 429
 

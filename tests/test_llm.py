@@ -20,10 +20,9 @@ FACTS = [
 def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[kvgate.LLM]:
     folder = tmp_path_factory.mktemp("llm")
     settings = Settings(
-        max_num_seqs=4,
-        chunk_cache_dir=folder / "chunks",
-        semantic_cache=False,
-        prefix_caching=False,  # these tests count documents' reuse alone
+        engine={"max_num_seqs": 4},
+        caches={"dir": folder / "chunks", "prefix_caching": False},  # these tests count documents' reuse alone
+        semantic_cache={"enabled": False},
     )
     with kvgate.LLM(settings) as llm:
         yield llm

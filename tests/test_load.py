@@ -59,7 +59,9 @@ def kvgate(tmp_path: Path, ready_within_s: float, **settings: Any) -> Iterator[S
     log = tmp_path / "kvgate.log"
     with log.open("wb") as out, ExitStack() as stack:
         try:
-            worker = stack.enter_context(serving({"log_level": "warning", **settings}, out, ready_within_s))
+            worker = stack.enter_context(
+                serving({"operations": {"log_level": "warning"}, **settings}, out, ready_within_s)
+            )
         except RuntimeError as exc:
             raise AssertionError(f"{exc}:\n{log.read_text()}") from None
         yield Server(worker.url, worker.process, log)
@@ -219,7 +221,9 @@ def the_stub_answer(text: str) -> None:
 def test_proxy_mode_under_load_fails_nothing_and_keeps_its_memory(tmp_path: Path) -> None:
     with serve_upstream(models=("stub-a",), words=8) as upstream:
         upstreams = [{"base_url": upstream, "models": ["stub-a"]}]
-        with kvgate(tmp_path, 60, upstreams=upstreams, semantic_cache=False, cache_dir=str(tmp_path)) as server:
+        with kvgate(
+            tmp_path, 60, proxy={"upstreams": upstreams}, semantic_cache={"enabled": False}, cache_dir=str(tmp_path)
+        ) as server:
             clients = [Tenant(8, chat("stub-a", 8))]
             run = warm_up_then_load(server, clients, warmup_s=5, load_s=15, check=the_stub_answer)
     assert not run.load.errors, "\n".join(run.load.errors[:10])
@@ -244,8 +248,8 @@ def test_the_model_under_load_fails_nothing_and_keeps_its_memory(tmp_path: Path)
     # No prefix blocks, no content-defined chunks: they fill the memory tier up to its budget by design (each
     # sampled answer's last chunk, ~1 MiB, is kept: an answer's end is a cut); what is checked is the rest.
     off = {"prefix_caching": False, "content_chunks": False}
-    settings = {"semantic_cache": False, "chunk_cache_disk_bytes": 0, "max_num_seqs": 8, **off}
-    with kvgate(tmp_path, 180, max_waiting_seqs_per_tenant=8, **settings) as server:
+    settings = {"semantic_cache": {"enabled": False}, "caches": {"disk_bytes": 0, **off}, "engine": {"max_num_seqs": 8}}
+    with kvgate(tmp_path, 180, security={"max_waiting_seqs_per_tenant": 8}, **settings) as server:
         model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         tenants = [Tenant(2, chat(model, 8), "sk-calm"), Tenant(4, chat(model, 8, n=4), "sk-flood")]
         run = warm_up_then_load(server, tenants, warmup_s=5, load_s=15, check=some_answer)

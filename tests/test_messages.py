@@ -210,7 +210,9 @@ def test_the_sdk_raises_anthropics_errors(claude: anthropic.Anthropic):
 
 @pytest.fixture(scope="module")
 def keyed(settings: Settings, engine: Any) -> Iterator[str]:
-    with serving(settings.model_copy(update={"api_keys": {"sk-anthropic-test": "anthropic-tenant"}}), engine) as url:
+    with serving(
+        settings.model_copy(update={"security": {"api_keys": {"sk-anthropic-test": "anthropic-tenant"}}}), engine
+    ) as url:
         yield url
 
 
@@ -229,7 +231,7 @@ def test_a_front_without_a_model_answers_and_counts_through_its_upstream(
     """Proxy mode: the message goes to the upstream as a chat completion, the count to its /tokenize."""
     upstream = {"name": "runtime", "base_url": f"{base_url}/v1", "models": [model_name]}
     ask = {"model": model_name, "max_tokens": 6, "messages": ASK, "extra_body": GREEDY}
-    with serving(Settings(upstreams=[upstream], semantic_cache=False), None) as url:
+    with serving(Settings(proxy={"upstreams": [upstream]}, semantic_cache={"enabled": False}), None) as url:
         front = sdk(url)
         assert front.messages.create(**ask).content[0].text == claude.messages.create(**ask).content[0].text
         count = {"model": model_name, "messages": ASK}

@@ -79,7 +79,7 @@ def test_the_semantic_layer_is_counted_in_proxy_mode(tmp_path):
     from kvgate.gateway.settings import Settings
 
     with serve_upstream(models=("stub-a",)) as up:
-        settings = Settings(upstreams=[{"base_url": up, "models": ["stub-a"]}], cache_dir=tmp_path)
+        settings = Settings(proxy={"upstreams": [{"base_url": up, "models": ["stub-a"]}]}, cache_dir=tmp_path)
         with serving(settings, None) as url:
             ask = {"model": "stub-a", "messages": ASK, "temperature": 0}
             for _ in range(2):
@@ -100,7 +100,11 @@ def test_label_values_callers_name_are_capped(tmp_path):
 
     names = [f"m{i}" for i in range(MAX_VALUES + 6)]
     with serve_upstream(models=names) as up:
-        settings = Settings(upstreams=[{"base_url": up, "models": ["*"]}], cache_dir=tmp_path, semantic_cache=False)
+        settings = Settings(
+            proxy={"upstreams": [{"base_url": up, "models": ["*"]}]},
+            cache_dir=tmp_path,
+            semantic_cache={"enabled": False},
+        )
         with serving(settings, None) as url:
             for name in names:
                 ask = {"model": name, "messages": ASK, "max_tokens": 2}

@@ -45,8 +45,8 @@ def requests_seen(url: str) -> int:
 
 def front(tmp_path, *urls: str, **overrides: Any) -> Settings:
     upstreams = [{"name": f"up-{i}", "base_url": url + "/v1", "models": ["stub-a"]} for i, url in enumerate(urls)]
-    values = {"upstreams": upstreams, "semantic_cache": False, "cache_dir": tmp_path, "proxy_backoff_s": 0.01}
-    return Settings(**{**values, **overrides})
+    proxy = {"upstreams": upstreams, "backoff_s": 0.01}
+    return Settings(proxy=proxy, semantic_cache={"enabled": False}, cache_dir=tmp_path).model_copy(update=overrides)
 
 
 def client(url: str) -> openai.OpenAI:
@@ -103,8 +103,8 @@ def test_an_upstreams_400_for_a_malformed_body_is_passed_on(tmp_path, upstreams)
 def test_model_aliases_and_upstream_keys(tmp_path):
     with serve_upstream(models=("real-name",), api_key="sk-upstream") as up:
         settings = Settings(
-            upstreams=[{"base_url": up, "models": {"public": "real-name"}, "api_key": "sk-upstream"}],
-            semantic_cache=False,
+            proxy={"upstreams": [{"base_url": up, "models": {"public": "real-name"}, "api_key": "sk-upstream"}]},
+            semantic_cache={"enabled": False},
             cache_dir=tmp_path,
         )
         with serving(settings, None) as url:
@@ -129,7 +129,7 @@ def test_a_model_goes_only_to_the_upstreams_that_serve_it(tmp_path, upstreams):
         {"name": "up-0", "base_url": a + "/v1", "models": ["stub-a"]},
         {"name": "up-1", "base_url": b + "/v1", "models": ["stub-b"]},
     ]
-    with serving(front(tmp_path, upstreams=one_model_each), None) as url:
+    with serving(front(tmp_path, proxy={"upstreams": one_model_each}), None) as url:
         for model, upstream in (("stub-b", "up-1"), ("stub-a", "up-0")):
             raw = client(url).chat.completions.with_raw_response.create(model=model, messages=HELLO)
             assert raw.headers["x-kvgate-upstream"] == upstream
@@ -172,8 +172,8 @@ def test_conversations_spread_over_replicas_and_a_fallback_only_takes_what_they_
             asked = [{"role": "user", "content": f"Question {n}?"}]
             client(url).chat.completions.create(model="stub-a", messages=asked)
     assert (requests_seen(a), requests_seen(b)) == (2, 2)
-    ups = [{**u, "fallback": i == 1} for i, u in enumerate(replicas.model_dump()["upstreams"])]
-    with serving(replicas.model_copy(update={"upstreams": Settings(upstreams=ups).upstreams}), None) as url:
+    ups = [{**u, "fallback": i == 1} for i, u in enumerate(replicas.model_dump()["proxy"]["upstreams"])]
+    with serving(replicas.model_copy(update={"proxy": {"upstreams": ups}}), None) as url:
         for n in range(4):
             client(url).chat.completions.create(model="stub-a", messages=[{"role": "user", "content": f"Again {n}?"}])
         assert (requests_seen(a), requests_seen(b)) == (6, 2)  # the fallback got none
@@ -202,7 +202,7 @@ def test_an_unreachable_upstream_is_skipped_and_none_reachable_is_a_502(tmp_path
 def test_a_stream_slow_to_its_first_byte_times_out_to_the_next_upstream(tmp_path, upstreams):
     a, b = upstreams
     script(a, {"delay_s": 3})
-    settings = front(tmp_path, a, b, proxy_first_byte_timeout_s=0.5, proxy_retries=0)
+    settings = front(tmp_path, a, b, proxy={"first_byte_timeout_s": 0.5, "retries": 0})
     with serving(settings, None) as url:
         started = time.monotonic()
         body = {"model": "stub-a", "messages": HELLO, "stream": True}
@@ -215,7 +215,7 @@ def test_a_whole_answer_may_take_longer_than_the_first_byte_timeout(tmp_path, up
     """A non-streamed answer has no bytes before it is generated: only the read timeout applies."""
     a, b = upstreams
     script(a, {"delay_s": 1})
-    settings = front(tmp_path, a, b, proxy_first_byte_timeout_s=0.5, proxy_retries=0)
+    settings = front(tmp_path, a, b, proxy={"first_byte_timeout_s": 0.5, "retries": 0})
     with serving(settings, None) as url:
         raw = client(url).chat.completions.with_raw_response.create(model="stub-a", messages=HELLO)
     assert raw.headers["x-kvgate-upstream"] == "up-0"
@@ -281,14 +281,14 @@ def test_errors_of_the_upstream_pass_through_and_bad_input_stays_here(tmp_path, 
 
 def test_admin_endpoints_reach_the_fronts_semantic_cache(tmp_path, upstreams):
     a, _ = upstreams
-    with serving(front(tmp_path, a, semantic_cache=True, admin_key="sk-admin"), None) as url:
+    with serving(front(tmp_path, a, semantic_cache={"enabled": True}, security={"admin_key": "sk-admin"}), None) as url:
         r = httpx.get(url + "/admin/semantic-cache", headers={"authorization": "Bearer sk-admin"})
         assert r.status_code == 200 and r.json()["object"] == "semantic_cache"
 
 
 def test_the_semantic_cache_answers_in_front_of_the_upstream(tmp_path, upstreams):
     a, _ = upstreams
-    with serving(front(tmp_path, a, semantic_cache=True), None) as url:
+    with serving(front(tmp_path, a, semantic_cache={"enabled": True}), None) as url:
         ask = {"model": "stub-a", "messages": [{"role": "user", "content": "What is the capital of France?"}]}
         first = httpx.post(url + "/v1/chat/completions", json={**ask, "temperature": 0})
         assert first.headers["x-kvgate-cache"] == "miss"
@@ -308,11 +308,13 @@ def test_the_semantic_cache_answers_in_front_of_the_upstream(tmp_path, upstreams
 
 
 def test_with_the_race_a_miss_is_kept_after_it_went_out_and_a_hit_does_not_wait_for_the_upstream(tmp_path, upstreams):
-    """semantic_race: the upstream starts at once, the lookup beside it. The upstream's answer to a miss
+    """semantic_cache.race: the upstream starts at once, the lookup beside it. The upstream's answer to a miss
     is served and kept afterwards; a hit found while the upstream is still slow is served at once."""
     a, _ = upstreams
     admin = {"authorization": "Bearer sk-admin"}
-    with serving(front(tmp_path, a, semantic_cache=True, semantic_race=True, admin_key="sk-admin"), None) as url:
+    with serving(
+        front(tmp_path, a, semantic_cache={"enabled": True, "race": True}, security={"admin_key": "sk-admin"}), None
+    ) as url:
         ask = {"model": "stub-a", "messages": [{"role": "user", "content": "What is the capital of Peru?"}]}
         first = httpx.post(url + "/v1/chat/completions", json={**ask, "temperature": 0})
         assert first.status_code == 200 and first.json()["choices"][0]["message"]["content"] == ANSWER
@@ -331,7 +333,7 @@ def finishing_order(tmp_path, a: str, asks: list[tuple[str | None, str, float]])
     takes one at a time, the first holding it for ~1 s."""
     script(a, {"chunk_delay_s": 0.1})
     upstream = {"name": "up-0", "base_url": a, "models": ["stub-a"], "max_in_flight": 1}
-    settings = Settings(upstreams=[upstream], semantic_cache=False, cache_dir=tmp_path)
+    settings = Settings(proxy={"upstreams": [upstream]}, semantic_cache={"enabled": False}, cache_dir=tmp_path)
     finished: list[str] = []
 
     async def ask(http: httpx.AsyncClient, url: str, program: str | None, tag: str, after: float) -> None:
@@ -368,7 +370,7 @@ def test_a_client_gone_while_waiting_at_a_full_gate_is_never_sent(tmp_path, upst
     a, _ = upstreams
     script(a, {"chunk_delay_s": 0.1})  # the first request holds the only slot for ~1 s
     upstream = {"name": "up-0", "base_url": a, "models": ["stub-a"], "max_in_flight": 1}
-    settings = Settings(upstreams=[upstream], semantic_cache=False, cache_dir=tmp_path)
+    settings = Settings(proxy={"upstreams": [upstream]}, semantic_cache={"enabled": False}, cache_dir=tmp_path)
     body = {"model": "stub-a", "messages": HELLO}
 
     async def scenario(url: str) -> None:

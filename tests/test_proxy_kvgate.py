@@ -21,7 +21,7 @@ MAX_TOKENS = 8  # the model runs on CPU
 def front(base_url: str, model_name: str) -> Iterator[openai.OpenAI]:
     """The SDK's client of a proxy-mode kvgate whose one upstream is the session's runtime server."""
     upstream = {"name": "runtime", "base_url": f"{base_url}/v1", "models": [model_name]}
-    with serving(Settings(upstreams=[upstream], semantic_cache=False), None) as url:
+    with serving(Settings(proxy={"upstreams": [upstream]}, semantic_cache={"enabled": False}), None) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 

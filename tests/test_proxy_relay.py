@@ -217,7 +217,7 @@ def test_a_client_gone_as_its_stream_starts_hands_the_upstream_slot_on(tmp_path:
 
     with upstream:
         one_at_a_time = [{"name": "up-0", "base_url": upstream.url + "/v1", "models": ["stub-a"], "max_in_flight": 1}]
-        settings = front(tmp_path, upstream.url, upstreams=one_at_a_time)
+        settings = front(tmp_path, upstream.url, proxy={"upstreams": one_at_a_time})
         after = asyncio.run(scenario(create_app(settings, make_backend(settings))))
     assert after.status_code == 200 and after.json()["choices"][0]["message"]["content"] == "next"
     assert len(upstream.seen) == 2

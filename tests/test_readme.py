@@ -134,7 +134,7 @@ def test_the_readme_settings_file_is_valid() -> None:
 
     (block,) = re.findall(r"^```yaml\n(.*?)^```", README, re.S | re.M)
     settings = Settings(**yaml.safe_load(block))
-    assert settings.upstreams and settings.api_keys and settings.admin_key
+    assert settings.proxy.upstreams and settings.security.api_keys and settings.security.admin_key
 
 
 def test_serve_with_a_config_file_proxies_to_an_upstream(tmp_path: Path) -> None:
@@ -146,11 +146,10 @@ def test_serve_with_a_config_file_proxies_to_an_upstream(tmp_path: Path) -> None
     port = free_port()
     with serve_upstream(models=("stub-a",)) as upstream:
         config = {
-            "host": "127.0.0.1",
-            "port": port,
+            "operations": {"host": "127.0.0.1", "port": port},
             "cache_dir": str(tmp_path / "cache"),
-            "semantic_cache": False,
-            "upstreams": [{"name": "stub", "base_url": f"{upstream}/v1", "models": ["stub-a"]}],
+            "semantic_cache": {"enabled": False},
+            "proxy": {"upstreams": [{"name": "stub", "base_url": f"{upstream}/v1", "models": ["stub-a"]}]},
         }
         (tmp_path / "gateway.yaml").write_text(yaml.safe_dump(config))
         log = (tmp_path / "serve.log").open("w")

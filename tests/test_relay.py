@@ -42,7 +42,7 @@ def test_events_with_id_fields_are_read_by_their_data(tmp_path: Path) -> None:
     events += [chunk({}, finish="stop"), chunk({}, usage=usage)]
     writes = [(0.0, b"id: %d\nevent: message\ndata: " % i + e + b"\n\n") for i, e in enumerate(events)]
     upstream = RawUpstream(lambda seen: sse_stream(*writes, (0.0, b"data: [DONE]\n\n")))
-    with upstream, serving(front(tmp_path, upstream.url, semantic_cache=True), None) as url:
+    with upstream, serving(front(tmp_path, upstream.url, semantic_cache={"enabled": True}), None) as url:
         first = list(sdk(url).chat.completions.create(model="stub-a", messages=ask, stream=True, temperature=0))
         assert all(c.usage is None and c.choices for c in first)  # the usage chunk kvgate asked for: dropped
         assert "".join(c.choices[0].delta.content or "" for c in first) == "Paris is the capital."
@@ -75,7 +75,7 @@ def test_events_without_data_pass_on_only_their_comments(tmp_path: Path) -> None
 def failing(tmp_path: Path, answer: Answer, stream: bool) -> httpx.Response:
     """What a raw client gets from kvgate when the upstream answers so (a read timeout of 0.5 s)."""
     upstream = RawUpstream(lambda seen: answer)
-    with upstream, serving(front(tmp_path, upstream.url, proxy_read_timeout_s=0.5, proxy_retries=0), None) as url:
+    with upstream, serving(front(tmp_path, upstream.url, proxy={"read_timeout_s": 0.5, "retries": 0}), None) as url:
         body = {"model": "stub-a", "messages": HELLO, "stream": stream}
         return httpx.post(url + "/v1/chat/completions", json=body, timeout=10)
 
@@ -120,7 +120,7 @@ def test_an_events_data_is_its_data_fields_joined_whatever_comes_with_them(tmp_p
     events += [*odd, b"data: " + stray, b"data:" + final + b"\n: end of the answer", b"data: " + chunk({}, usage=usage)]
     writes = [(0.0, e + b"\n\n") for e in [*events, b"data: [DONE]"]]
     upstream = RawUpstream(lambda seen: sse_stream(*writes))
-    with upstream, serving(front(tmp_path, upstream.url, semantic_cache=True), None) as url:
+    with upstream, serving(front(tmp_path, upstream.url, semantic_cache={"enabled": True}), None) as url:
         body = {"model": "stub-a", "messages": ask, "stream": True, "temperature": 0}
         wire = httpx.post(url + "/v1/chat/completions", json=body, timeout=10).content
         # Kept after it went out: the whole text, read from every event's data.
@@ -174,7 +174,10 @@ def test_a_stream_cut_midway_is_never_kept_for_the_semantic_cache(tmp_path: Path
         return replace(sse_stream(*cut_short), cut=True) if b"lighthouse" in seen.body else sse_stream(*whole)
 
     upstream = RawUpstream(answer)
-    with upstream, serving(front(tmp_path, upstream.url, semantic_cache=True, proxy_retries=0), None) as url:
+    with (
+        upstream,
+        serving(front(tmp_path, upstream.url, semantic_cache={"enabled": True}, proxy={"retries": 0}), None) as url,
+    ):
 
         def ask(messages: list[dict[str, str]]) -> httpx.Response:
             body = {"model": "stub-a", "messages": messages, "stream": True, "temperature": 0}
@@ -198,7 +201,7 @@ def test_a_whole_answer_without_usage_or_text_is_passed_on_and_replayed_as_it_wa
     silent["usage"] = None
     upstream = RawUpstream(lambda seen: json_answer(silent))
     ask = {"model": "stub-a", "messages": [{"role": "user", "content": "Say nothing."}], "temperature": 0}
-    with upstream, serving(front(tmp_path, upstream.url, semantic_cache=True), None) as url:
+    with upstream, serving(front(tmp_path, upstream.url, semantic_cache={"enabled": True}), None) as url:
         first = httpx.post(url + "/v1/chat/completions", json=ask, timeout=10)
         replies = [httpx.post(url + "/v1/chat/completions", json=ask, timeout=10) for _ in range(5)]
     assert first.status_code == 200 and first.json() == silent

@@ -131,7 +131,7 @@ def test_output_items_sent_back_continue_their_chain(client, model_name):
 def test_a_turn_continues_through_another_front_on_one_redis(settings, engine, redis_url, model_name):
     """Two fronts on one Redis: the second turn, sent to the other front, continues the first's conversation
     (its messages and its chain's program), and either front shows or deletes it."""
-    shared = settings.model_copy(update={"redis_url": redis_url, "semantic_cache": False})
+    shared = settings.model_copy(update={"redis_url": redis_url, "semantic_cache": {"enabled": False}})
     with serving(shared, engine) as one, serving(shared, engine) as two:
         a, b = sdk(one, "tok-fleet"), sdk(two, "tok-fleet")
         first = a.responses.create(
@@ -153,7 +153,9 @@ def test_a_turn_continues_through_another_front_on_one_redis(settings, engine, r
 
 @pytest.fixture(scope="module")
 def keyed_url(settings: Settings, engine) -> Iterator[str]:
-    with serving(settings.model_copy(update={"api_keys": {"sk-alpha": "alpha", "sk-beta": "beta"}}), engine) as url:
+    with serving(
+        settings.model_copy(update={"security": {"api_keys": {"sk-alpha": "alpha", "sk-beta": "beta"}}}), engine
+    ) as url:
         yield url
 
 
@@ -270,7 +272,8 @@ def stub() -> Iterator[str]:
 
 def front(tmp_path: Path, upstream: str, **more: Any) -> Settings:
     upstreams = [{"name": "up-0", "base_url": upstream + "/v1", "models": ["stub-a"]}]
-    return Settings(**{"upstreams": upstreams, "semantic_cache": False, "cache_dir": tmp_path, **more})
+    settings = Settings(proxy={"upstreams": upstreams}, semantic_cache={"enabled": False}, cache_dir=tmp_path)
+    return settings.model_copy(update=more)
 
 
 def sent(upstream: str) -> dict[str, Any]:
@@ -306,7 +309,7 @@ def test_in_proxy_mode_a_chat_upstream_answers(tmp_path, stub):
 
 def test_the_semantic_cache_answers_responses_as_it_answers_chat(tmp_path, stub):
     httpx.post(stub + "/_reset")
-    with serving(front(tmp_path, stub, semantic_cache=True), None) as url:
+    with serving(front(tmp_path, stub, semantic_cache={"enabled": True}), None) as url:
         ask = {"model": "stub-a", "input": "What is the capital of France?", "temperature": 0}
         assert sdk(url).responses.with_raw_response.create(**ask).headers["x-kvgate-cache"] == "miss"
         again = sdk(url).responses.with_raw_response.create(**ask, stream=True)

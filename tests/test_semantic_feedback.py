@@ -31,7 +31,9 @@ ADMIN = "admin-secret"
 @pytest.fixture(scope="module")
 def url(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     path = tmp_path_factory.mktemp("feedback") / "semantic.sqlite3"
-    settings = Settings(max_num_seqs=4, semantic_cache_path=path, api_keys=KEYS, admin_key=ADMIN)
+    settings = Settings(
+        engine={"max_num_seqs": 4}, semantic_cache={"path": path}, security={"api_keys": KEYS, "admin_key": ADMIN}
+    )
     with serving(settings, engine) as base:
         yield base
 
@@ -100,11 +102,9 @@ def test_beside_a_checked_hit_is_served_and_the_model_answers_it_in_the_backgrou
     engine: Engine, tmp_path: Path
 ) -> None:
     settings = Settings(
-        max_num_seqs=4,
-        semantic_cache_path=tmp_path / "semantic.sqlite3",
-        admin_key=ADMIN,
-        semantic_verify_rate=1.0,
-        semantic_verify_beside=True,
+        engine={"max_num_seqs": 4},
+        semantic_cache={"path": tmp_path / "semantic.sqlite3", "verify_rate": 1.0, "verify_beside": True},
+        security={"admin_key": ADMIN},
     )
     question, paraphrase = "What is the capital of France?", "Which city is the capital of France?"
     client = openai.OpenAI(base_url="http://unused/v1", api_key="k", max_retries=0, timeout=120)

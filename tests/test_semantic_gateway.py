@@ -33,7 +33,9 @@ UNBOUNDED = [{**c, "max_error_rate": None} for c in yaml.safe_load(DEFAULT_CATEG
 def url(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     path = tmp_path_factory.mktemp("semantic") / "semantic.sqlite3"
     settings = Settings(
-        max_num_seqs=4, semantic_cache_path=path, api_keys=KEYS, admin_key=ADMIN, semantic_categories=UNBOUNDED
+        engine={"max_num_seqs": 4},
+        semantic_cache={"path": path, "categories": UNBOUNDED},
+        security={"api_keys": KEYS, "admin_key": ADMIN},
     )
     with serving(settings, engine) as base:
         yield base
@@ -204,14 +206,14 @@ def test_admin_endpoints_need_the_admin_key_and_invalidate(url: str, model_name:
 
 
 def test_admin_endpoints_are_closed_without_an_admin_key(engine: Engine, tmp_path: Path) -> None:
-    settings = Settings(semantic_cache_path=tmp_path / "s.sqlite3")
+    settings = Settings(semantic_cache={"path": tmp_path / "s.sqlite3"})
     with serving(settings, engine) as base:
         closed = httpx.get(f"{base}/admin/semantic-cache", headers={"authorization": "Bearer anything"})
     assert closed.status_code == 403 and closed.json()["error"]["code"] == "admin_disabled"
 
 
 def test_without_keys_callers_with_different_tokens_do_not_share(engine: Engine, tmp_path: Path) -> None:
-    settings = Settings(semantic_cache_path=tmp_path / "s.sqlite3")
+    settings = Settings(semantic_cache={"path": tmp_path / "s.sqlite3"})
     model = engine.loaded.name
     with serving(settings, engine) as base:
         ask(base, QUESTION, key="token-one", model=model)

@@ -40,7 +40,7 @@ def notes(subject: str) -> str:
 @contextmanager
 def keyed_server(settings: Settings, engine: Engine, **more: Any) -> Iterator[str]:
     """A server over the session's engine where each key is a tenant of its own."""
-    with serving(settings.model_copy(update={"api_keys": KEYS, **more}), engine) as url:
+    with serving(settings.model_copy(update={"security": {"api_keys": KEYS}, **more}), engine) as url:
         yield url
 
 
@@ -55,7 +55,7 @@ def scoped(settings: Settings, engine: Engine) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def unscoped(settings: Settings, engine: Engine) -> Iterator[str]:
     """Two tenants, `tenant_scoped_kv: false`: document KV shared by all."""
-    with keyed_server(settings, engine, tenant_scoped_kv=False) as url:
+    with keyed_server(settings, engine, caches={"tenant_scoped": False}) as url:
         yield url
 
 
@@ -68,7 +68,7 @@ def scoped_blocks(prefix_settings: Settings, prefix_engine: Engine) -> Iterator[
 
 @pytest.fixture(scope="module")
 def unscoped_blocks(prefix_settings: Settings, prefix_engine: Engine) -> Iterator[str]:
-    with keyed_server(prefix_settings, prefix_engine, tenant_scoped_kv=False) as url:
+    with keyed_server(prefix_settings, prefix_engine, caches={"tenant_scoped": False}) as url:
         yield url
 
 

@@ -33,7 +33,7 @@ QUESTION = "How much does a ticket for the Harbor Line cost?"
 
 @contextmanager
 def gateway(loaded: LoadedModel, **options) -> Iterator[tuple[str, Engine]]:
-    settings = Settings(max_num_seqs=4, **options)
+    settings = Settings(engine={"max_num_seqs": 4}).model_copy(update=options)
     engine = Engine(settings.engine_config(), loaded)
     try:
         with serving(settings, engine) as url:
@@ -108,10 +108,11 @@ def test_a_damaged_entry_is_a_miss_and_never_changes_the_answer(
 ) -> None:
     with RedisServer() as server:
         # Nothing fits in memory: every document and prefix is read from the tier under test.
-        options = {"chunk_cache_bytes": 0, "chunk_cache_dir": tmp_path}
-        options |= {"chunk_cache_disk_bytes": 0, "redis_url": server.url} if tier == "redis" else {}
+        caches = {"memory_bytes": 0, "dir": tmp_path} | ({"disk_bytes": 0} if tier == "redis" else {})
+        options = {"caches": caches} | ({"redis_url": server.url} if tier == "redis" else {})
         damage = damage_disk if tier == "disk" else damage_redis
-        with gateway(loaded, prefix_caching=False, **options) as (url, engine):  # documents alone
+        alone = {**options, "caches": {**caches, "prefix_caching": False}}
+        with gateway(loaded, **alone) as (url, engine):  # documents alone
             ids = store_documents(url)
             clean = ask(url)
             assert clean[2] > 0  # the documents came from the tier
@@ -144,7 +145,7 @@ def test_a_damaged_entry_is_a_miss_and_never_changes_the_answer(
 
 def test_requests_survive_a_redis_outage_and_use_it_again_when_it_is_back(loaded: LoadedModel, tmp_path: Path) -> None:
     with RedisServer() as server:
-        options = {"chunk_cache_dir": tmp_path, "chunk_cache_disk_bytes": 0, "redis_url": server.url}
+        options = {"caches": {"dir": tmp_path, "disk_bytes": 0}, "redis_url": server.url}
         with gateway(loaded, **options) as (url, engine):
             store_documents(url)
             engine.reuser.store.flush()
@@ -167,10 +168,10 @@ def test_requests_survive_a_redis_outage_and_use_it_again_when_it_is_back(loaded
 
 
 def test_after_a_restart_documents_are_found_on_disk(loaded: LoadedModel, tmp_path: Path) -> None:
-    with gateway(loaded, chunk_cache_dir=tmp_path) as (url, _):
+    with gateway(loaded, caches={"dir": tmp_path}) as (url, _):
         ids = store_documents(url)
         before = ask(url)
-    with gateway(loaded, chunk_cache_dir=tmp_path) as (url, engine):  # shutdown flushed the writes
+    with gateway(loaded, caches={"dir": tmp_path}) as (url, engine):  # shutdown flushed the writes
         # Cited by id: the restarted process learns the tokens from the entry on disk.
         shown = httpx.get(f"{url}/v1/documents/{ids[0]}")
         assert shown.status_code == 200 and shown.json()["tokens"] > 0
@@ -183,7 +184,7 @@ def test_a_document_stored_through_one_process_is_a_hit_in_another_through_redis
     loaded: LoadedModel, tmp_path: Path
 ) -> None:
     with RedisServer() as server:
-        with gateway(loaded, chunk_cache_dir=tmp_path / "a", redis_url=server.url) as (url_a, engine_a):
+        with gateway(loaded, caches={"dir": tmp_path / "a"}, redis_url=server.url) as (url_a, engine_a):
             ids = store_documents(url_a)
             engine_a.reuser.store.flush()
 
@@ -191,8 +192,8 @@ def test_a_document_stored_through_one_process_is_a_hit_in_another_through_redis
         env = {
             **os.environ,
             "KVGATE_REDIS_URL": server.url,
-            "KVGATE_CHUNK_CACHE_DIR": str(tmp_path / "b"),
-            "KVGATE_CHUNK_CACHE_DISK_BYTES": "0",
+            "KVGATE_CACHES__DIR": str(tmp_path / "b"),
+            "KVGATE_CACHES__DISK_BYTES": "0",
         }
         process = subprocess.Popen(
             [sys.executable, "-m", "kvgate.gateway.cli", "serve", "--port", str(port)],
@@ -219,7 +220,7 @@ def test_a_token_callers_documents_stored_on_one_machine_are_hits_on_another_thr
 
         def machine(name: str) -> dict:
             where = tmp_path / name
-            return {"cache_dir": where, "chunk_cache_dir": where / "chunks", "redis_url": server.url}
+            return {"cache_dir": where, "caches": {"dir": where / "chunks"}, "redis_url": server.url}
 
         with gateway(loaded, **machine("a")) as (url_a, engine_a):
             assert ask(url_a, token="EMPTY")[2] == 0
@@ -231,7 +232,7 @@ def test_a_token_callers_documents_stored_on_one_machine_are_hits_on_another_thr
 
 def test_tier_reads_are_bit_exact(loaded: LoadedModel, tmp_path: Path) -> None:
     """What a tier hands back is exactly what was computed (the fault tests compare answers)."""
-    with gateway(loaded, chunk_cache_dir=tmp_path) as (url, engine):
+    with gateway(loaded, caches={"dir": tmp_path}) as (url, engine):
         (doc_id, _) = store_documents(url)
         key = doc_id.removeprefix("doc-")
         engine.reuser.store.flush()

@@ -176,7 +176,7 @@ def test_the_turn_after_a_tool_call_reuses_the_turn_before_without_markup(client
 @pytest.fixture(scope="module")
 def tenants(settings, engine) -> Iterator[str]:
     keys = {"sk-one": "one", "sk-two": "two"}
-    with serving(settings.model_copy(update={"api_keys": keys}), engine) as base:
+    with serving(settings.model_copy(update={"security": {"api_keys": keys}}), engine) as base:
         yield base
 
 
@@ -208,7 +208,7 @@ LOOPING = {
 
 @pytest.fixture(scope="module")
 def keeping(settings, engine) -> Iterator[openai.OpenAI]:
-    with serving(settings.model_copy(update={"repeated_tool_calls": "keep"}), engine) as url:
+    with serving(settings.model_copy(update={"engine": {"repeated_tool_calls": "keep"}}), engine) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 

@@ -35,12 +35,10 @@ def owner(text: str) -> str:
 def front(loaded, tmp_path_factory) -> Iterator[tuple[str, dict[str, Upstream]]]:
     """The front's URL, and each worker by name. `loaded` has converted the model already."""
     settings = Settings(
-        workers=2,
-        max_num_seqs=4,
-        spill_at=1,
-        semantic_cache=False,
-        chunk_cache_dir=tmp_path_factory.mktemp("worker-chunks"),
-        chunk_cache_disk_bytes=0,
+        proxy={"workers": 2, "spill_at": 1},
+        engine={"max_num_seqs": 4},
+        semantic_cache={"enabled": False},
+        caches={"dir": tmp_path_factory.mktemp("worker-chunks"), "disk_bytes": 0},
     )
     with running(settings, 2) as workers:
         with serving(settings, None, workers) as url:

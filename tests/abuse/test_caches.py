@@ -44,7 +44,8 @@ QUESTION = "How much does a ticket for the Harbor Line cost?"
 @contextmanager
 def gateway(loaded: LoadedModel | None = None, **options) -> Iterator[tuple[str, Engine]]:
     """A real server over its own Engine (its own model load unless `loaded` is given)."""
-    settings = Settings(max_num_seqs=4, **{"prefix_caching": False, **options})  # documents' KV is the subject
+    # documents' KV is the subject
+    settings = Settings(engine={"max_num_seqs": 4}, caches={"prefix_caching": False}).model_copy(update=options)
     engine = Engine(settings.engine_config(), loaded or load(settings.engine_config()))
     try:
         with serving(settings, engine) as url:
@@ -93,11 +94,11 @@ def test_the_same_model_at_two_paths_shares_document_kv_through_redis(
     loaded: LoadedModel, redis_url: str, tmp_path: Path
 ) -> None:
     dirs = {name: copy_model(loaded.path, tmp_path / name / "model") for name in "ab"}
-    common = {"redis_url": redis_url, "semantic_cache": False}
-    with gateway(model=str(dirs["a"]), cache_dir=tmp_path / "a" / "cache", **common) as (url_a, engine_a):
+    common = {"redis_url": redis_url, "semantic_cache": {"enabled": False}}
+    with gateway(engine={"model": str(dirs["a"])}, cache_dir=tmp_path / "a" / "cache", **common) as (url_a, engine_a):
         card = httpx.post(f"{url_a}/v1/documents", json={"text": DOC}, timeout=120).json()
         engine_a.reuser.store.flush()
-    with gateway(model=str(dirs["b"]), cache_dir=tmp_path / "b" / "cache", **common) as (url_b, engine_b):
+    with gateway(engine={"model": str(dirs["b"])}, cache_dir=tmp_path / "b" / "cache", **common) as (url_b, engine_b):
         assert engine_b.model_fp == engine_a.model_fp  # other path, other cache dir: the same model
         assert httpx.get(f"{url_b}/v1/documents/{card['id']}").json()["tokens"] == card["tokens"]
         assert reused(chat(url_b, [{"text": DOC}])) >= card["tokens"] // 2
@@ -118,9 +119,9 @@ def test_new_weights_at_the_same_path_miss_old_answers_and_old_document_kv(tmp_p
     model = tmp_path / "model"
     saved(FAMILIES["llama"], model)
     options = {
-        "model": str(model),
+        "engine": {"model": str(model)},
         "cache_dir": tmp_path / "cache",
-        "semantic_cache_path": tmp_path / "semantic.sqlite3",
+        "semantic_cache": {"path": tmp_path / "semantic.sqlite3"},
     }
     docs = [{"text": DOC}]
     # This two-layer model computes every token in a blend's first two layers: its cost model never
@@ -167,7 +168,7 @@ def served_process(env: dict[str, str]) -> Iterator[tuple[str, subprocess.Popen]
 
 def test_a_document_answered_durable_survives_a_sigkill(loaded: LoadedModel, tmp_path: Path) -> None:
     chunks = tmp_path / "chunks"
-    env = {"KVGATE_CHUNK_CACHE_DIR": str(chunks), "KVGATE_SEMANTIC_CACHE": "false"}
+    env = {"KVGATE_CACHES__DIR": str(chunks), "KVGATE_SEMANTIC_CACHE__ENABLED": "false"}
     with served_process(env) as (url, process):
         card = httpx.post(f"{url}/v1/documents", json={"text": DOC}, timeout=120).json()
         process.send_signal(signal.SIGKILL)  # at once: no shutdown, no flush of writes queued
@@ -176,14 +177,14 @@ def test_a_document_answered_durable_survives_a_sigkill(loaded: LoadedModel, tmp
     disk = DiskTier(chunks, 1 << 30)  # as the next process opens it
     key = card["id"].removeprefix("doc-")
     assert disk.get(key) is not None and not list(chunks.glob("*.tmp"))
-    with gateway(loaded, chunk_cache_dir=chunks, semantic_cache=False) as (url, _):
+    with gateway(loaded, caches={"dir": chunks}, semantic_cache={"enabled": False}) as (url, _):
         shown = httpx.get(f"{url}/v1/documents/{card['id']}")
         assert shown.status_code == 200 and shown.json() == card
         assert reused(chat(url, [{"id": card["id"]}])) >= card["tokens"] // 2  # blend recomputes a few
 
 
 def test_a_memory_only_document_says_it_is_not_durable(loaded: LoadedModel, tmp_path: Path) -> None:
-    with gateway(loaded, chunk_cache_disk_bytes=0, semantic_cache=False) as (url, _):
+    with gateway(loaded, caches={"disk_bytes": 0}, semantic_cache={"enabled": False}) as (url, _):
         card = httpx.post(f"{url}/v1/documents", json={"text": DOC}, timeout=120).json()
         assert card["cached"] and card["tier"] == "memory" and card["durable"] is False
 

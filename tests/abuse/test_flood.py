@@ -54,7 +54,7 @@ def serving(settings: Settings, engine: Engine | None) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def server(settings: Settings, engine: Engine) -> Iterator[Server]:
     bounds = {"max_request_seqs": 16, "max_waiting_seqs_per_tenant": SHARE, "max_waiting_seqs": TOTAL}
-    with serving(settings.model_copy(update={"api_keys": KEYS, **bounds}), engine) as found:
+    with serving(settings.model_copy(update={"security": {"api_keys": KEYS, **bounds}}), engine) as found:
         yield found
 
 
@@ -222,13 +222,15 @@ def test_proxy_mode_holds_the_same_bounds_at_the_gateway(tmp_path):
     stub upstream holds each answer 3 s; share 8, total 12, a request at most 8."""
     with serve_upstream(models=("stub-a",), words=4) as upstream:
         settings = Settings(
-            upstreams=[{"base_url": upstream, "models": ["stub-a"]}],
-            api_keys=KEYS,
-            semantic_cache=False,
+            proxy={"upstreams": [{"base_url": upstream, "models": ["stub-a"]}]},
+            security={
+                "api_keys": KEYS,
+                "max_request_seqs": 8,
+                "max_waiting_seqs_per_tenant": 8,
+                "max_waiting_seqs": 12,
+            },
+            semantic_cache={"enabled": False},
             cache_dir=tmp_path,
-            max_request_seqs=8,
-            max_waiting_seqs_per_tenant=8,
-            max_waiting_seqs=12,
         )
         httpx.post(upstream + "/_script", json={"actions": [{"delay_s": 3}] * 3}).raise_for_status()
         with serving(settings, None) as server:

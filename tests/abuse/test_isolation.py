@@ -48,7 +48,7 @@ def refused(r: httpx.Response, status: int, code: str) -> None:
 @pytest.fixture(scope="module")
 def keyed(settings: Settings, engine) -> Iterator[str]:
     closed = {"api_keys": KEYS, "admin_key": ADMIN, "metrics_access": "admin", "openapi_docs": False}
-    with serving(settings.model_copy(update=closed), engine) as url:
+    with serving(settings.model_copy(update={"security": closed}), engine) as url:
         yield url
 
 
@@ -59,10 +59,9 @@ def keyless_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def keyless(settings: Settings, engine, keyless_dir: Path) -> Iterator[str]:
-    semantic = {"semantic_cache": True, "semantic_cache_path": keyless_dir / "semantic.sqlite3"}
-    with serving(
-        settings.model_copy(update={**semantic, "cache_dir": keyless_dir, "metrics_access": "off"}), engine
-    ) as url:
+    semantic = {"enabled": True, "path": keyless_dir / "semantic.sqlite3"}
+    given = {"semantic_cache": semantic, "cache_dir": keyless_dir, "security": {"metrics_access": "off"}}
+    with serving(settings.model_copy(update=given), engine) as url:
         yield url
 
 
@@ -116,7 +115,7 @@ def test_the_tenant_secret_is_kept_private_in_the_cache_dir(keyless: str, keyles
 
 
 def limited(settings: Settings, engine, proxies: list[str]):
-    return serving(settings.model_copy(update={"rate_limit_rpm": 1, "trusted_proxies": proxies}), engine)
+    return serving(settings.model_copy(update={"security": {"rate_limit_rpm": 1, "trusted_proxies": proxies}}), engine)
 
 
 def models_from(url: str, forwarded: str) -> int:

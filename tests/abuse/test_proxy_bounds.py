@@ -125,10 +125,12 @@ def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with running(upstream()) as up:
         models = ["endless", "declared", "long", "short", "limit", "limit+1", "limit chunked", "limit+1 chunked"]
         settings = Settings(
-            upstreams=[{"name": "up", "base_url": up, "models": models}],
-            proxy_max_response_bytes=LIMIT,
-            proxy_retries=0,
-            semantic_cache=True,
+            proxy={
+                "upstreams": [{"name": "up", "base_url": up, "models": models}],
+                "max_response_bytes": LIMIT,
+                "retries": 0,
+            },
+            semantic_cache={"enabled": True},
             cache_dir=tmp_path_factory.mktemp("front"),
         )
         with serving(settings, None) as url:

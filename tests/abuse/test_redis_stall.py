@@ -51,9 +51,11 @@ def server() -> Iterator[RedisServer]:
 def url(settings: Settings, engine, server: RedisServer) -> Iterator[str]:
     given = {
         "redis_url": f"redis://:{PASSWORD}@127.0.0.1:{server.port}/0",
-        "api_keys": {SETTINGS_KEY: {"tenant": "settled", "rpm": 1000}},  # limits counted in Redis
-        "admin_key": ADMIN,
-        "semantic_cache": True,  # its store in Redis too: the admin routes that change it
+        "security": {
+            "api_keys": {SETTINGS_KEY: {"tenant": "settled", "rpm": 1000}},  # limits counted in Redis
+            "admin_key": ADMIN,
+        },
+        "semantic_cache": {"enabled": True},  # its store in Redis too: the admin routes that change it
     }
     with serving(settings.model_copy(update=given), engine) as base:
         yield base

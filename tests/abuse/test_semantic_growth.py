@@ -144,7 +144,9 @@ def test_a_server_holds_at_most_semantic_scopes_and_a_forgotten_scope_still_hits
     engine: Engine, tmp_path: Path
 ) -> None:
     settings = Settings(
-        max_num_seqs=4, semantic_cache_path=tmp_path / "semantic.sqlite3", admin_key=ADMIN, semantic_scopes=2
+        engine={"max_num_seqs": 4},
+        semantic_cache={"path": tmp_path / "semantic.sqlite3", "scopes": 2},
+        security={"admin_key": ADMIN},
     )
     with serving(settings, engine) as url, httpx.Client(base_url=url, timeout=120) as http:
 

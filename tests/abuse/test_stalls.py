@@ -26,7 +26,7 @@ TEXT = " ".join(f"Entry {i}: the {('red', 'green', 'blue', 'amber')[i % 4]} lamp
 
 @pytest.fixture(scope="module")
 def chunked(settings: Settings, loaded: LoadedModel) -> Iterator[tuple[Engine, str]]:
-    small = settings.model_copy(update={"max_num_batched_tokens": BUDGET})
+    small = settings.model_copy(update={"engine": {"max_num_batched_tokens": BUDGET}})
     engine = Engine(small.engine_config(), loaded)
     try:
         with serving(small, engine) as url:

@@ -26,12 +26,13 @@ from kvgate.gateway.workers import Worker, serving
 from tests.waiting import wait_until
 
 FRONT = {
-    "workers": 1,
-    "max_num_seqs": 4,
-    "semantic_cache": False,
-    "chunk_cache_disk_bytes": 0,
-    "log_level": "info",  # the line naming the worker
-    "shutdown_grace_s": 120,  # a stream on a busy 2-core machine may take long; none here is cut
+    "proxy": {"workers": 1},
+    "engine": {"max_num_seqs": 4},
+    "semantic_cache": {"enabled": False},
+    "operations": {
+        "log_level": "info",  # the line naming the worker
+        "shutdown_grace_s": 120,  # a stream on a busy 2-core machine may take long; none here is cut
+    },
 }
 HELLO = [{"role": "user", "content": "Tell me about rivers."}]
 REFUSED = {"message", "type", "param", "code"}
@@ -51,7 +52,7 @@ def started(folder: Path) -> Iterator[Front]:
     tmp.mkdir()
     with pytest.MonkeyPatch.context() as env, log.open("wb") as out:
         env.setenv("TMPDIR", str(tmp))
-        with serving({**FRONT, "chunk_cache_dir": str(folder / "chunks")}, out) as front:
+        with serving({**FRONT, "caches": {"disk_bytes": 0, "dir": str(folder / "chunks")}}, out) as front:
             found = re.search(r"worker-0 ready at (\S+) \(pid (\d+)\)", log.read_text())
             assert found, log.read_text()
             yield Front(front, found[1], int(found[2]), tmp)
@@ -168,7 +169,12 @@ def test_sigterm_cuts_what_outlasts_the_grace(tmp_path: Path) -> None:
     with serve_upstream(models=("stub-a",), words=200) as up:
         httpx.post(up + "/_script", json={"actions": [{"chunk_delay_s": 0.05}]}).raise_for_status()
         upstream = {"name": "stub", "base_url": up, "models": ["stub-a"]}
-        values = {"upstreams": [upstream], "semantic_cache": False, "cache_dir": str(tmp_path), "shutdown_grace_s": 1}
+        values = {
+            "proxy": {"upstreams": [upstream]},
+            "semantic_cache": {"enabled": False},
+            "cache_dir": str(tmp_path),
+            "operations": {"shutdown_grace_s": 1},
+        }
         with serving(values) as front:
             body = {"model": "stub-a", "messages": HELLO, "stream": True}
             opened, lines = threading.Event(), []
