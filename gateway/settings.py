@@ -45,6 +45,16 @@ GROUPS: dict[str, type[BaseModel]] = {
 FLAT = flat_names(GROUPS)  # the names before the groups -> (group, field)
 
 
+def laid_over(values: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+    """`values` with `changes` (flat names moved to their groups) laid over them: a group's mapping is
+    merged into the group's, anything else replaces what was there."""
+    merged = dict(values)
+    for key, value in nest(changes, FLAT, set(GROUPS)).items():
+        both = isinstance(value, Mapping) and isinstance(merged.get(key), Mapping)
+        merged[key] = {**merged[key], **value} if both else value
+    return merged
+
+
 class Settings(BaseSettings):
     """Grouped as kvgate is (GROUPS); `cache_dir` and `redis_url` are every group's."""
 
@@ -84,11 +94,7 @@ class Settings(BaseSettings):
         into the group, a flat name moved to its group (pydantic's own copy would validate nothing)."""
         if not update:
             return super().model_copy(deep=deep)
-        merged = self.model_dump()
-        for key, value in nest(update, FLAT, set(GROUPS)).items():
-            known = isinstance(value, Mapping) and isinstance(merged.get(key), dict)
-            merged[key] = {**merged[key], **value} if known else value
-        return type(self)(**merged)
+        return type(self)(**laid_over(self.model_dump(), update))
 
     @classmethod
     def load(cls, config_file: str | Path | None = None, **overrides: Any) -> Settings:
@@ -109,11 +115,7 @@ class Settings(BaseSettings):
             named = (f"KVGATE_{group.upper()}__{field.upper()}", f"KVGATE_{flat.upper()}")
             if isinstance(values.get(group), dict) and any(os.environ.get(name) is not None for name in named):
                 values[group] = {k: v for k, v in values[group].items() if k != field}
-        given = nest({k: v for k, v in overrides.items() if v is not None}, FLAT, set(GROUPS))
-        for key, value in given.items():
-            merged = isinstance(value, Mapping) and isinstance(values.get(key), Mapping)
-            values[key] = {**values[key], **value} if merged else value
-        return cls(**values)
+        return cls(**laid_over(values, {k: v for k, v in overrides.items() if v is not None}))
 
     def chunk_cache_config(self) -> ChunkCacheConfig:
         c = self.caches

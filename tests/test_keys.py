@@ -25,7 +25,7 @@ HELLO = [{"role": "user", "content": "Say hi."}]
 
 
 def keyed(settings: Settings, **more) -> Settings:
-    return settings.model_copy(update={"api_keys": KEYS, "admin_key": ADMIN, **more})
+    return settings.model_copy(update={"security": {"api_keys": KEYS, "admin_key": ADMIN}, **more})
 
 
 @pytest.fixture(scope="module")

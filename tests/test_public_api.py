@@ -46,7 +46,7 @@ def test_every_public_name_resolves() -> None:
     assert issubclass(kvgate.NotFoundError, kvgate.APIStatusError)
     assert issubclass(kvgate.APIStatusError, kvgate.KVGateError)
     assert issubclass(kvgate.APITimeoutError, kvgate.APIConnectionError)
-    assert kvgate.Settings().port == 8000
+    assert kvgate.Settings().operations.port == 8000
 
 
 def test_importing_kvgate_loads_no_torch() -> None:
@@ -62,7 +62,7 @@ import sys
 from kvgate.gateway.app import create_app
 from kvgate.gateway.backend import make_backend
 from kvgate.gateway.settings import Settings
-settings = Settings(upstreams=[{"base_url": "http://127.0.0.1:9"}], semantic_cache=False)
+settings = Settings(proxy={"upstreams": [{"base_url": "http://127.0.0.1:9"}]}, semantic_cache={"enabled": False})
 create_app(settings, make_backend(settings))
 print(sorted(m for m in ("torch", "transformers", "hnswlib") if m in sys.modules))
 """

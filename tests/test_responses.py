@@ -151,31 +151,27 @@ def test_a_turn_continues_through_another_front_on_one_redis(settings, engine, r
             a.responses.retrieve(first.id)
 
 
-@pytest.fixture(scope="module")
-def keyed_url(settings: Settings, engine) -> Iterator[str]:
-    with serving(
-        settings.model_copy(update={"security": {"api_keys": {"sk-alpha": "alpha", "sk-beta": "beta"}}}), engine
-    ) as url:
-        yield url
-
-
-def test_a_response_is_its_tenants_alone(keyed_url, model_name):
-    alpha, beta = sdk(keyed_url, "sk-alpha"), sdk(keyed_url, "sk-beta")
-    mine = alpha.responses.create(model=model_name, input="Say hi.", max_output_tokens=4)
-    with pytest.raises(openai.NotFoundError) as refused:
-        beta.responses.create(model=model_name, input="Go on.", previous_response_id=mine.id, max_output_tokens=4)
-    assert refused.value.body["code"] == "previous_response_not_found"
-    assert refused.value.body["param"] == "previous_response_id"
-    for touch in (beta.responses.retrieve, beta.responses.delete):
+def test_a_response_is_its_tenants_alone(settings, engine, model_name):
+    keyed = settings.model_copy(update={"security": {"api_keys": {"sk-alpha": "alpha", "sk-beta": "beta"}}})
+    with serving(keyed, engine) as url:
+        alpha, beta = sdk(url, "sk-alpha"), sdk(url, "sk-beta")
+        mine = alpha.responses.create(model=model_name, input="Say hi.", max_output_tokens=4)
+        with pytest.raises(openai.NotFoundError) as refused:
+            beta.responses.create(model=model_name, input="Go on.", previous_response_id=mine.id, max_output_tokens=4)
+        assert refused.value.body["code"] == "previous_response_not_found"
+        assert refused.value.body["param"] == "previous_response_id"
+        for touch in (beta.responses.retrieve, beta.responses.delete):
+            with pytest.raises(openai.NotFoundError):
+                touch(mine.id)
+        assert alpha.responses.retrieve(mine.id).output_text == mine.output_text
+        alpha.responses.delete(mine.id)
         with pytest.raises(openai.NotFoundError):
-            touch(mine.id)
-    assert alpha.responses.retrieve(mine.id).output_text == mine.output_text
-    alpha.responses.delete(mine.id)
-    with pytest.raises(openai.NotFoundError):
-        alpha.responses.retrieve(mine.id)
-    unkept = alpha.responses.create(model=model_name, input="Say hi.", max_output_tokens=4, store=False)
-    with pytest.raises(openai.NotFoundError):
-        alpha.responses.create(model=model_name, input="Go on.", previous_response_id=unkept.id, max_output_tokens=4)
+            alpha.responses.retrieve(mine.id)
+        unkept = alpha.responses.create(model=model_name, input="Say hi.", max_output_tokens=4, store=False)
+        with pytest.raises(openai.NotFoundError):
+            alpha.responses.create(
+                model=model_name, input="Go on.", previous_response_id=unkept.id, max_output_tokens=4
+            )
 
 
 BAD = [
@@ -270,10 +266,9 @@ def stub() -> Iterator[str]:
         yield url
 
 
-def front(tmp_path: Path, upstream: str, **more: Any) -> Settings:
+def front(tmp_path: Path, upstream: str, semantic: bool = False) -> Settings:
     upstreams = [{"name": "up-0", "base_url": upstream + "/v1", "models": ["stub-a"]}]
-    settings = Settings(proxy={"upstreams": upstreams}, semantic_cache={"enabled": False}, cache_dir=tmp_path)
-    return settings.model_copy(update=more)
+    return Settings(proxy={"upstreams": upstreams}, semantic_cache={"enabled": semantic}, cache_dir=tmp_path)
 
 
 def sent(upstream: str) -> dict[str, Any]:
@@ -309,7 +304,7 @@ def test_in_proxy_mode_a_chat_upstream_answers(tmp_path, stub):
 
 def test_the_semantic_cache_answers_responses_as_it_answers_chat(tmp_path, stub):
     httpx.post(stub + "/_reset")
-    with serving(front(tmp_path, stub, semantic_cache={"enabled": True}), None) as url:
+    with serving(front(tmp_path, stub, semantic=True), None) as url:
         ask = {"model": "stub-a", "input": "What is the capital of France?", "temperature": 0}
         assert sdk(url).responses.with_raw_response.create(**ask).headers["x-kvgate-cache"] == "miss"
         again = sdk(url).responses.with_raw_response.create(**ask, stream=True)
