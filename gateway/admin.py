@@ -1,5 +1,5 @@
 """Admin endpoints: API keys (create, list, revoke), and the semantic cache's state and invalidation
-by entry, category or tenant. They need `admin_key` as the bearer token; without one they are closed."""
+by entry, category or tenant. They need `security.admin_key` as the bearer token; without one they are closed."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ async def revoke_key(key_id: str, request: Request) -> dict[str, Any]:
 def cache_of(request: Request) -> SemanticCache:
     cache: SemanticCache | None = request.app.state.semantic  # the runtime's or, in proxy mode, the front's
     if cache is None:
-        raise APIError(404, "the semantic cache is off (semantic_cache: false)", code="semantic_cache_off")
+        raise APIError(404, "the semantic cache is off (semantic_cache.enabled: false)", code="semantic_cache_off")
     return cache
 
 

@@ -192,7 +192,7 @@ def document_bodies(app: FastAPI) -> None:
 
 
 def probes(app: FastAPI, settings: Settings, backend: Backend, metrics: Metrics) -> None:
-    """/health, /ready and /metrics (the last as `metrics_access` says: open, admin only, or absent)."""
+    """/health, /ready and /metrics (the last as `security.metrics_access` says: open, admin only, or absent)."""
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

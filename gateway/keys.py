@@ -224,7 +224,7 @@ def tenant_secret(cache_dir: Path) -> bytes:
 
 
 def networks(given: list[str]) -> tuple[Network, ...]:
-    """The trusted proxies' addresses and networks (`trusted_proxies`)."""
+    """The trusted proxies' addresses and networks (`security.trusted_proxies`)."""
     try:
         return tuple(ipaddress.ip_network(n.strip(), strict=False) for n in given)
     except ValueError as exc:

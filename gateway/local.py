@@ -98,7 +98,7 @@ class Local(Backend):
         return self.engine.load_stats["waiting"]
 
     def scope(self, tenant: str) -> str:
-        """Whose documents: the tenant's own (tenant_scoped_kv), else everyone's."""
+        """Whose documents: the tenant's own (caches.tenant_scoped), else everyone's."""
         return tenant if self.settings.caches.tenant_scoped else ""
 
     # ---- completions ---------------------------------------------------------------------

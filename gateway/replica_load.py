@@ -123,7 +123,7 @@ class ReplicaLoads:
 
     def load(self, name: str) -> int:
         """A replica's load: this front's requests there now, plus the other fronts' (and clients') as the
-        replica last said; as busy as `spill_at` when its KV is nearly full."""
+        replica last said; as busy as `proxy.spill_at` when its KV is nearly full."""
         own, report = self.own(name), self.reported(name)
         if report is None:
             return own

@@ -68,7 +68,7 @@ async def cache_feedback(request: Request) -> dict[str, Any]:
     assert isinstance(body, FeedbackRequest)
     cache = request.app.state.semantic
     if cache is None:
-        raise APIError(404, "the semantic cache is off (semantic_cache: false)", code="semantic_cache_off")
+        raise APIError(404, "the semantic cache is off (semantic_cache.enabled: false)", code="semantic_cache_off")
     entry = await asyncio.to_thread(cache.report, body.id, request.state.tenant)
     if entry is None:
         raise APIError(404, f"no recent semantic-cache hit with id {body.id!r} for this key", "id", "hit_not_found")
@@ -221,7 +221,7 @@ class Generated:
 async def generate(request: Request, call: Call) -> Generated:
     """The semantic cache in front of the backend: a hit replayed, else the backend's reply.
 
-    With `semantic_race`, the backend starts at once and the lookup runs beside it: a hit found first
+    With `semantic_cache.race`, the backend starts at once and the lookup runs beside it: a hit found first
     withdraws the backend's answer; an answer that comes first is served, and the lookup only decides
     what is learnt and kept afterwards. A miss then waits for no embedding."""
     backend: Backend = request.app.state.backend

@@ -1,7 +1,7 @@
 """Cache-aware routing over the replicas serving a model (kvgate's runtime workers, vLLM, SGLang): a turn
 goes where its conversation's KV is (the replica that served its latest turn, as every front sees it:
 gateway/placement.py); a new conversation where its documents' KV likely is (a consistent-hash ring),
-else to the replica holding the fewest conversations. A replica as loaded as `spill_at` spills the
+else to the replica holding the fewest conversations. A replica as loaded as `proxy.spill_at` spills the
 request to the least loaded; one that does not answer is passed over, and the turn stays where it went."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class Ring:
         return next(o for o in owners if votes[o] == best)
 
     def order(self, keys: Sequence[str], load: Callable[[str], int], spill_at: int) -> list[str]:
-        """Every worker, best first: the preferred one unless its load is at `spill_at` or more
+        """Every worker, best first: the preferred one unless its load is at `proxy.spill_at` or more
         (then the least loaded goes first), the rest by load as fallbacks."""
         by_load = sorted(self.names, key=load)
         first = self.preferred(keys)

@@ -165,7 +165,7 @@ def replay(
 
 
 class Checks:
-    """Would-be hits checked beside the hit they were served as (`semantic_verify_beside`): the model
+    """Would-be hits checked beside the hit they were served as (`semantic_cache.verify_beside`): the model
     answers the same request in the background, one at a time, once nothing waits for the backend,
     and the error bound learns the verdict. At most `limit` wait; more, or one that finds no idle
     moment within `patience_s`, are dropped (counted)."""

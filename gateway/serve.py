@@ -1,7 +1,7 @@
 """`kvgate serve`: the gateway over the in-process runtime, runtime workers or upstreams. A front over
 upstreams imports no torch: it loads nothing but the gateway.
 
-SIGTERM (or SIGINT): the server stops accepting, requests in flight may finish for `shutdown_grace_s`,
+SIGTERM (or SIGINT): the server stops accepting, requests in flight may finish for `operations.shutdown_grace_s`,
 then the engine or the runtime workers are stopped, and the process exits 0. Before it serves, the
 same signals stop whatever was started so far."""
 
@@ -59,7 +59,7 @@ def run(settings: Settings) -> None:
             host=settings.operations.host,
             port=settings.operations.port,
             log_level=settings.operations.log_level,
-            proxy_headers=False,  # X-Forwarded-For is believed from `trusted_proxies` only (gateway/keys.py)
+            proxy_headers=False,  # X-Forwarded-For is believed from `security.trusted_proxies` only (gateway/keys.py)
             timeout_graceful_shutdown=settings.operations.shutdown_grace_s,  # type: ignore[arg-type]  # a float waits as well
         )
 

@@ -28,7 +28,7 @@ class Calibration:
     curve: dict[str, float] = field(default_factory=dict)  # ratio -> measured metric
     # Per number of documents calibrated, per ratio: the measured {"kl", "top1"}.
     table: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
-    select: str = "deviation"  # how the blends measured chose the tokens they recomputed (`blend_select`)
+    select: str = "deviation"  # how the blends measured chose the tokens they recomputed (`caches.blend_select`)
     document_kv: str = "alone"  # the documents' KV as reused: computed alone, or in another prompt ("context")
 
     def ratio_for(self, documents: int, target_kl: float, target_top1: float) -> tuple[float | None, str]:

@@ -40,7 +40,7 @@ def free_port(cluster: bool = False) -> int:
 def serving(
     settings: Settings, engine: Engine | None, workers: tuple[Upstream, ...] = (), backend: Backend | None = None
 ) -> Iterator[str]:
-    """The gateway over `engine` (None: over upstreams, or `workers`; or over `backend` when given) on
+    """The gateway over `engine` (None: over upstreams, or `proxy.workers`; or over `backend` when given) on
     loopback; yields its base URL."""
     port = free_port()
     app = create_app(settings, backend or make_backend(settings, engine, workers))

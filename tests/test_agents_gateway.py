@@ -207,7 +207,7 @@ def test_prefix_reuse_keeps_a_program_to_its_own_context(url: str) -> None:
 
 
 def test_spans_stay_within_a_tenant_even_where_documents_are_shared(engine: Engine) -> None:
-    """`tenant_scoped_kv: false` shares documents, computed alone; a span's KV holds its first
+    """`caches.tenant_scoped: false` shares documents, computed alone; a span's KV holds its first
     reader's context, so spans stay with their tenant."""
     settings = Settings(engine={"max_num_seqs": 4}, semantic_cache={"enabled": False}, caches={"tenant_scoped": False})
     # No other test's: nobody has its KV. Long enough that reusing it pays (the cost model prices spans).

@@ -1,7 +1,7 @@
 """Tenants and KV reuse, as clients see it: with API keys, the KV one tenant's requests leave behind
 (its documents, its exact prefixes, its conversations) is reused by that tenant's later requests and
-never by another tenant's, whose same text is computed afresh (`tenant_scoped_kv`, the default). With
-`tenant_scoped_kv: false`, document KV is everyone's; prefix blocks stay each tenant's (a shared prefix cache
+never by another tenant's, whose same text is computed afresh (`caches.tenant_scoped`, the default). With
+`caches.tenant_scoped: false`, document KV is everyone's; prefix blocks stay each tenant's (a shared prefix cache
 would tell one tenant, by its speed, what another sent). What was reused is read where any
 OpenAI client reads it: `x-kvgate-reused-tokens` and `usage.prompt_tokens_details.cached_tokens`.
 
@@ -54,7 +54,7 @@ def scoped(settings: Settings, engine: Engine) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def unscoped(settings: Settings, engine: Engine) -> Iterator[str]:
-    """Two tenants, `tenant_scoped_kv: false`: document KV shared by all."""
+    """Two tenants, `caches.tenant_scoped: false`: document KV shared by all."""
     with keyed_server(settings, engine, caches={"tenant_scoped": False}) as url:
         yield url
 
@@ -135,7 +135,7 @@ def test_a_tenants_document_kv_is_reused_by_that_tenant_only(scoped: str, model_
 # ---- exact prefixes and conversations -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shared_documents", [False, True], ids=["scoped", "tenant_scoped_kv false"])
+@pytest.mark.parametrize("shared_documents", [False, True], ids=["scoped", "caches.tenant_scoped false"])
 def test_an_exact_prefix_is_reused_within_its_tenant_only(
     scoped_blocks: str, unscoped_blocks: str, model_name: str, shared_documents: bool
 ) -> None:
@@ -155,7 +155,7 @@ def test_an_exact_prefix_is_reused_within_its_tenant_only(
     assert ask(url, B, model_name, messages, documents, PREFIX).reused == again.reused  # now B's own
 
 
-@pytest.mark.parametrize("shared_documents", [False, True], ids=["scoped", "tenant_scoped_kv false"])
+@pytest.mark.parametrize("shared_documents", [False, True], ids=["scoped", "caches.tenant_scoped false"])
 def test_pasted_text_is_found_by_its_tenant_only(
     scoped_blocks: str, unscoped_blocks: str, model_name: str, shared_documents: bool
 ) -> None:
@@ -196,11 +196,11 @@ def test_a_conversation_is_continued_within_its_tenant_only(scoped: str, model_n
     assert again.reused > 0 and again.reuse == "program" and again.program == first.program
 
 
-# ---- tenant_scoped_kv: false ----------------------------------------------------------------------
+# ---- caches.tenant_scoped: false ---------------------------------------------------------------
 
 
-def test_without_tenant_scoped_kv_tenants_share_document_kv(unscoped: str, model_name: str) -> None:
-    """`tenant_scoped_kv: false`: tenant B reuses the document KV tenant A kept (prefix blocks: above)."""
+def test_without_tenant_scoped_caches_tenants_share_document_kv(unscoped: str, model_name: str) -> None:
+    """`caches.tenant_scoped: false`: tenant B reuses the document KV tenant A kept (prefix blocks: above)."""
     text = notes("tenants sharing KV")
     with kvgate.Client(unscoped, api_key=A, model=model_name) as kvgate_client:
         card = kvgate_client.documents.add(text)

@@ -1,4 +1,4 @@
-"""An upstream cannot make a proxy front hold more than `proxy_max_response_bytes` of one answer: a
+"""An upstream cannot make a proxy front hold more than `proxy.max_response_bytes` of one answer: a
 whole answer over it is a 502 (the rest never read), one SSE event over it ends the stream with an
 error event, a long stream of small events passes through event by event, and the text the semantic
 cache would keep of it stops being kept. The upstream is a small real server written here, answering
