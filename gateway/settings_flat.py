@@ -60,10 +60,10 @@ def flat_names(groups: Mapping[str, type[BaseModel]]) -> dict[str, tuple[str, st
 noticed: set[str] = set()  # each flat name is told once a process
 
 
-def notice(old: str, new: str) -> None:
+def notice(old: str, new: str, what: str = "setting") -> None:
     if old not in noticed:
         noticed.add(old)
-        log.warning("kvgate: the setting %s is now %s; the flat name will be removed", old, new)
+        log.warning("kvgate: the %s %s is now %s; the flat name will be removed", what, old, new)
 
 
 def nest(values: Mapping[str, Any], names: Mapping[str, tuple[str, str]], groups: set[str]) -> dict[str, Any]:
@@ -93,7 +93,7 @@ def flat_environment(prefix: str, names: Mapping[str, tuple[str, str]], groups: 
         value = os.environ.get(f"{prefix}{flat.upper()}")
         if value is None or (flat in groups and value.lstrip().startswith("{")):
             continue
-        notice(f"{prefix}{flat.upper()}", f"{prefix}{group.upper()}__{field.upper()}")
+        notice(f"{prefix}{flat.upper()}", f"{prefix}{group.upper()}__{field.upper()}", "variable")
         nested.setdefault(group, {})[field] = value
     return nested
 
