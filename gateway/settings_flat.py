@@ -69,19 +69,17 @@ def notice(old: str, new: str, what: str = "setting") -> None:
 def nest(values: Mapping[str, Any], names: Mapping[str, tuple[str, str]], groups: set[str]) -> dict[str, Any]:
     """`values` with every flat name moved into its group (noticed); what a group is given stays as given.
     A flat name beats its group's entry: it is the later spelling in the same source."""
-    nested: dict[str, Any] = {}
+
+    def flat(key: str, value: Any) -> bool:  # `semantic_cache: false` is the flag of before; a mapping, the group
+        return key in names and not (key in groups and isinstance(value, (Mapping, BaseModel)))
+
+    nested = {key: value for key, value in values.items() if not flat(key, value)}
     for key, value in values.items():
-        if key in groups and (isinstance(value, (Mapping, BaseModel)) or key not in names):
-            nested[key] = value
-    for key, value in values.items():
-        if key in names and not (key in groups and key in nested):
+        if flat(key, value):
             group, field = names[key]
             notice(key, f"{group}.{field}")
             given = nested.get(group, {})
-            given = given.model_dump() if isinstance(given, BaseModel) else dict(given)
-            nested[group] = {**given, field: value}
-        elif key not in groups:
-            nested[key] = value  # not a setting: validation names it
+            nested[group] = {**(given.model_dump() if isinstance(given, BaseModel) else given), field: value}
     return nested
 
 
