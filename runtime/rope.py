@@ -17,8 +17,8 @@ SHIFTABLE = {"default", "linear", "llama3"}
 
 
 def rope_type(model: PreTrainedModel) -> str:
-    params = getattr(model.config, "rope_parameters", None) or getattr(model.config, "rope_scaling", None) or {}
-    return params.get("rope_type", params.get("type", "default"))
+    # transformers 5 (as pinned) reads every spelling of a config's RoPE (rope_scaling, "type") into rope_parameters
+    return (getattr(model.config, "rope_parameters", None) or {}).get("rope_type", "default")
 
 
 def can_shift(model: PreTrainedModel) -> bool:

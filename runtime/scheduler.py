@@ -74,7 +74,7 @@ class Scheduler:
         elif tenant != self.first_tenant:
             self.shared = True
         if self.gate is not None and seq.turn is not None and seq.turn.first:
-            self.held.push(seq, tenant, arrival=seq.arrival)
+            self.held.push(seq, tenant)  # in the order they came (FCFS)
         else:
             self.queue(seq)
 

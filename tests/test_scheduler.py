@@ -367,3 +367,14 @@ def test_held_first_turns_go_to_the_tenant_with_fewest_let_through_still_running
         order.append(seq.text)
         flight.land(seq.turn.tenant, seq.turn.program)  # its program ends; the sequence still runs
     assert order == ["flood-0", "quiet-0", "flood-1"]
+
+
+def test_a_let_through_first_turn_that_finished_no_longer_counts_for_its_tenant() -> None:
+    scheduler, flight = gated(1)
+    scheduler.add(first("flood-0", 0.0, tenant="flood"))
+    (seq, _), *_ = scheduler.schedule()
+    scheduler.remove(seq)  # it finished
+    flight.land("flood", "flood-0")
+    scheduler.add(first("flood-1", 1.0, tenant="flood"))
+    scheduler.add(first("quiet-0", 2.0, tenant="quiet"))
+    assert [s.text for s, _ in scheduler.schedule()] == ["flood-1"]  # none of either still running: the earlier
