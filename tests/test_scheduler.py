@@ -378,3 +378,13 @@ def test_a_let_through_first_turn_that_finished_no_longer_counts_for_its_tenant(
     scheduler.add(first("flood-1", 1.0, tenant="flood"))
     scheduler.add(first("quiet-0", 2.0, tenant="quiet"))
     assert [s.text for s, _ in scheduler.schedule()] == ["flood-1"]  # none of either still running: the earlier
+
+
+def test_the_scheduler_yields_every_sequence_it_holds() -> None:
+    """Running, waiting and held alike: where the engine finds a sequence to abort."""
+    scheduler, _ = gated(1)
+    scheduler.add(first("running", 0.0))
+    scheduler.schedule()
+    scheduler.add(first("held", 1.0))
+    scheduler.add(request("waiting", 2.0))
+    assert sorted(seq.text for seq in scheduler) == ["held", "running", "waiting"]
