@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -47,6 +48,7 @@ CONFIG = schemathesis.Config.from_dict({"output": {"sanitization": {"enabled": F
 # through Settings.engine_config()), and the gateway over the session's engine still takes 300 new tokens with
 # max_model_len=256 in its Settings. So bodies are bounded before they are sent (bound_generation).
 MAX_TOKENS = 8
+MAX_CHOICES = 4  # `n` and `best_of` up to 128 (max_request_seqs) are as many prefills: minutes, and no other code
 
 VARIANTS = {
     "admin-key": ({"security": {"admin_key": ADMIN_KEY}}, {"authorization": f"Bearer {ADMIN_KEY}"}),
@@ -97,6 +99,8 @@ def fuzz_operation(
             response = case.call_and_validate(headers=gateway.headers, checks=[not_a_server_error], timeout=120)
         except FailureGroup as failed:  # a BaseExceptionGroup, which Hypothesis would neither catch nor shrink
             raise AssertionError(str(failed)) from None
+        except requests.Timeout:  # no shrinking: say what was sent
+            raise AssertionError(f"no answer within 120 s: {case.as_curl_command(headers=gateway.headers)}") from None
         seen[response.status_code] += 1
 
     never_5xx()
@@ -142,8 +146,8 @@ def within_rules(case: Case) -> None:
 
 
 def bound_generation(case: Case) -> None:
-    """At most MAX_TOKENS new tokens a choice: a larger bound is lowered, a missing one added; an invalid one is
-    left for the gateway to refuse."""
+    """At most MAX_TOKENS new tokens a choice and MAX_CHOICES choices: a larger bound is lowered, a missing one
+    added; an invalid one is left for the gateway to refuse."""
     body = case.body
     if not isinstance(body, dict):
         return
@@ -154,6 +158,9 @@ def bound_generation(case: Case) -> None:
             continue
         if not number <= MAX_TOKENS:
             body[field] = MAX_TOKENS
+    for field in ("n", "best_of"):
+        if isinstance(body.get(field), int) and body[field] > MAX_CHOICES:
+            body[field] = MAX_CHOICES
     if case.path.endswith("/responses"):
         if body.get("max_output_tokens") is None:
             body["max_output_tokens"] = MAX_TOKENS
