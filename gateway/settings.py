@@ -45,11 +45,16 @@ GROUPS: dict[str, type[BaseModel]] = {
 FLAT = flat_names(GROUPS)  # the names before the groups -> (group, field)
 
 
+def grouped(values: Mapping[str, Any]) -> dict[str, Any]:
+    """`values` with the flat names of before moved to their groups (each told once)."""
+    return nest(values, FLAT, set(GROUPS))
+
+
 def laid_over(values: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
     """`values` with `changes` (flat names moved to their groups) laid over them: a group's mapping is
     merged into the group's, anything else replaces what was there."""
     merged = dict(values)
-    for key, value in nest(changes, FLAT, set(GROUPS)).items():
+    for key, value in grouped(changes).items():
         both = isinstance(value, Mapping) and isinstance(merged.get(key), Mapping)
         merged[key] = {**merged[key], **value} if both else value
     return merged
@@ -75,7 +80,7 @@ class Settings(BaseSettings):
     security: SecuritySettings = SecuritySettings()
 
     def __init__(self, **values: Any) -> None:
-        super().__init__(**nest(values, FLAT, set(GROUPS)))
+        super().__init__(**grouped(values))
 
     @classmethod
     def settings_customise_sources(
@@ -106,12 +111,12 @@ class Settings(BaseSettings):
             loaded = yaml.safe_load(Path(path).read_text()) or {}
             if not isinstance(loaded, dict):
                 raise ValueError(f"{path}: expected a mapping of setting names to values")
-            values = nest(loaded, FLAT, set(GROUPS))
+            values = grouped(loaded)
         # Init values beat the environment in pydantic-settings; the environment must beat the file.
         for key in [k for k in values if k not in GROUPS]:
             if os.environ.get(f"KVGATE_{key.upper()}") is not None:
                 del values[key]
-        for (group, field), flat in {where: flat for flat, where in FLAT.items()}.items():
+        for flat, (group, field) in FLAT.items():
             named = (f"KVGATE_{group.upper()}__{field.upper()}", f"KVGATE_{flat.upper()}")
             if isinstance(values.get(group), dict) and any(os.environ.get(name) is not None for name in named):
                 values[group] = {k: v for k, v in values[group].items() if k != field}

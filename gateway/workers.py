@@ -30,7 +30,7 @@ import yaml
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvgate.gateway.errors import APIError
-from kvgate.gateway.settings import Settings
+from kvgate.gateway.settings import Settings, laid_over
 from kvgate.gateway.upstreams import SECRET_HEADER, Upstream
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ def worker_settings(settings: Settings, index: int, port: int, secret: str) -> d
         "semantic_cache": {"enabled": False},
         "caches": {"dir": str(settings.chunk_dir / f"worker-{index}")},
     }
-    return {**values, **{group: {**values[group], **changed} for group, changed in mine.items()}}
+    return laid_over(values, mine)
 
 
 def launch(name: str, values: dict[str, object], output: IO[bytes] | None = None) -> Worker:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 
 import pydantic
 import pytest
@@ -32,11 +33,16 @@ shutdown_grace_s worker_secret exit_with_pid""".split()
 
 
 @pytest.fixture
-def quiet(monkeypatch) -> None:
-    """No KVGATE_* of the run (the suite's cache and dtype) and no flat name told before."""
+def quiet(monkeypatch) -> Iterator[None]:
+    """No KVGATE_* of the run (the suite's cache and dtype), and the names told here are this test's alone: none
+    told before it, and none left for the next (tests/conftest.py's `grouped_names` reads the record)."""
     for name in [n for n in os.environ if n.startswith("KVGATE_")]:
         monkeypatch.delenv(name)
-    monkeypatch.setattr(settings_flat, "noticed", set())
+    before = set(settings_flat.noticed)
+    settings_flat.noticed.clear()
+    yield
+    settings_flat.noticed.clear()
+    settings_flat.noticed.update(before)
 
 
 def test_precedence_in_groups(tmp_path, monkeypatch, quiet) -> None:
