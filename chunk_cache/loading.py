@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 
 import torch
 
@@ -34,7 +34,7 @@ class Loading:
         self._cond = threading.Condition()
         self._wanted: list[int] = []  # the layers waiters wait for: a layer read wakes only theirs
         self._done = done
-        pool.submit(self._run, read)
+        self.finished: Future[None] = pool.submit(self._run, read)  # done after `done` has run too
 
     @property
     def tokens(self) -> int:

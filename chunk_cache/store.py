@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from kvgate.chunk_cache.byte_tier import ByteTier
@@ -38,6 +38,7 @@ class ChunkStore:
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(("hits", "misses", "promotions", "writes_dropped"), 0)
         self._loads = ThreadPoolExecutor(2, thread_name_prefix="kvgate-chunk-load")
+        self._reading: set[Future[None]] = set()  # loads not finished: their promotion is a write too
         # Bounded: a queued write holds its entry in memory; past the bound, writes are dropped.
         self._writes: queue.Queue[tuple[ChunkKV, int, int] | None] = queue.Queue(write_queue)
         # A delete must win over the writes queued before it: each write and each delete takes a number,
@@ -64,7 +65,9 @@ class ChunkStore:
                 if opened is None:
                     continue
                 self._count("hits")
-                return Loading(tier, *opened, self._loads, done=self._promote if i > 0 else None)
+                loading = Loading(tier, *opened, self._loads, done=self._promote if i > 0 else None)
+                self._track(loading.finished)
+                return loading
             entry = tier.get(key)
             if entry is not None and (model is None or entry.model == model):
                 self._count("hits")
@@ -158,7 +161,10 @@ class ChunkStore:
         return self.tiers[0].take(key) is not None
 
     def flush(self) -> None:
-        """Wait until every write queued so far has reached its tiers."""
+        """Wait until every write queued so far has reached its tiers, promotions of loads begun so far too."""
+        with self._lock:
+            reading = list(self._reading)
+        wait(reading)  # first: a promotion can evict, which queues a write
         self._writes.join()
 
     def stats(self) -> dict[str, Any]:
@@ -177,6 +183,15 @@ class ChunkStore:
     def _count(self, what: str) -> None:
         with self._lock:
             self._counts[what] += 1
+
+    def _track(self, load: Future[None]) -> None:
+        with self._lock:
+            self._reading.add(load)
+        load.add_done_callback(self._untrack)  # runs at once if the load has finished already
+
+    def _untrack(self, load: Future[None]) -> None:
+        with self._lock:
+            self._reading.discard(load)
 
     def _promote(self, entry: ChunkKV) -> None:
         if self.tiers[0].put(entry):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvgate.chunk_cache import ChunkStore, DiskTier, LoadFailed, Loading, MemoryTier
+from kvgate.chunk_cache.entry import Header
 from tests.entries import chunk, same
 
 
@@ -95,6 +96,26 @@ def test_the_store_reads_a_lower_tier_layer_by_layer_and_promotes_it(tmp_path: P
     assert same(loading.result(), entry)
     store.flush()
     assert same(memory.get("doc"), entry)  # promoted once whole
+    store.close()
+
+
+class SlowToFinishDisk(DiskTier):
+    """A disk tier whose loads finish late after their last layer (a busy process's thread, made sure)."""
+
+    def loaded(self, header: Header) -> None:
+        time.sleep(0.3)
+        super().loaded(header)
+
+
+def test_flush_waits_for_the_promotion_of_a_load_already_read(tmp_path: Path) -> None:
+    memory, disk = MemoryTier(budget_bytes=1 << 20), SlowToFinishDisk(tmp_path, budget_bytes=1 << 20)
+    store = ChunkStore([memory, disk])
+    disk.put(chunk())
+    loading = store.fetch("doc")
+    assert isinstance(loading, Loading)
+    loading.result()  # every layer is read; the promotion comes after
+    store.flush()
+    assert "doc" in memory
     store.close()
 
 
