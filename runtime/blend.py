@@ -62,7 +62,7 @@ class Blended:
     reused: int  # tokens whose cached KV was kept
     recomputed: int  # reused tokens computed again
     deviation: float  # mean key deviation of reused tokens at the first check layer, relative
-    recomputed_mask: torch.Tensor  # [N] bool: the reused tokens computed again
+    recomputed_mask: torch.Tensor  # [N] bool, on the CPU: the reused tokens computed again
 
 
 def place(kv: KVCache, layer: int, pieces: list[Piece], start: int, shift: Shift | None) -> None:
@@ -114,12 +114,12 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: to
     n = q.shape[1]
     groups = max(1, min(8, n // 64))
     out = torch.empty_like(q)
-    for rows in torch.arange(n).tensor_split(groups):
+    for rows in torch.arange(n, device=q.device).tensor_split(groups):
         if len(rows) == 0:
             continue
         pos = positions[rows]
         end = int(pos[-1]) + 1
-        mask = torch.arange(end)[None, :] <= pos[:, None]
+        mask = torch.arange(end, device=q.device)[None, :] <= pos[:, None]
         out[:, rows] = F.scaled_dot_product_attention(
             q[None, :, rows], k[None, :, :end], v[None, :, :end], attn_mask=mask, scale=scale, enable_gqa=True
         )[0]
@@ -146,7 +146,7 @@ def choose(
     score = deviation.clone()
     if config.select == "random":
         g = torch.Generator().manual_seed(config.seed)
-        score = torch.rand(len(score), generator=g)
+        score = torch.rand(len(score), generator=g).to(deviation.device)
     score[~reused] = float("-inf")
     candidates = int(reused.sum())
     top = score.topk(min(keep, candidates)).indices
@@ -186,10 +186,10 @@ def cost(tokens: int, reused: int, layers: int, config: BlendConfig) -> float:
     return (tokens * below + above * (layers - below)) / layers + OVERHEAD
 
 
-def first_tokens(pieces: list[Piece], k: int) -> torch.Tensor:
+def first_tokens(pieces: list[Piece], k: int, device: torch.device | str = "cpu") -> torch.Tensor:
     masks = []
     for piece in pieces:
-        m = torch.zeros(len(piece.token_ids), dtype=torch.bool)
+        m = torch.zeros(len(piece.token_ids), dtype=torch.bool, device=device)
         if piece.reused:
             m[:k] = True
         masks.append(m)
@@ -221,20 +221,20 @@ def blend(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: Blen
     The pieces follow whatever `kv` already holds (an exact prefix), which their tokens attend to.
     Layer by layer: after each it yields its work (the rows it computed, in whole-prompt tokens),
     so the engine can spread a long blend over steps between other sequences' decodes."""
-    inner = model.model
-    reused_all = torch.cat([torch.full((len(p.token_ids),), p.reused) for p in pieces])
+    inner, device = model.model, model.device
+    reused_all = torch.cat([torch.full((len(p.token_ids),), p.reused, device=device) for p in pieces])
     start = len(kv)
     n = len(reused_all)
     total = start + n
     kv.reserve(total)
     shift = Shift.of(model, pieces, start, kv.keys[0].device)
-    ids = torch.tensor([t for p in pieces for t in p.token_ids], device=model.device)
+    ids = torch.tensor([t for p in pieces for t in p.token_ids], device=device)
     h = inner.embed_tokens(ids)
-    positions = torch.arange(start, total, device=model.device)
+    positions = torch.arange(start, total, device=device)
     cos_all, sin_all = (t[0] for t in inner.rotary_emb(h[None], positions[None]))
-    forced_all = first_tokens(pieces, config.first_k)
+    forced_all = first_tokens(pieces, config.first_k, device)
     n_reused = int(reused_all.sum())
-    sel = torch.arange(n, device=model.device)  # the tokens being computed (indices into the pieces), sorted
+    sel = torch.arange(n, device=device)  # the tokens being computed (indices into the pieces), sorted
     checks = sorted(config.check_layers) if n_reused else []
     deviation = 0.0
 
@@ -246,7 +246,7 @@ def blend(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: Blen
             j = checks.index(i)
             keep = round(n_reused * min(1.0, config.ratio * config.widen ** (len(checks) - 1 - j)))
             reused = reused_all[sel]
-            score = torch.zeros(len(sel))
+            score = torch.zeros(len(sel), device=device)
             if keep > 0 and config.select != "random":
                 fresh = project_keys(layer, h, cos, sin).transpose(0, 1)  # [kv_heads, n, d]
                 cached = gather_rows(kv.keys[i], sel + start)
@@ -278,7 +278,8 @@ def blend(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: Blen
         h = out
         kv.lengths[i] = total  # the last layer's length is the KV's: whole only once the blend is
 
-    computed = torch.zeros(n, dtype=torch.bool)
-    computed[sel.cpu()] = True
-    recomputed = int(reused_all[sel.cpu()].sum())
-    return Blended(logits_of(model, h[-1]), n_reused - recomputed, recomputed, deviation, reused_all & computed)
+    computed = torch.zeros(n, dtype=torch.bool, device=device)
+    computed[sel] = True
+    recomputed = int(reused_all[sel].sum())
+    mask = (reused_all & computed).cpu()
+    return Blended(logits_of(model, h[-1]), n_reused - recomputed, recomputed, deviation, mask)

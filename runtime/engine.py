@@ -162,12 +162,12 @@ class Engine:
             cached = out.cached_tokens
         return cached
 
-    def generate_sync(self, prompt_ids: list[int], params: SamplingParams) -> Result:
+    def generate_sync(self, prompt_ids: list[int], params: SamplingParams, plan: Plan | None = None) -> Result:
         """generate() to the end, for a caller without an event loop."""
 
         async def gather() -> Result:
             result = Result()
-            async for out in self.generate(Request(prompt_ids, params)):
+            async for out in self.generate(Request(prompt_ids, params, plan)):
                 result.add(out)
             return result
 

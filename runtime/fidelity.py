@@ -180,7 +180,7 @@ def document_tokens(item: Item) -> int:
 
 
 def top1(forced: torch.Tensor, answer: list[int]) -> float:
-    return float((forced.argmax(-1) == torch.tensor(answer)).float().mean())
+    return float((forced.argmax(-1) == torch.tensor(answer, device=forced.device)).float().mean())
 
 
 def measure(
