@@ -84,10 +84,18 @@ def prefill_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", default="512,1024,2048,4096")
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--context", type=int, default=512, help="prompt tokens of each sequence decoded in a batch")
+
+
+def answer_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--answer", type=int, help="the reference answer's tokens compared, greedy and teacher-forced (default 32)"
+    )
 
 
 def fidelity_options(parser: argparse.ArgumentParser) -> None:
     musique_args(parser, limit=6, offset=0, data=MUSIQUE)
+    answer_option(parser)
     parser.add_argument("--shuffle", action="store_true", help="documents in a fixed random order per item")
     parser.add_argument("--ratios", default="0,5,10,15,20,30,50", help="blend recompute ratios, percent")
     # The blend's other settings (BlendConfig); any given names the section, so variants do not overwrite it.
@@ -208,6 +216,8 @@ def multiagent_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--agents", type=int, default=5, help="2 to 5")
     parser.add_argument("--ratio", type=float, default=0.15, help="span tokens blend and kvcomm recompute")
     parser.add_argument("--written", type=int, default=128, help="tokens each agent's answer has at most")
+    parser.add_argument("--repeats", type=int, default=2, help="timings per mode and turn; the fastest is kept")
+    answer_option(parser)
 
 
 def gateway_options(parser: argparse.ArgumentParser) -> None:

@@ -115,6 +115,7 @@ def bench_fidelity(
     command: str,
     blend: BlendConfig | None = None,
     context: bool = False,
+    answer: int = ANSWER,
 ) -> dict[str, Scores]:
     """`blend`: the blend's settings besides the ratio (default BlendConfig()); any other names the
     section (`fidelity-shuffled-first_k4`), so a variant does not overwrite the default run.
@@ -128,7 +129,7 @@ def bench_fidelity(
     modes = [Reuse("prefix"), Reuse("naive"), *(Reuse("blend", r) for r in ratios)]
     decode = loaded.tokenizer.decode
     others = load_items(loaded, data, docs, limit, not shuffle, offset, words) if context else None
-    scores = measure(reuser, data_items, modes, loaded.eos_token_ids, decode, others=others)
+    scores = measure(reuser, data_items, modes, loaded.eos_token_ids, decode, others=others, answer=answer)
     name = ("fidelity-shuffled" if shuffle else "fidelity") + variant(blend) + ("-context" if context else "")
     settings = ", ".join(f"{k}={v!r}" for k, v in changed(blend).items())
     order = "shuffled (a fixed permutation per item)" if shuffle else "in their stored order"
@@ -149,8 +150,8 @@ def bench_fidelity(
         "for every token, and from there on recomputes only the fresh tokens and the r% of document tokens "
         "its `select` picks (by default: whose keys deviate most), plus each document's first `first_k` "
         f"(`BlendConfig({settings})` otherwise). Top-1: agreement with the reference's argmax "
-        f"over the reference answer's first {ANSWER} positions, teacher-forced on the reference answer. "
-        f"Greedy-{ANSWER} exact / ROUGE-L: the mode's own greedy answer against the reference's. "
+        f"over the reference answer's first {answer} positions, teacher-forced on the reference answer. "
+        f"Greedy-{answer} exact / ROUGE-L: the mode's own greedy answer against the reference's. "
         "Key deviation: the blend's relative key deviation of document tokens at its first check layer "
         "(what calibration bounds).\n\n"
         + report(scores)

@@ -19,7 +19,7 @@ computed, are the sources every mode reuses. Per agent turn, one after the other
 TTFT runs from an empty KV to the first answer token's logits. Reuse rate: prompt tokens whose
 KV was not computed for this prompt (reused and not recomputed) over prompt tokens. Fidelity
 against dense: first-token KL, top-1 over the dense answer's first 32 positions (teacher-forced),
-and whether the greedy first 32 tokens match.
+and whether the greedy first 32 tokens match (`answer` sets how many).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 from kvgate.agents.anchors import AnchorConfig, AnchorPool
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.documents import message_pieces
-from kvgate.runtime.fidelity import greedy, kl, make_reuser, teacher_forced, top1
+from kvgate.runtime.fidelity import ANSWER, greedy, kl, make_reuser, teacher_forced, top1
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import load
 from kvgate.runtime.model import Run, forward
@@ -137,6 +137,7 @@ def bench_multiagent(
     written: int = 64,
     repeats: int = 2,
     anchors: AnchorConfig | None = None,
+    answer: int = ANSWER,
 ) -> dict[str, dict[int, Turns]]:
     if not 2 <= agents <= len(ROLES):
         raise ValueError(f"agents must be 2 to {len(ROLES)}")
@@ -177,7 +178,7 @@ def bench_multiagent(
                     spans.settle(kv, shared, agent, SCOPE)
                 done[name] = (min(seconds), kv, logits, prefilled, shared, time.perf_counter() - learn)
             _, ref_kv, ref_first, _, _, _ = done["dense"]
-            answer, _ = greedy(reuser, ref_kv, ref_first, eos)
+            reference, _ = greedy(reuser, ref_kv, ref_first, eos, answer)
             ref_kv.truncate(len(ids))
             text = write(reuser, ref_kv, ref_first, eos, written)
             for mode, (seconds, kv, logits, prefilled, shared, learn_s) in done.items():
@@ -187,9 +188,9 @@ def bench_multiagent(
                 t.reuse.append(prefilled.reused / len(ids) if mode != "dense" else 0.0)
                 t.recomputed.append(prefilled.recomputed)
                 t.kl.append(kl(ref_first, logits))
-                t.top1.append(top1(teacher_forced(reuser, kv, logits, answer), answer))
+                t.top1.append(top1(teacher_forced(reuser, kv, logits, reference), reference))
                 kv.truncate(len(ids))
-                t.exact.append(float(greedy(reuser, kv, logits, eos)[0] == answer))
+                t.exact.append(float(greedy(reuser, kv, logits, eos, answer)[0] == reference))
                 t.gated.append(shared is not None and shared.gated > 0)
                 t.learn_s.append(learn_s)
             ref_kv.truncate(len(ids))
@@ -205,7 +206,8 @@ def bench_multiagent(
             )
             print(f"question {q + 1}/{limit} agent {k + 1}: {len(ids)} tokens; {line}", flush=True)
 
-    report(results, pools["kvcomm"], limit, agents, ratio, output, command, time.perf_counter() - began)
+    elapsed = time.perf_counter() - began
+    report(results, pools["kvcomm"], limit, agents, ratio, answer, repeats, output, command, elapsed)
     return results
 
 
@@ -235,7 +237,7 @@ def speedup(dense: Turns, t: Turns) -> float:
     return statistics.fmean(dense.seconds) / statistics.fmean(t.seconds)
 
 
-def verdicts(later: dict[str, Turns], every: dict[str, Turns]) -> str:
+def verdicts(later: dict[str, Turns], every: dict[str, Turns], answer: int) -> str:
     """The targets, judged on the turns after the warm-up (`later`); `every` turn for reference."""
     lines = []
     for name, against in BASELINE.items():
@@ -247,14 +249,16 @@ def verdicts(later: dict[str, Turns], every: dict[str, Turns]) -> str:
             f"({'met' if reuse >= TARGET_REUSE else 'MISSED'}, target {TARGET_REUSE:.0%}); TTFT {fast:.2f}x dense "
             f"({'met' if fast >= TARGET_SPEEDUP else 'MISSED'}, target {TARGET_SPEEDUP:.0f}x; {fast_all:.2f}x over "
             f"every turn, warm-up included); fidelity KL {t.mean('kl'):.4f} vs {b.mean('kl'):.4f}, top-1 "
-            f"{100 * t.mean('top1'):.1f}% vs {100 * b.mean('top1'):.1f}%, greedy-32 {100 * t.mean('exact'):.0f}% vs "
+            f"{100 * t.mean('top1'):.1f}% vs {100 * b.mean('top1'):.1f}%, "
+            f"greedy-{answer} {100 * t.mean('exact'):.0f}% vs "
             f"{100 * b.mean('exact'):.0f}% ({'met' if faithful else 'MISSED'}: at least the baseline's KL and top-1)."
         )
     return "\n".join(lines)
 
 
-def rows(pooled: dict[str, Turns], ratio: float) -> str:
-    header = ["mode", "TTFT (s)", "speedup", "reuse rate", "recomputed", "first-token KL", "top-1 (32)", "greedy-32"]
+def rows(pooled: dict[str, Turns], ratio: float, answer: int) -> str:
+    header = ["mode", "TTFT (s)", "speedup", "reuse rate", "recomputed", "first-token KL", f"top-1 ({answer})",
+              f"greedy-{answer}"]  # fmt: skip
     dense = pooled["dense"]
     return table(
         header,
@@ -270,8 +274,8 @@ def rows(pooled: dict[str, Turns], ratio: float) -> str:
 
 
 def report(
-    results: dict[str, dict[int, Turns]], pool: AnchorPool, limit: int, agents: int, ratio: float,
-    output: Path, command: str, elapsed: float,
+    results: dict[str, dict[int, Turns]], pool: AnchorPool, limit: int, agents: int, ratio: float, answer: int,
+    repeats: int, output: Path, command: str, elapsed: float,
 ) -> None:  # fmt: skip
     every = summary(results, range(1, agents))
     warmup = min(WARMUP, limit - 1)
@@ -288,12 +292,12 @@ def report(
     body = (
         f"{limit} GSM8K questions (`../shared/data/gsm8k_dev.jsonl`, the first {limit}), {agents} agents, "
         f"answers written greedily by dense prefill; `blend` and `kvcomm` recompute {ratio:.0%} of span tokens, "
-        f"`kvcomm 0%` none. {elapsed:.0f} s. TTFT the fastest of 2 runs. Agents 2..{agents}, from question "
+        f"`kvcomm 0%` none. {elapsed:.0f} s. TTFT the fastest of {repeats} runs. Agents 2..{agents}, from question "
         f"{warmup + 1} on (after the anchors' warm-up: the first question has no anchor, the second is the first "
         "time each agent's own cue has a source), gates that close there included:\n\n"
-        + rows(later, ratio)
+        + rows(later, ratio, answer)
         + f"\n\nEvery turn of agents 2..{agents}, the warm-up included:\n\n"
-        + rows(every, ratio)
+        + rows(every, ratio, answer)
         + "\n\nTTFT per agent, every turn (dense, seconds) and speedup over dense:\n\n"
         + table(["turn", "dense (s)", *names], per_agent)
         + f"\n\n![TTFT and fidelity per mode](multiagent.png)\n\nKVCOMM ({ratio:.0%}): a gate closed on "
@@ -301,7 +305,8 @@ def report(
         "after the warm-up (those spans computed in place and learnt); learning took "
         f"{statistics.fmean(learnt) if learnt else 0:.3f} s a turn, after the first token. Its pool at the end: "
         f"{stats['anchors']} anchors, {stats['bytes'] / 2**20:.0f} MiB, {stats['estimates']} estimates, "
-        f"{stats['evicted']} evicted.\n\nTargets (agents 2..{agents}, after the warm-up):\n\n" + verdicts(later, every)
+        f"{stats['evicted']} evicted.\n\nTargets (agents 2..{agents}, after the warm-up):\n\n"
+        + verdicts(later, every, answer)
     )
     plot(results, agents, output.parent / "multiagent.png", f"{limit} GSM8K questions, {agents} agents")
     write_section(output, "multiagent", "Multi-agent KV sharing (KVCOMM)", command, body)

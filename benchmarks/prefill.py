@@ -83,8 +83,9 @@ def batched_decode(loaded: LoadedModel, ids: list[int], batch: int, steps: int) 
 
 
 def bench_prefill(
-    config: EngineConfig, lengths: list[int], decode: int, repeats: int, output: Path, command: str
+    config: EngineConfig, lengths: list[int], decode: int, repeats: int, output: Path, command: str, context: int = 512
 ) -> None:
+    """`context`: the prompt tokens of each sequence in the continuous-batching rows."""
     loaded = load(config)
     own(loaded, prompt_ids(loaded, 64), 2)  # warm-up
     rows = []
@@ -106,7 +107,7 @@ def bench_prefill(
             ]
         )
         print(" | ".join(rows[-1]), flush=True)
-    ctx = prompt_ids(loaded, 512)
+    ctx = prompt_ids(loaded, context)
     batch_rows = []
     single = statistics.median(batched_decode(loaded, ctx, 1, decode) for _ in range(repeats))
     for b in (1, 4, 8):
@@ -130,7 +131,7 @@ def bench_prefill(
             ],
             rows,
         )
-        + "\n\nContinuous batching: aggregate decode tokens/s with B sequences of 512-token "
+        + f"\n\nContinuous batching: aggregate decode tokens/s with B sequences of {context}-token "
         f"context stepping together ({decode} steps, median of {repeats}).\n\n"
         + table(["B", "decode tok/s (all sequences)", "vs B=1"], batch_rows)
     )

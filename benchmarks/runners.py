@@ -25,8 +25,13 @@ def blend_options(args: argparse.Namespace) -> dict[str, object]:
     return {name: getattr(args, name) for name in BLEND if getattr(args, name, None) is not None}
 
 
+def answer_tokens(args: argparse.Namespace) -> dict[str, int]:
+    """--answer where given; else the bench's own default."""
+    return {} if args.answer is None else {"answer": args.answer}
+
+
 def check_numbers(args: argparse.Namespace) -> None:
-    for name in ("docs", "limit", "repeats", "requests", "batch", "tokens", "max_tokens"):
+    for name in ("docs", "limit", "repeats", "requests", "batch", "tokens", "max_tokens", "answer", "context"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise DataError(f"--{name} must be at least 1")
@@ -50,7 +55,8 @@ def run_prefill(args: argparse.Namespace, settings: Settings, command: str) -> i
 
     check_numbers(args)
     lengths = [int(x) for x in args.lengths.split(",")]
-    bench_prefill(settings.engine_config(), lengths, args.decode_tokens, args.repeats, args.output, command)
+    config = settings.engine_config()
+    bench_prefill(config, lengths, args.decode_tokens, args.repeats, args.output, command, args.context)
     return 0
 
 
@@ -74,6 +80,7 @@ def run_fidelity(args: argparse.Namespace, settings: Settings, command: str) -> 
         command,
         BlendConfig(**blend_options(args)),
         args.document_kv == "context",
+        **answer_tokens(args),
     )
     return 0
 
@@ -193,8 +200,12 @@ def run_multiagent(args: argparse.Namespace, settings: Settings, command: str) -
     ]
     if problem := next((message for ok, message in checks if not ok), ""):
         raise DataError(problem)
+    check_numbers(args)
     config = settings.engine_config()
-    bench_multiagent(config, args.data, args.questions, args.agents, args.ratio, args.output, command, args.written)
+    bench_multiagent(
+        config, args.data, args.questions, args.agents, args.ratio, args.output, command, args.written,
+        args.repeats, **answer_tokens(args),
+    )  # fmt: skip
     return 0
 
 

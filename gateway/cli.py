@@ -184,14 +184,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def user_errors() -> tuple[type[Exception], ...]:
     """What `main` reports as `kvgate: error: ...` (exit 2), not as a traceback. Evaluated only once an
-    exception reaches `main`: a ModelNotFound can only come from kvgate.runtime.loader (torch), so it is
-    among them only when that module was imported."""
+    exception reaches `main`."""
     from pydantic import ValidationError
 
+    from kvgate.runtime.config import ModelNotFound
     from kvgate.runtime.errors import DataError
 
-    loader = sys.modules.get("kvgate.runtime.loader")
-    return (ValidationError, OSError, DataError, *((loader.ModelNotFound,) if loader else ()))
+    return (ValidationError, OSError, DataError, ModelNotFound)
 
 
 # ---- what each command runs: it imports its own module, and only when it runs ---------------------

@@ -11,6 +11,7 @@ import signal
 from types import FrameType
 
 from kvgate.gateway.settings import Settings
+from kvgate.runtime.config import model_path
 
 
 class Stopped(BaseException):
@@ -47,6 +48,9 @@ def http_protocol() -> str | type:
 
 
 def run(settings: Settings) -> None:
+    proxy_only = bool(settings.proxy.upstreams) and not settings.proxy.workers
+    if not proxy_only:
+        model_path(settings.engine.model)  # a wrong path is told at once, not after seconds of imports
     import uvicorn
 
     from kvgate.gateway.app import create_app
@@ -63,7 +67,7 @@ def run(settings: Settings) -> None:
             timeout_graceful_shutdown=settings.operations.shutdown_grace_s,  # type: ignore[arg-type]  # a float waits as well
         )
 
-    if settings.proxy.upstreams and not settings.proxy.workers:
+    if proxy_only:
         serve(create_app(settings, make_backend(settings)))
         return
     from kvgate.runtime.loader import resolve

@@ -10,7 +10,22 @@ from kvgate.chunk_cache import ChunkCacheConfig
 from kvgate.chunk_cache.config import default_cache_dir, user_cache_dir
 from kvgate.runtime.quality import QualityConfig
 
-__all__ = ["ChunkConfig", "EngineConfig", "default_cache_dir", "user_cache_dir"]
+__all__ = ["ChunkConfig", "EngineConfig", "ModelNotFound", "default_cache_dir", "model_path", "user_cache_dir"]
+
+
+class ModelNotFound(RuntimeError):
+    """The model asked for is not there, or is not one kvgate loads."""
+
+
+def model_path(model: str | None) -> Path | None:
+    """`model` as the path to load (None: the embedded default): a .gguf file or a directory with config.json,
+    else ModelNotFound. Light: a server checks it before its seconds of imports."""
+    if model is None:
+        return None
+    path = Path(model).expanduser()
+    if (path.suffix == ".gguf" and path.is_file()) or (path / "config.json").is_file():
+        return path
+    raise ModelNotFound(f"{path} is neither a .gguf file nor a model directory with config.json")
 
 
 @dataclass(frozen=True)

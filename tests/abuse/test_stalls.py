@@ -20,8 +20,8 @@ from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.model import Run, forward
 from tests.servers import serving
 
-BUDGET = 128  # tokens a step computes: a 2,000-token document takes 16 steps or more
-TEXT = " ".join(f"Entry {i}: the {('red', 'green', 'blue', 'amber')[i % 4]} lamp number {i * 7}." for i in range(180))
+BUDGET = 32  # tokens a step computes: a 600-token document takes 16 steps or more
+TEXT = " ".join(f"Entry {i}: the {('red', 'green', 'blue', 'amber')[i % 4]} lamp number {i * 7}." for i in range(50))
 
 
 @pytest.fixture(scope="module")
