@@ -124,10 +124,10 @@ def test_token_id_prompt_equals_text_prompt(client, model_name, loaded) -> None:
 
 
 def test_eight_concurrent_requests_equal_serial(client, model_name) -> None:
-    serial = [ask(client, model_name, q, max_tokens=24).choices[0].message.content for q in QUESTIONS]
+    serial = [ask(client, model_name, q, max_tokens=12).choices[0].message.content for q in QUESTIONS]
     with ThreadPoolExecutor(8) as pool:
         together = list(
-            pool.map(lambda q: ask(client, model_name, q, max_tokens=24).choices[0].message.content, QUESTIONS)
+            pool.map(lambda q: ask(client, model_name, q, max_tokens=12).choices[0].message.content, QUESTIONS)
         )
     assert together == serial
 
