@@ -73,6 +73,8 @@ def label(reuse: Reuse, calibrated: float) -> str:
 def timed(reuser: Reuser, item: Item, reuse: Reuse):
     began = time.perf_counter()
     kv, logits, done = start(reuser, item, reuse)
+    if logits.is_cuda:  # the GPU's work done, not only queued
+        torch.cuda.synchronize(logits.device)
     return time.perf_counter() - began, kv, logits, done
 
 

@@ -27,9 +27,9 @@ def greedy(loaded: LoadedModel, ids: list[int], n: int) -> list[int]:
 def test_greedy_equals_transformers_generate(loaded: LoadedModel, chat_ids) -> None:
     prompts = [chat_ids(QUESTIONS[0]), chat_ids(QUESTIONS[2]), loaded.tokenizer.encode("Once upon a time, in a")]
     for ids in prompts:
-        ref = loaded.model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)[0, len(ids) :]
+        ref = loaded.model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) :]
         ref = ref.tolist()
-        ours = greedy(loaded, ids, 40)
+        ours = greedy(loaded, ids, 24)
         assert ours == ref[: len(ours)]
         assert len(ours) == len(ref) or ours[-1] in loaded.eos_token_ids
 
