@@ -12,17 +12,15 @@ import asyncio
 import json
 import statistics
 import time
-from pathlib import Path
 
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.engine import Engine
+from kvgate.runtime.fidelity import MUSIQUE
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.planner import Chat, Planner
 from kvgate.runtime.report import table
 from kvgate.runtime.sampling import SamplingParams
 from kvgate.runtime.sequence import Request
-
-MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_rag_dev.jsonl"
 
 
 def document(engine: Engine, tokens: int) -> str:
