@@ -3,10 +3,13 @@ started by the test."""
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -26,17 +29,38 @@ def embedder() -> MiniLM:
     return MiniLM()
 
 
-def in_another_process(url: str, code: str) -> str:
-    """Run `code` with `cache`, a SemanticCache on `url`, in a fresh Python process; its stdout."""
+@contextmanager
+def another_process(url: str) -> Iterator[Callable[[str], str]]:
+    """A SemanticCache on `url` in a fresh Python process, kept while the block runs (one start: an import of
+    torch and the embedder's load, seconds): each call runs `code` there, with `cache`, and returns its stdout."""
     script = textwrap.dedent(
         f"""
+        import contextlib, io, json, sys
         from kvgate.semantic_cache import SemanticCache, SemanticCacheConfig
         cache = SemanticCache(SemanticCacheConfig(redis_url={url!r}))
+        for line in sys.stdin:
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                exec(json.loads(line), {{"cache": cache}})
+            print(json.dumps(out.getvalue()), flush=True)
         """
-    ) + textwrap.dedent(code)
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.strip()
+    )
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, text=True, **pipes)
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+
+    def run(code: str) -> str:
+        proc.stdin.write(json.dumps(code) + "\n")
+        proc.stdin.flush()
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()[-3000:]  # it died: why
+        return json.loads(line).strip()
+
+    try:
+        yield run
+    finally:
+        proc.stdin.close()
+        proc.wait(30)
 
 
 @pytest.mark.parametrize("cluster", [False, True], ids=["single", "cluster"])
@@ -44,14 +68,13 @@ def test_an_answer_stored_by_one_process_is_a_hit_in_another(embedder: MiniLM, c
     with RedisServer(cluster=cluster) as server:
         here = SemanticCache(SemanticCacheConfig(redis_url=server.url), embedder=embedder)
         assert not here.lookup("s", QUESTION).hit
-        entry_id = in_another_process(
-            server.url, f"print(cache.put('t', 's', {QUESTION!r}, {{'content': 'Paris'}}).id)"
-        )
-        found = here.lookup("s", "what is the capital of france")  # no restart: the change log tells
-        assert found.hit and found.entry is not None
-        assert found.entry.id == entry_id and found.entry.response == {"content": "Paris"}
-        # A deletion by the other process reaches this one's index too.
-        assert in_another_process(server.url, "print(cache.invalidate(tenant='t'))") == "1"
+        with another_process(server.url) as there:
+            entry_id = there(f"print(cache.put('t', 's', {QUESTION!r}, {{'content': 'Paris'}}).id)")
+            found = here.lookup("s", "what is the capital of france")  # no restart: the change log tells
+            assert found.hit and found.entry is not None
+            assert found.entry.id == entry_id and found.entry.response == {"content": "Paris"}
+            # A deletion by the other process reaches this one's index too.
+            assert there("print(cache.invalidate(tenant='t'))") == "1"
         assert not here.lookup("s", QUESTION).hit and len(here.index) == 0
 
 
@@ -60,10 +83,9 @@ def test_a_new_process_reads_a_scope_from_redis_when_first_looked_up(embedder: M
         first = SemanticCache(SemanticCacheConfig(redis_url=server.url), embedder=embedder)
         for i in range(3):
             first.put("t", "s", f"How do I cook recipe number {i}?", {"content": str(i)})
-        out = in_another_process(
-            server.url,
-            "print(len(cache.index), cache.lookup('s', 'How do I cook recipe number 1?').hit, len(cache.index))",
-        )
+        with another_process(server.url) as there:
+            lookup = "cache.lookup('s', 'How do I cook recipe number 1?').hit"
+            out = there(f"print(len(cache.index), {lookup}, len(cache.index))")
         assert out == "0 True 3"
 
 
