@@ -58,25 +58,16 @@ def test_serve_refuses_a_missing_model(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
 
 
+def bench(*args: object) -> None:
+    """`kvgate bench ...` run by the console script's body in this process: a process of its own would spend
+    ~8 s importing torch and transformers before its work (`kvgate serve` above and `calibrate` below are)."""
+    assert cli.main(["bench", *map(str, args)]) == 0
+
+
 def test_bench_prefill_writes_its_table(tmp_path: Path) -> None:
     out = tmp_path / "BENCHMARKS.md"
     out.write_text("# Benchmarks\n\n<!-- bench:other -->\nkept\n<!-- /bench:other -->\n")
-    cmd = [
-        KVGATE,
-        "bench",
-        "prefill",
-        "--lengths",
-        "32,64",
-        "--decode-tokens",
-        "2",
-        "--repeats",
-        "1",
-        "--context",
-        "64",
-        "--output",
-        str(out),
-    ]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    bench("prefill", "--lengths", "32,64", "--decode-tokens", "2", "--repeats", "1", "--context", "64", "--output", out)
     text = out.read_text()
     assert "kept" in text and "bench prefill --lengths 32,64" in text
     rows = [line for line in text.splitlines() if line.startswith(("| 32 |", "| 64 |"))]
@@ -87,8 +78,7 @@ def test_bench_prefill_writes_its_table(tmp_path: Path) -> None:
 def test_bench_grammar_checks_every_answer_and_weighs_the_grammar(tmp_path: Path) -> None:
     out = tmp_path / "BENCHMARKS.md"
     sizes = ["--requests", "4", "--batch", "4", "--tokens", "4", "--max-tokens", "12"]  # most cut: counted all the same
-    cmd = [KVGATE, "bench", "grammar", *sizes, "--output", str(out)]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    bench("grammar", *sizes, "--output", out)
     text = out.read_text()
     rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in text.splitlines() if line.startswith("| ")}
     for what in ("forced tool calls", "response_format json_schema"):
@@ -99,10 +89,8 @@ def test_bench_grammar_checks_every_answer_and_weighs_the_grammar(tmp_path: Path
 
 def test_bench_fidelity_writes_a_table_and_a_plot(tmp_path: Path, musique: Path) -> None:
     out = tmp_path / "BENCHMARKS.md"
-    args = ["bench", "fidelity", "--docs", "2", "--limit", "1", "--ratios", "0,50", "--words", "60", "--answer", "4"]
-    args += ["--data", str(musique)]
-    proc = subprocess.run([KVGATE, *args, "--output", str(out)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    args = ["fidelity", "--docs", "2", "--limit", "1", "--ratios", "0,50", "--words", "60", "--answer", "4"]
+    bench(*args, "--data", musique, "--output", out)
     text = out.read_text()
     assert "kvgate bench fidelity --docs 2 --limit 1 --ratios 0,50" in text and "(fidelity.png)" in text
     assert "answer's first 4 positions" in text  # --answer: a short answer compared, for this test's time
@@ -123,10 +111,8 @@ def test_bench_refuses_bad_ratios_and_missing_data(tmp_path: Path, musique: Path
 def test_bench_multiagent_writes_a_table_and_a_plot(tmp_path: Path, gsm8k: Path, capsys) -> None:
     out = tmp_path / "BENCHMARKS.md"
     # Two questions: the second agent's prompt of the second reuses its own first prompt (the prefix row).
-    args = ["bench", "multiagent", "--questions", "2", "--agents", "2", "--written", "8", "--answer", "4"]
-    args += ["--repeats", "1", "--data", str(gsm8k)]
-    proc = subprocess.run([KVGATE, *args, "--output", str(out)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr
+    args = ["multiagent", "--questions", "2", "--agents", "2", "--written", "8", "--answer", "4", "--repeats", "1"]
+    bench(*args, "--data", gsm8k, "--output", out)
     text = out.read_text()
     assert "kvgate bench multiagent --questions 2 --agents 2 --written 8" in text and "(multiagent.png)" in text
     assert "| greedy-4 |" in text and "the fastest of 1 runs" in text  # short, for this test's time
