@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import PreTrainedModel
 
 from kvgate.agents.anchors import AnchorConfig, AnchorPool
 from kvgate.chunk_cache import ChunkStore, DiskTier, MemoryTier, fingerprint
@@ -17,7 +16,6 @@ from kvgate.runtime.blend import BlendConfig
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.documents import message_pieces
 from kvgate.runtime.engine import Engine
-from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import load
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.quality import QualityConfig
@@ -26,16 +24,11 @@ from kvgate.runtime.sampling import SamplingParams
 from kvgate.runtime.sequence import Plan
 from kvgate.runtime.shared import Spans
 from kvgate.runtime.tokens import chat_prompt
-from tests.test_families import FAMILIES, build, prompt, saved
+from tests.test_families import FAMILIES, build, new_kv, prompt, saved
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 ATOL = 1e-4  # cuBLAS and the CPU add up in other orders (TF32 stays off, torch's default)
 LONG = "Call the weather tool for Paris, then for Lyon, and say which city is warmer today. " * 6
-
-
-def new_kv(model: PreTrainedModel) -> KVCache:
-    c, head_dim = model.config, model.model.layers[0].self_attn.head_dim
-    return KVCache(c.num_hidden_layers, c.num_key_value_heads, head_dim, model.dtype, model.device.type)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

@@ -77,7 +77,7 @@ def model(request: pytest.FixtureRequest) -> PreTrainedModel:
 
 def new_kv(model: PreTrainedModel) -> KVCache:
     c, head_dim = model.config, model.model.layers[0].self_attn.head_dim
-    return KVCache(c.num_hidden_layers, c.num_key_value_heads, head_dim, model.dtype, "cpu")
+    return KVCache(c.num_hidden_layers, c.num_key_value_heads, head_dim, model.dtype, model.device.type)
 
 
 def prompt(n: int, seed: int = 1) -> list[int]:
