@@ -40,4 +40,12 @@ def pasted_documents(body: dict[str, Any]) -> dict[str, Any]:
             raise bad_request(said, f"documents.{i}.id", "invalid_value")
         else:
             raise bad_request(f"documents.{i} must be {{text}} or {{id}}", f"documents.{i}", "invalid_type")
+    for i, message in enumerate(messages):  # what pasting reads: each message, the first user one's content
+        if not isinstance(message, dict):
+            raise bad_request(f"messages.{i} must be an object", f"messages.{i}", "invalid_type")
+        if message.get("role") == "user":
+            if not isinstance(message.get("content"), str | list | None):
+                said = f"messages.{i}.content must be a string or an array of content parts"
+                raise bad_request(said, f"messages.{i}.content", "invalid_type")
+            break
     return {**{k: v for k, v in body.items() if k != "documents"}, "messages": pasted(messages, texts)}

@@ -34,4 +34,13 @@ def test_documents_reach_another_engine_pasted_in_kvgates_one_form(tmp_path, ups
         for documents, param in (([{"id": "doc-1"}], "documents.0.id"), ([{"text": 3}], "documents.0")):
             r = httpx.post(url + "/v1/chat/completions", json={**body, "documents": documents})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        # Messages the documents cannot be pasted into (found by test_fuzz: they were a 500)
+        for messages, param in (
+            ([system, {"role": "user", "content": 2.5}], "messages.1.content"),
+            (["hi"], "messages.0"),
+        ):
+            r = httpx.post(
+                url + "/v1/chat/completions", json={**body, "messages": messages, "documents": [{"text": "Doc."}]}
+            )
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         assert requests_seen(a) == 1  # refused here, never sent
