@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
 import openai
 
 from kvgate.gateway.settings import Settings
+from tests import loopback
 from tests.servers import serving
 
 R = TypeVar("R")
@@ -165,7 +165,7 @@ def relayed(tmp_path: Path, pieces: list[bytes]) -> tuple[list[str | None], byte
     with upstream, serving(front(tmp_path, upstream.url), None) as url:
         chunks = list(sdk(url).chat.completions.create(model="stub-a", messages=HELLO, stream=True))
         body = {"model": "stub-a", "messages": HELLO, "stream": True}
-        raw = httpx.post(url + "/v1/chat/completions", json=body, timeout=10)
+        raw = loopback.post(url + "/v1/chat/completions", json=body, timeout=10)
     assert raw.status_code == 200
     return [c.choices[0].delta.content for c in chunks], raw.content
 

@@ -9,13 +9,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
 from kvgate.chunk_cache import ChunkCacheConfig, ChunkStore, DiskTier, MemoryTier
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
+from tests import loopback
 from tests.servers import serving
 from tests.waiting import wait_until
 
@@ -133,7 +133,7 @@ def test_the_program_id_may_come_in_the_body(url: str) -> None:
 def test_a_bad_program_id_is_a_400_naming_what_the_caller_sent(url: str, headers: dict, body: dict, param: str) -> None:
     """A header by its name, a body field by its path: never a field the caller did not send."""
     payload = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], **body}
-    r = httpx.post(f"{url}/v1/chat/completions", json=payload, headers=headers, timeout=60)
+    r = loopback.post(f"{url}/v1/chat/completions", json=payload, headers=headers, timeout=60)
     assert r.status_code == 400
     assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == param
 
@@ -202,7 +202,7 @@ def test_a_second_agent_reuses_the_question_and_the_first_agents_answer(url: str
             assert reused >= count(question) + count(answer), raw.headers["x-kvgate-reuse"]
             assert raw.headers["x-kvgate-reuse"].startswith("kvcomm")
             assert "source=" in raw.headers["x-kvgate-fidelity"]  # spans moved it: by how much, or unmeasured
-    metrics = httpx.get(f"{url}/metrics").text
+    metrics = loopback.get(f"{url}/metrics").text
     assert "kvgate_kvcomm_estimates_total" in metrics
     # Another tenant's agents share none of it: spans hold their first reader's context (what it reads is
     # at most the chat template's opening that its own earlier prompts began with: its prefix blocks).
@@ -265,7 +265,7 @@ def test_a_new_program_waits_while_the_programs_in_flight_fill_memory(settings: 
             wait_until(lambda: engine.scheduler.running, 30, "the long request never ran")
             other = pool.submit(turn, base, [{"role": "user", "content": "List the files."}], "flight-b", "flight-key")
             wait_until(lambda: len(engine.scheduler.held) == 1, 30, "b's first turn was not held at the door")
-            metrics = httpx.get(f"{base}/metrics", timeout=10).text
+            metrics = loopback.get(f"{base}/metrics", timeout=10).text
             assert "kvgate_programs_in_flight 1" in metrics and "kvgate_programs_in_flight_limit 1" in metrics
             time.sleep(1.0)
             assert not other.done()

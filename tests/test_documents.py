@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import openai
 import pytest
 
 from kvgate.chunk_cache import DiskTier
+from tests import loopback
 
 
 @pytest.fixture(scope="module")
@@ -90,12 +90,12 @@ def test_blend_at_ratio_one_answers_as_full_prefill(client, model_name) -> None:
 
 def test_a_stored_document_cited_by_id_answers_as_its_text(client, model_name, base_url) -> None:
     stored = [
-        httpx.post(f"{base_url}/v1/documents", json={"text": d}, headers=AS_CLIENT, timeout=60).json() for d in DOCS
+        loopback.post(f"{base_url}/v1/documents", json={"text": d}, headers=AS_CLIENT, timeout=60).json() for d in DOCS
     ]
     assert all(s["id"].startswith("doc-") and s["tokens"] > 0 and s["cached"] for s in stored)
-    shown = httpx.get(f"{base_url}/v1/documents/{stored[0]['id']}", headers=AS_CLIENT).json()
+    shown = loopback.get(f"{base_url}/v1/documents/{stored[0]['id']}", headers=AS_CLIENT).json()
     assert shown == stored[0]
-    other = httpx.get(f"{base_url}/v1/documents/{stored[0]['id']}", headers={"authorization": "Bearer other"})
+    other = loopback.get(f"{base_url}/v1/documents/{stored[0]['id']}", headers={"authorization": "Bearer other"})
     assert other.status_code == 404  # another tenant does not see it
 
     by_id = ask(client, model_name, [{"id": s["id"]} for s in stored]).parse()
@@ -109,7 +109,7 @@ def test_a_stored_document_cited_by_id_answers_as_its_text(client, model_name, b
 
 def test_a_stored_document_is_on_disk_when_its_card_says_so(base_url, settings) -> None:
     text = "The Old Mill station closes at nine; the last train leaves Pier Street at half past eight."
-    card = httpx.post(f"{base_url}/v1/documents", json={"text": text}, headers=AS_CLIENT, timeout=60).json()
+    card = loopback.post(f"{base_url}/v1/documents", json={"text": text}, headers=AS_CLIENT, timeout=60).json()
     assert card["cached"] and card["durable"] and card["tier"] == "disk"
     # Whole on disk as the server answers: another process opening the directory reads it.
     assert DiskTier(settings.caches.dir, 1 << 30).get(card["id"].removeprefix("doc-")) is not None
@@ -138,7 +138,7 @@ def test_streaming_with_documents_carries_the_reuse_headers(client, model_name, 
         "stream_options": {"include_usage": True},
     }
     ask(client, model_name, body["documents"])  # read once, so that the stream reuses them
-    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=AS_CLIENT, timeout=120) as r:
+    with loopback.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=AS_CLIENT, timeout=120) as r:
         assert r.status_code == 200
         reused = int(r.headers["x-kvgate-reused-tokens"])
         # Out with the headers, before the first token: the same prompt again, read from its prefix blocks.
@@ -162,10 +162,10 @@ def test_streaming_with_documents_carries_the_reuse_headers(client, model_name, 
 
 
 def test_deleted_document_is_gone(base_url, client, model_name) -> None:
-    doc = httpx.post(f"{base_url}/v1/documents", json={"text": "A document to delete."}).json()
-    gone = httpx.delete(f"{base_url}/v1/documents/{doc['id']}")
+    doc = loopback.post(f"{base_url}/v1/documents", json={"text": "A document to delete."}).json()
+    gone = loopback.delete(f"{base_url}/v1/documents/{doc['id']}")
     assert gone.status_code == 200 and gone.json()["deleted"] is True
-    assert httpx.get(f"{base_url}/v1/documents/{doc['id']}").status_code == 404
+    assert loopback.get(f"{base_url}/v1/documents/{doc['id']}").status_code == 404
     with pytest.raises(openai.NotFoundError) as err:
         ask(client, model_name, [{"id": doc["id"]}])
     assert err.value.body["code"] == "document_not_found" and err.value.body["param"] == "documents.0.id"
@@ -190,6 +190,6 @@ def test_bad_documents_are_400s(client, model_name, extra, param) -> None:
 
 
 def test_unknown_document_id_is_a_404(base_url) -> None:
-    r = httpx.get(f"{base_url}/v1/documents/doc-nope")
+    r = loopback.get(f"{base_url}/v1/documents/doc-nope")
     assert r.status_code == 404 and r.json()["error"]["code"] == "document_not_found"
-    assert httpx.post(f"{base_url}/v1/documents", json={}).status_code == 400
+    assert loopback.post(f"{base_url}/v1/documents", json={}).status_code == 400

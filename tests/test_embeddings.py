@@ -21,6 +21,7 @@ from kvgate.gateway.embeddings import Embeddings
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.settings import Settings
 from kvgate.semantic_cache.embedder import MiniLM, make_embedder
+from tests import loopback
 
 T = TypeVar("T")
 NAME = "all-MiniLM-L6-v2"
@@ -56,7 +57,7 @@ def close(got: list[list[float]] | np.ndarray, want: np.ndarray) -> None:
 
 
 def post(base_url: str, **body) -> httpx.Response:
-    return httpx.post(f"{base_url}/v1/embeddings", json=body, timeout=60)
+    return loopback.post(f"{base_url}/v1/embeddings", json=body, timeout=60)
 
 
 def error_of(r: httpx.Response, status: int = 400) -> dict:
@@ -72,7 +73,7 @@ def error_of(r: httpx.Response, status: int = 400) -> dict:
 
 def counted(base_url: str) -> float:
     """The prompt tokens /metrics has counted for the embedding model (what limits spend too)."""
-    for family in text_string_to_metric_families(httpx.get(f"{base_url}/metrics").text):
+    for family in text_string_to_metric_families(loopback.get(f"{base_url}/metrics").text):
         for sample in family.samples:
             if sample.name == "kvgate_prompt_tokens_total" and sample.labels.get("model") == NAME:
                 return sample.value

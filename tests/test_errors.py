@@ -15,11 +15,12 @@ from kvgate.gateway.app import create_app
 from kvgate.gateway.backend import make_backend
 from kvgate.gateway.errors import internal
 from kvgate.runtime.errors import DocumentNotFound, EngineError, PromptTooLong, ServerError, TemplateError
+from tests import loopback
 from tests.servers import free_port
 
 
 def post(base_url: str, path: str, **kw) -> httpx.Response:
-    return httpx.post(f"{base_url}{path}", timeout=60, **kw)
+    return loopback.post(f"{base_url}{path}", timeout=60, **kw)
 
 
 def error_of(r: httpx.Response, status: int) -> dict:
@@ -202,8 +203,8 @@ def test_oversized_body_is_413(base_url, model_name, settings) -> None:
 
 
 def test_unknown_route_and_method(base_url) -> None:
-    error_of(httpx.get(f"{base_url}/v1/nothing"), 404)
-    error_of(httpx.get(f"{base_url}/v1/chat/completions"), 405)
+    error_of(loopback.get(f"{base_url}/v1/nothing"), 404)
+    error_of(loopback.get(f"{base_url}/v1/chat/completions"), 405)
 
 
 def test_sdk_raises_typed_errors_and_server_keeps_serving(client, model_name) -> None:
@@ -239,10 +240,10 @@ def failing_url(settings, engine) -> Iterator[str]:
 
 
 def test_unhandled_errors_are_openai_500s_with_the_request_id(failing_url) -> None:
-    r = httpx.get(f"{failing_url}/bug", headers={"x-request-id": "trace-500"})
+    r = loopback.get(f"{failing_url}/bug", headers={"x-request-id": "trace-500"})
     error = error_of(r, 500)
     assert r.headers["x-request-id"] == "trace-500"
     assert error["type"] == "server_error" and error["code"] == "internal_error" and "KeyError" in error["message"]
-    error = error_of(httpx.get(f"{failing_url}/engine-failure"), 500)
+    error = error_of(loopback.get(f"{failing_url}/engine-failure"), 500)
     assert "probability tensor contains" in error["message"] and error["code"] == "internal_error"  # as the engine said
-    assert httpx.get(f"{failing_url}/health").status_code == 200
+    assert loopback.get(f"{failing_url}/health").status_code == 200

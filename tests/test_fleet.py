@@ -22,6 +22,7 @@ import pytest
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel
+from tests import loopback
 from tests.servers import serving
 from tests.waiting import wait_until
 
@@ -76,7 +77,7 @@ BOOK = {
 
 def chat(front: str, model: str, messages: list[dict]) -> httpx.Response:
     body = {"model": model, "messages": messages, "max_tokens": 6, "temperature": 0}
-    r = httpx.post(front + "/v1/chat/completions", json=body, headers={"authorization": "Bearer tok"}, timeout=120)
+    r = loopback.post(front + "/v1/chat/completions", json=body, headers={"authorization": "Bearer tok"}, timeout=120)
     assert r.status_code == 200, r.text
     return r
 
@@ -131,7 +132,7 @@ def drain(response: httpx.Response) -> None:
 
 
 def running(replica: str) -> float:
-    text = httpx.get(replica + "/metrics", timeout=10).text
+    text = loopback.get(replica + "/metrics", timeout=10).text
     return float(next(line.split()[1] for line in text.splitlines() if line.startswith("kvgate_requests_running ")))
 
 

@@ -12,6 +12,7 @@ import openai
 
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.sampling import SamplingParams
+from tests import loopback
 from tests.conftest import QUESTIONS
 from tests.servers import serving
 from tests.waiting import wait_until
@@ -59,7 +60,7 @@ def test_raw_sse_format(base_url, model_name) -> None:
         "temperature": 0,
         "stream": True,
     }
-    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=60) as r:
+    with loopback.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=60) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         assert r.headers["x-request-id"]
         events = [line for line in r.iter_lines() if line]
@@ -136,12 +137,12 @@ def test_models_health_and_request_id(base_url, client, model_name) -> None:
     # The LLM first, then the embedding model /v1/embeddings serves.
     assert [m.id for m in client.models.list().data] == [model_name, "all-MiniLM-L6-v2"]
     assert client.models.retrieve(model_name).id == model_name
-    health = httpx.get(f"{base_url}/health")
+    health = loopback.get(f"{base_url}/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     assert len(health.headers["x-request-id"]) == 32
-    mine = httpx.get(f"{base_url}/v1/models", headers={"x-request-id": "trace-42"})
+    mine = loopback.get(f"{base_url}/v1/models", headers={"x-request-id": "trace-42"})
     assert mine.headers["x-request-id"] == "trace-42"
-    r = httpx.post(
+    r = loopback.post(
         f"{base_url}/v1/chat/completions",
         headers={"x-request-id": "trace-43"},
         json={"model": model_name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
@@ -150,7 +151,7 @@ def test_models_health_and_request_id(base_url, client, model_name) -> None:
 
 
 def test_unknown_fields_are_ignored(base_url, model_name) -> None:
-    r = httpx.post(
+    r = loopback.post(
         f"{base_url}/v1/chat/completions",
         timeout=60,
         json={
@@ -194,7 +195,7 @@ def test_client_hanging_up_mid_stream_frees_the_engine(base_url, model_name, eng
         "ignore_eos": True,
         "stream": True,
     }
-    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=60) as r:
+    with loopback.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
             if '"content":"' in line and '"content":""' not in line:
                 break
@@ -210,7 +211,7 @@ def test_tokenizing_a_huge_prompt_does_not_stall_other_clients(base_url, model_n
         waits = []
         while not big.done():
             t = time.monotonic()
-            assert httpx.get(f"{base_url}/health", timeout=60).status_code == 200
+            assert loopback.get(f"{base_url}/health", timeout=60).status_code == 200
             waits.append(time.monotonic() - t)
         took = time.monotonic() - started
     assert big.result().status_code == 400
@@ -219,7 +220,7 @@ def test_tokenizing_a_huge_prompt_does_not_stall_other_clients(base_url, model_n
 
 def test_null_means_the_default(base_url, model_name) -> None:
     nulls = dict.fromkeys(["n", "stream", "presence_penalty", "frequency_penalty", "temperature", "seed", "stop"])
-    chat = httpx.post(
+    chat = loopback.post(
         f"{base_url}/v1/chat/completions",
         timeout=60,
         json={
@@ -233,10 +234,10 @@ def test_null_means_the_default(base_url, model_name) -> None:
     assert chat.status_code == 200, chat.text
     assert len(chat.json()["choices"]) == 1 and chat.json()["choices"][0]["logprobs"] is None
     body = {"model": model_name, "prompt": "Hi", "max_tokens": 2, **nulls, "echo": None, "logprobs": None}
-    text = httpx.post(f"{base_url}/v1/completions", timeout=60, json=body)
+    text = loopback.post(f"{base_url}/v1/completions", timeout=60, json=body)
     assert text.status_code == 200, text.text
     body |= {"stream": True, "stream_options": {"include_usage": None}}
-    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as r:
+    with loopback.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert r.status_code == 200 and all("usage" not in e for e in events)
 
@@ -265,6 +266,6 @@ def test_a_stopped_gateway_leaves_no_thread_of_its_own(settings, engine) -> None
 
     before = expiry_threads()
     with serving(settings, engine) as url:
-        assert httpx.get(f"{url}/health").status_code == 200
+        assert loopback.get(f"{url}/health").status_code == 200
         assert expiry_threads() == before + 1
     assert expiry_threads() == before

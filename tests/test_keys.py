@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from kvgate.gateway.settings import Settings
+from tests import loopback
 from tests.servers import serving
 
 HASHED = "sk-only-its-hash-is-in-the-file"
@@ -37,7 +38,7 @@ def url(settings, engine) -> Iterator[str]:
 def ask(url: str, key: str | None, model: str, **body) -> httpx.Response:
     headers = {"authorization": f"Bearer {key}"} if key else {}
     payload = {"model": model, "messages": HELLO, "max_tokens": 2, "temperature": 0, **body}
-    return httpx.post(url + "/v1/chat/completions", json=payload, headers=headers, timeout=60)
+    return loopback.post(url + "/v1/chat/completions", json=payload, headers=headers, timeout=60)
 
 
 def test_a_missing_or_wrong_key_is_401(url, model_name):
@@ -79,7 +80,7 @@ def test_tokens_per_minute_refuse_the_next_request(url, model_name):
 
 
 def test_documents_belong_to_their_tenant(url, model_name):
-    stored = httpx.post(
+    stored = loopback.post(
         url + "/v1/documents",
         json={"text": "Alpha's private notes."},
         headers={"authorization": "Bearer sk-alpha"},
@@ -87,15 +88,15 @@ def test_documents_belong_to_their_tenant(url, model_name):
     ).json()
     cite = {"documents": [{"id": stored["id"]}]}
     assert ask(url, "sk-alpha", model_name, **cite).status_code == 200
-    other = httpx.get(url + f"/v1/documents/{stored['id']}", headers={"authorization": "Bearer sk-beta"})
+    other = loopback.get(url + f"/v1/documents/{stored['id']}", headers={"authorization": "Bearer sk-beta"})
     assert other.status_code == 404
 
 
 def test_admin_endpoints_need_the_admin_key(url):
-    assert httpx.get(url + "/admin/keys").status_code == 401
-    r = httpx.get(url + "/admin/keys", headers={"authorization": "Bearer sk-alpha"})
+    assert loopback.get(url + "/admin/keys").status_code == 401
+    r = loopback.get(url + "/admin/keys", headers={"authorization": "Bearer sk-alpha"})
     assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
-    listed = httpx.get(url + "/admin/keys", headers={"authorization": f"Bearer {ADMIN}"}).json()["data"]
+    listed = loopback.get(url + "/admin/keys", headers={"authorization": f"Bearer {ADMIN}"}).json()["data"]
     assert {k["tenant"] for k in listed} == {"alpha", "beta", "gamma", "delta"}
     assert all("key" not in k for k in listed)
 
@@ -104,7 +105,7 @@ def test_keys_created_through_the_admin_api_live_hashed_in_redis(settings, engin
     admin = {"authorization": f"Bearer {ADMIN}"}
     shared = keyed(settings, redis_url=redis_server.url)
     with serving(shared, engine) as one, serving(shared, engine) as two:
-        made = httpx.post(
+        made = loopback.post(
             one + "/admin/keys", json={"tenant": "epsilon", "models": [model_name], "rpm": 3}, headers=admin
         )
         assert made.status_code == 200
@@ -118,9 +119,9 @@ def test_keys_created_through_the_admin_api_live_hashed_in_redis(settings, engin
         assert stored and all(key.encode() not in name for name in stored)
         assert all(key.encode() not in redis_server.client().get(name) for name in stored)
         key_id = made.json()["id"]
-        assert httpx.delete(one + f"/admin/keys/{key_id}", headers=admin).status_code == 200
+        assert loopback.delete(one + f"/admin/keys/{key_id}", headers=admin).status_code == 200
         assert ask(one, key, model_name).status_code == 401
-        assert httpx.delete(one + f"/admin/keys/{key_id}", headers=admin).status_code == 404
+        assert loopback.delete(one + f"/admin/keys/{key_id}", headers=admin).status_code == 404
 
 
 def test_callers_without_a_key_share_their_address_budget(settings, engine, model_name):

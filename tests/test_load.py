@@ -33,6 +33,7 @@ import httpx
 
 from kvgate.bench.upstream import serve_upstream
 from kvgate.gateway.workers import serving
+from tests import loopback
 from tests.conftest import QUESTIONS
 
 Body = Callable[[int], dict[str, Any]]
@@ -250,7 +251,7 @@ def test_the_model_under_load_fails_nothing_and_keeps_its_memory(tmp_path: Path)
     off = {"prefix_caching": False, "content_chunks": False}
     settings = {"semantic_cache": {"enabled": False}, "caches": {"disk_bytes": 0, **off}, "engine": {"max_num_seqs": 8}}
     with kvgate(tmp_path, 180, security={"max_waiting_seqs_per_tenant": 8}, **settings) as server:
-        model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        model = loopback.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         tenants = [Tenant(2, chat(model, 8), "sk-calm"), Tenant(4, chat(model, 8, n=4), "sk-flood")]
         run = warm_up_then_load(server, tenants, warmup_s=5, load_s=15, check=some_answer)
     calm, flood = run.loads

@@ -9,11 +9,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import anthropic
-import httpx
 import openai
 import pytest
 
 from kvgate.gateway.settings import Settings
+from tests import loopback
 from tests.servers import serving
 
 BRIEF = "You answer in one short sentence."
@@ -195,7 +195,7 @@ def test_a_request_shaped_like_claude_codes_is_answered(claude: anthropic.Anthro
 def test_what_cannot_be_honoured_is_a_400_in_anthropics_shape(
     base_url: str, model_name: str, body: dict[str, Any], said: str
 ):
-    response = httpx.post(f"{base_url}/v1/messages", json={"model": model_name, **body}, timeout=60)
+    response = loopback.post(f"{base_url}/v1/messages", json={"model": model_name, **body}, timeout=60)
     assert response.status_code == 400
     error = response.json()
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
@@ -242,7 +242,7 @@ def raw_events(base_url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     """The SSE events as sent: each `event:` name is its data's type."""
     body = {k: v for k, v in body.items() if v is not None}
     events = []
-    with httpx.stream("POST", f"{base_url}/v1/messages", json=body, timeout=120) as response:
+    with loopback.stream("POST", f"{base_url}/v1/messages", json=body, timeout=120) as response:
         name = None
         for line in response.iter_lines():
             if line.startswith("event: "):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.bench.upstream import serve_upstream
+from tests import loopback
 from tests.servers import serving
 
 DOCS = [{"text": "The lighthouse at Varn was built in 1821."}, {"text": "Its keeper was Ada Moll."}]
@@ -16,7 +16,7 @@ ASK = [{"role": "user", "content": "Who kept the lighthouse?"}]
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    r = httpx.get(url + "/metrics")
+    r = loopback.get(url + "/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -39,10 +39,10 @@ def test_requests_tokens_reuse_and_tiers_are_counted(url, model_name):
     before = scrape(url)
     body = {"model": model_name, "messages": ASK, "documents": DOCS, "max_tokens": 3, "temperature": 0}
     for _ in range(2):
-        assert httpx.post(url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
-    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+        assert loopback.post(url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+    with loopback.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
         r.read()
-    httpx.post(url + "/v1/chat/completions", json={"model": "nope", "messages": ASK})
+    loopback.post(url + "/v1/chat/completions", json={"model": "nope", "messages": ASK})
     after = scrape(url)
 
     def grew(name: str, **labels: str) -> float:
@@ -70,8 +70,8 @@ def test_requests_tokens_reuse_and_tiers_are_counted(url, model_name):
 
 
 def test_health_is_liveness_and_ready_says_the_model_serves(url, model_name):
-    assert httpx.get(url + "/health").json()["status"] == "ok"
-    ready = httpx.get(url + "/ready").json()
+    assert loopback.get(url + "/health").json()["status"] == "ok"
+    ready = loopback.get(url + "/ready").json()
     assert ready["status"] == "ready" and ready["model"] == model_name
 
 
@@ -83,7 +83,7 @@ def test_the_semantic_layer_is_counted_in_proxy_mode(tmp_path):
         with serving(settings, None) as url:
             ask = {"model": "stub-a", "messages": ASK, "temperature": 0}
             for _ in range(2):
-                httpx.post(url + "/v1/chat/completions", json=ask, timeout=30).raise_for_status()
+                loopback.post(url + "/v1/chat/completions", json=ask, timeout=30).raise_for_status()
             samples = scrape(url)
     assert value(samples, "kvgate_cache_lookups_total", layer="semantic", result="miss") == 1
     assert value(samples, "kvgate_cache_lookups_total", layer="semantic", result="hit") == 1
@@ -108,7 +108,7 @@ def test_label_values_callers_name_are_capped(tmp_path):
         with serving(settings, None) as url:
             for name in names:
                 ask = {"model": name, "messages": ASK, "max_tokens": 2}
-                httpx.post(url + "/v1/chat/completions", json=ask, timeout=30).raise_for_status()
+                loopback.post(url + "/v1/chat/completions", json=ask, timeout=30).raise_for_status()
             samples = scrape(url)
     labelled = {dict(labels)["model"] for (name, labels) in samples if name == "kvgate_prompt_tokens_total"}
     assert labelled == {*names[:MAX_VALUES], OTHER}

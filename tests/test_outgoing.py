@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
 from kvgate.bench.upstream import serve_upstream
+from tests import loopback
 from tests.servers import serving
 from tests.test_proxy import front, requests_seen
 
@@ -27,19 +27,19 @@ def test_documents_reach_another_engine_pasted_in_kvgates_one_form(tmp_path, ups
     body = {"model": "stub-a", "messages": [system, {"role": "user", "content": "Where?"}]}
     with serving(front(tmp_path, a), None) as url:
         documents = [{"text": "Doc one."}, {"text": "Doc two."}]
-        httpx.post(url + "/v1/chat/completions", json={**body, "documents": documents}).raise_for_status()
-        sent = httpx.get(a + "/_stats").json()["last_body"]
+        loopback.post(url + "/v1/chat/completions", json={**body, "documents": documents}).raise_for_status()
+        sent = loopback.get(a + "/_stats").json()["last_body"]
         pasted = "<document>\nDoc one.\n</document>\n\n<document>\nDoc two.\n</document>\n\nWhere?"
         assert "documents" not in sent and sent["messages"] == [system, {"role": "user", "content": pasted}]
         for documents, param in (([{"id": "doc-1"}], "documents.0.id"), ([{"text": 3}], "documents.0")):
-            r = httpx.post(url + "/v1/chat/completions", json={**body, "documents": documents})
+            r = loopback.post(url + "/v1/chat/completions", json={**body, "documents": documents})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         # Messages the documents cannot be pasted into (found by test_fuzz: they were a 500)
         for messages, param in (
             ([system, {"role": "user", "content": 2.5}], "messages.1.content"),
             (["hi"], "messages.0"),
         ):
-            r = httpx.post(
+            r = loopback.post(
                 url + "/v1/chat/completions", json={**body, "messages": messages, "documents": [{"text": "Doc."}]}
             )
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

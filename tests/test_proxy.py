@@ -16,6 +16,7 @@ import pytest
 
 from kvgate.bench.upstream import serve_upstream
 from kvgate.gateway.settings import Settings
+from tests import loopback
 from tests.servers import free_port, serving
 from tests.waiting import wait_until
 
@@ -32,15 +33,15 @@ def upstreams() -> Iterator[tuple[str, str]]:
 @pytest.fixture(autouse=True)
 def fresh(upstreams: tuple[str, str]) -> None:
     for url in upstreams:
-        httpx.post(url + "/_reset")
+        loopback.post(url + "/_reset")
 
 
 def script(url: str, *actions: dict[str, Any]) -> None:
-    httpx.post(url + "/_script", json={"actions": list(actions)}).raise_for_status()
+    loopback.post(url + "/_script", json={"actions": list(actions)}).raise_for_status()
 
 
 def requests_seen(url: str) -> int:
-    return httpx.get(url + "/_stats").json()["requests"]
+    return loopback.get(url + "/_stats").json()["requests"]
 
 
 def front(tmp_path, *urls: str, **overrides: Any) -> Settings:
@@ -74,20 +75,20 @@ def test_forwards_the_body_as_sent(tmp_path, upstreams):
     a, _ = upstreams
     with serving(front(tmp_path, a), None) as url:
         body = {"model": "stub-a", "messages": HELLO, "guided_json": {"type": "object"}, "temperature": 0.3}
-        httpx.post(url + "/v1/chat/completions", json=body, headers={"x-request-id": "abc-1"}).raise_for_status()
-        stats = httpx.get(a + "/_stats").json()
+        loopback.post(url + "/v1/chat/completions", json=body, headers={"x-request-id": "abc-1"}).raise_for_status()
+        stats = loopback.get(a + "/_stats").json()
         assert stats["last_body"] == body  # fields kvgate does not know reach the upstream untouched
         assert stats["last_headers"]["x-request-id"] == "abc-1"
         assert "authorization" not in stats["last_headers"]  # the client's key is not passed on
         ours = {**body, "kvgate": {"program_id": "p-1"}}
-        httpx.post(url + "/v1/chat/completions", json=ours).raise_for_status()
-        stats = httpx.get(a + "/_stats").json()
+        loopback.post(url + "/v1/chat/completions", json=ours).raise_for_status()
+        stats = loopback.get(a + "/_stats").json()
         assert stats["last_body"] == body  # kvgate's own options stay here (a hosted API would refuse them)
         assert stats["last_headers"]["x-kvgate-program-id"] == "p-1"
         # A body with nothing to change passes byte for byte, never parsed and written again.
         raw = b'{"messages": [{"content": "hello", "role": "user"}] ,"model":"stub-a", "temperature": 0.30}'
-        httpx.post(url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
-        assert httpx.get(a + "/_stats").json()["last_raw"] == raw.decode()
+        loopback.post(url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+        assert loopback.get(a + "/_stats").json()["last_raw"] == raw.decode()
 
 
 def test_an_upstreams_400_for_a_malformed_body_is_passed_on(tmp_path, upstreams):
@@ -96,7 +97,7 @@ def test_an_upstreams_400_for_a_malformed_body_is_passed_on(tmp_path, upstreams)
     a, _ = upstreams
     with serving(front(tmp_path, a), None) as url:
         body = {"model": "stub-a", "prompt": "hi", "stream": [None], "stream_options": [None]}
-        answer = httpx.post(url + "/v1/completions", json=body)
+        answer = loopback.post(url + "/v1/completions", json=body)
         assert answer.status_code == 400 and "stream" in answer.json()["error"]["message"]
 
 
@@ -110,7 +111,7 @@ def test_model_aliases_and_upstream_keys(tmp_path):
         with serving(settings, None) as url:
             answer = client(url).chat.completions.create(model="public", messages=HELLO)
             assert answer.choices[0].message.content == ANSWER
-            assert httpx.get(up + "/_stats").json()["last_body"]["model"] == "real-name"
+            assert loopback.get(up + "/_stats").json()["last_body"]["model"] == "real-name"
             (listed,) = client(url).models.list().data  # OpenAI's model object, every field of it
             assert listed.model_dump(exclude_unset=True) == {
                 "id": "public",
@@ -193,10 +194,10 @@ def test_an_unreachable_upstream_is_skipped_and_none_reachable_is_a_502(tmp_path
             client(url).chat.completions.create(model="stub-a", messages=HELLO)
         assert caught.value.status_code == 502
         assert caught.value.body["code"] == "upstream_unreachable"
-        down = httpx.get(url + "/ready")
+        down = loopback.get(url + "/ready")
         assert down.status_code == 503 and down.json()["error"]["code"] == "upstreams_down"
         assert down.json()["error"]["message"] == "no upstream is reachable: ['up-0']"
-        assert httpx.get(url + "/health").status_code == 200
+        assert loopback.get(url + "/health").status_code == 200
 
 
 def test_a_stream_slow_to_its_first_byte_times_out_to_the_next_upstream(tmp_path, upstreams):
@@ -206,7 +207,7 @@ def test_a_stream_slow_to_its_first_byte_times_out_to_the_next_upstream(tmp_path
     with serving(settings, None) as url:
         started = time.monotonic()
         body = {"model": "stub-a", "messages": HELLO, "stream": True}
-        with httpx.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        with loopback.stream("POST", url + "/v1/chat/completions", json=body) as r:
             assert r.headers["x-kvgate-upstream"] == "up-1"
         assert time.monotonic() - started < 2.5
 
@@ -226,7 +227,7 @@ def test_a_429_that_lifts_late_on_the_last_upstream_is_passed_on(tmp_path, upstr
     a, _ = upstreams
     script(a, {"status": 429, "retry_after": 30})
     with serving(front(tmp_path, a), None) as url:
-        r = httpx.post(url + "/v1/chat/completions", json={"model": "stub-a", "messages": HELLO})
+        r = loopback.post(url + "/v1/chat/completions", json={"model": "stub-a", "messages": HELLO})
     assert r.status_code == 429 and r.headers["retry-after"] == "30"
     assert requests_seen(a) == 1
 
@@ -235,7 +236,7 @@ def test_a_stream_dropped_midway_ends_with_an_error_event_and_is_not_retried(tmp
     a, b = upstreams
     script(a, {"drop_after": 3})
     with serving(front(tmp_path, a, b), None) as url:
-        with httpx.stream(
+        with loopback.stream(
             "POST", url + "/v1/chat/completions", json={"model": "stub-a", "messages": HELLO, "stream": True}
         ) as r:
             events = [line for line in r.iter_lines() if line]
@@ -263,18 +264,20 @@ def test_errors_of_the_upstream_pass_through_and_bad_input_stays_here(tmp_path, 
     with serving(front(tmp_path, a), None) as url:
         with pytest.raises(openai.NotFoundError):
             client(url).chat.completions.create(model="nope", messages=HELLO)
-        r = httpx.post(url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+        r = loopback.post(
+            url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+        )
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
-        r = httpx.post(url + "/v1/chat/completions", json={"model": "stub-a", "messages": HELLO, "documents": 3.5})
+        r = loopback.post(url + "/v1/chat/completions", json={"model": "stub-a", "messages": HELLO, "documents": 3.5})
         # found by fuzzing: a 500. Documents are kvgate's field (pasted into the prompt for this engine): a 400 here
         assert r.status_code == 400 and r.json()["error"]["param"] == "documents"
-        r = httpx.post(url + "/v1/chat/completions", content=b'{"model": "\\ud800", "messages": []}')
+        r = loopback.post(url + "/v1/chat/completions", content=b'{"model": "\\ud800", "messages": []}')
         assert r.status_code == 404 and "\\ud800" in r.text  # found by fuzzing: quoting it was a 500
-        r = httpx.post(url + "/v1/chat/completions", json={"messages": HELLO})
+        r = loopback.post(url + "/v1/chat/completions", json={"messages": HELLO})
         assert r.status_code == 400 and r.json()["error"]["param"] == "model"
-        assert httpx.get(url + "/v1/documents/%1F").status_code == 404  # found by fuzzing: it was a 500
+        assert loopback.get(url + "/v1/documents/%1F").status_code == 404  # found by fuzzing: it was a 500
         script(a, {"status": 400})
-        r = httpx.post(url + "/v1/chat/completions", json={"model": "stub-a", "messages": HELLO})
+        r = loopback.post(url + "/v1/chat/completions", json={"model": "stub-a", "messages": HELLO})
         assert r.status_code == 400  # not worth retrying: passed on as the upstream said it
     assert requests_seen(a) == 1  # only that one: the malformed documents were refused here
 
@@ -282,7 +285,7 @@ def test_errors_of_the_upstream_pass_through_and_bad_input_stays_here(tmp_path, 
 def test_admin_endpoints_reach_the_fronts_semantic_cache(tmp_path, upstreams):
     a, _ = upstreams
     with serving(front(tmp_path, a, semantic_cache={"enabled": True}, security={"admin_key": "sk-admin"}), None) as url:
-        r = httpx.get(url + "/admin/semantic-cache", headers={"authorization": "Bearer sk-admin"})
+        r = loopback.get(url + "/admin/semantic-cache", headers={"authorization": "Bearer sk-admin"})
         assert r.status_code == 200 and r.json()["object"] == "semantic_cache"
 
 
@@ -290,9 +293,9 @@ def test_the_semantic_cache_answers_in_front_of_the_upstream(tmp_path, upstreams
     a, _ = upstreams
     with serving(front(tmp_path, a, semantic_cache={"enabled": True}), None) as url:
         ask = {"model": "stub-a", "messages": [{"role": "user", "content": "What is the capital of France?"}]}
-        first = httpx.post(url + "/v1/chat/completions", json={**ask, "temperature": 0})
+        first = loopback.post(url + "/v1/chat/completions", json={**ask, "temperature": 0})
         assert first.headers["x-kvgate-cache"] == "miss"
-        again = httpx.post(url + "/v1/chat/completions", json={**ask, "temperature": 0, "stream": True})
+        again = loopback.post(url + "/v1/chat/completions", json={**ask, "temperature": 0, "stream": True})
         assert again.headers["x-kvgate-cache"] == "hit"
         text = "".join(
             json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
@@ -300,7 +303,7 @@ def test_the_semantic_cache_answers_in_front_of_the_upstream(tmp_path, upstreams
             if line.startswith("data: {")
         )
         assert text == ANSWER
-        other = httpx.post(
+        other = loopback.post(
             url + "/v1/chat/completions", json={**ask, "temperature": 0}, headers={"authorization": "Bearer x"}
         )
         assert other.headers["x-kvgate-cache"] == "miss"  # another caller, another tenant
@@ -316,14 +319,14 @@ def test_with_the_race_a_miss_is_kept_after_it_went_out_and_a_hit_does_not_wait_
         front(tmp_path, a, semantic_cache={"enabled": True, "race": True}, security={"admin_key": "sk-admin"}), None
     ) as url:
         ask = {"model": "stub-a", "messages": [{"role": "user", "content": "What is the capital of Peru?"}]}
-        first = httpx.post(url + "/v1/chat/completions", json={**ask, "temperature": 0})
+        first = loopback.post(url + "/v1/chat/completions", json={**ask, "temperature": 0})
         assert first.status_code == 200 and first.json()["choices"][0]["message"]["content"] == ANSWER
         assert first.headers["x-kvgate-cache"] == "miss"  # the upstream answered before the lookup did
-        kept = lambda: httpx.get(url + "/admin/semantic-cache", headers=admin).json()["entries"] > 0  # noqa: E731
+        kept = lambda: loopback.get(url + "/admin/semantic-cache", headers=admin).json()["entries"] > 0  # noqa: E731
         wait_until(kept, 20, "the answer was never kept", every_s=0.05)
         script(a, {"delay_s": 5})
         began = time.monotonic()
-        slow = httpx.post(url + "/v1/chat/completions", json={**ask, "temperature": 0, "stream": True}, timeout=30)
+        slow = loopback.post(url + "/v1/chat/completions", json={**ask, "temperature": 0, "stream": True}, timeout=30)
         assert slow.headers["x-kvgate-cache"] == "hit" and time.monotonic() - began < 3
         assert ANSWER.split()[0] in slow.text
 

@@ -21,6 +21,7 @@ import httpx
 from kvgate.gateway.app import create_app
 from kvgate.gateway.backend import make_backend
 from kvgate.gateway.upstreams import Upstream
+from tests import loopback
 from tests.raw_upstream import (
     HELLO,
     PIECES,
@@ -61,7 +62,7 @@ def test_events_cut_and_merged_anyhow_reach_the_client_whole_in_order_and_lf_fra
     with upstream, serving(front(tmp_path, upstream.url), None) as url:
         chunks = list(sdk(url).chat.completions.create(model="stub-a", messages=HELLO, stream=True))
         body = {"model": "stub-a", "messages": HELLO, "stream": True}
-        raw = httpx.post(url + "/v1/chat/completions", json=body, timeout=10)
+        raw = loopback.post(url + "/v1/chat/completions", json=body, timeout=10)
     assert [c.choices[0].delta.content for c in chunks] == [*PIECES, None]  # every piece whole, in order
     assert chunks[-1].choices[0].finish_reason == "stop" and all(c.usage is None for c in chunks)
     assert len(upstream.seen) == 2 and json.loads(upstream.seen[0].body)["stream_options"] == {"include_usage": True}
@@ -235,17 +236,17 @@ def test_documents_never_reach_an_upstream_kvgate_does_not_own(tmp_path: Path) -
     worker_up = RawUpstream(lambda seen: json_answer({"error": {"message": "busy"}}, 503))
     with hosted, worker_up:
         with serving(front(tmp_path, hosted.url), None) as url:
-            added = httpx.post(url + "/v1/documents", json={"text": SECRET_TEXT}, timeout=10)
-            shown = httpx.get(url + "/v1/documents/doc-hosted", timeout=10)
-            dropped = httpx.delete(url + "/v1/documents/doc-hosted", timeout=10)
+            added = loopback.post(url + "/v1/documents", json={"text": SECRET_TEXT}, timeout=10)
+            shown = loopback.get(url + "/v1/documents/doc-hosted", timeout=10)
+            dropped = loopback.delete(url + "/v1/documents/doc-hosted", timeout=10)
         for answer in (added, shown, dropped):
             assert answer.status_code == 404 and answer.json()["error"]["code"] == "no_workers"
             said = answer.json()["error"]["message"]
             assert said == "documents are kept by kvgate's runtime workers; this gateway has none"
         worker = Upstream("worker-0", worker_up.url, {"stub-a": "stub-a"}, worker=True, secret="front-secret")
         with serving(front(tmp_path, hosted.url), None, workers=(worker,)) as url:
-            added = httpx.post(url + "/v1/documents", json={"text": SECRET_TEXT}, timeout=10)
-            shown = httpx.get(url + "/v1/documents/doc-1", timeout=10)
+            added = loopback.post(url + "/v1/documents", json={"text": SECRET_TEXT}, timeout=10)
+            shown = loopback.get(url + "/v1/documents/doc-1", timeout=10)
         assert added.status_code == 503 and added.headers["x-kvgate-upstream"] == "worker-0"
         assert shown.status_code == 503 and shown.headers["x-kvgate-upstream"] == "worker-0"
     assert [(s.method, s.path) for s in worker_up.seen] == [("POST", "/v1/documents")] * 3 + [

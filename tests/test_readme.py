@@ -31,6 +31,7 @@ import yaml
 
 from kvgate.bench.upstream import serve_upstream
 from kvgate.gateway import cli
+from tests import loopback
 from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,7 +161,7 @@ def test_serve_with_a_config_file_proxies_to_an_upstream(tmp_path: Path) -> None
             while True:
                 assert proc.poll() is None, (tmp_path / "serve.log").read_text()
                 try:
-                    if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+                    if loopback.get(f"{url}/ready", timeout=5).status_code == 200:
                         break
                 except httpx.TransportError:
                     pass
@@ -168,7 +169,7 @@ def test_serve_with_a_config_file_proxies_to_an_upstream(tmp_path: Path) -> None
                 time.sleep(0.1)
             print(f"ready in {time.monotonic() - began:.2f} s")
             body = {"model": "stub-a", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
-            answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+            answer = loopback.post(f"{url}/v1/chat/completions", json=body, timeout=30)
             assert answer.status_code == 200, answer.text
             assert answer.json()["choices"][0]["message"]["content"] == "w0 w1 w2 w3 w4 w5 w6 w7 "
             assert answer.headers["x-kvgate-upstream"] == "stub"

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 
 from kvgate.gateway.relay import Events, Relay, event_data
+from tests import loopback
 from tests.raw_upstream import (
     HELLO,
     PIECES,
@@ -77,7 +78,7 @@ def failing(tmp_path: Path, answer: Answer, stream: bool) -> httpx.Response:
     upstream = RawUpstream(lambda seen: answer)
     with upstream, serving(front(tmp_path, upstream.url, proxy={"read_timeout_s": 0.5, "retries": 0}), None) as url:
         body = {"model": "stub-a", "messages": HELLO, "stream": stream}
-        return httpx.post(url + "/v1/chat/completions", json=body, timeout=10)
+        return loopback.post(url + "/v1/chat/completions", json=body, timeout=10)
 
 
 def test_a_whole_answer_cut_short_is_a_502_and_one_stalled_a_504(tmp_path: Path) -> None:
@@ -122,9 +123,11 @@ def test_an_events_data_is_its_data_fields_joined_whatever_comes_with_them(tmp_p
     upstream = RawUpstream(lambda seen: sse_stream(*writes))
     with upstream, serving(front(tmp_path, upstream.url, semantic_cache={"enabled": True}), None) as url:
         body = {"model": "stub-a", "messages": ask, "stream": True, "temperature": 0}
-        wire = httpx.post(url + "/v1/chat/completions", json=body, timeout=10).content
+        wire = loopback.post(url + "/v1/chat/completions", json=body, timeout=10).content
         # Kept after it went out: the whole text, read from every event's data.
-        again = until_hit(lambda: httpx.post(url + "/v1/chat/completions", json={**body, "stream": False}, timeout=10))
+        again = until_hit(
+            lambda: loopback.post(url + "/v1/chat/completions", json={**body, "stream": False}, timeout=10)
+        )
     assert wire == b"".join(
         e + b"\n\n" for e in [*events[:-1], b"data: [DONE]"]
     )  # usage alone dropped, the rest as sent
@@ -181,7 +184,7 @@ def test_a_stream_cut_midway_is_never_kept_for_the_semantic_cache(tmp_path: Path
 
         def ask(messages: list[dict[str, str]]) -> httpx.Response:
             body = {"model": "stub-a", "messages": messages, "stream": True, "temperature": 0}
-            return httpx.post(url + "/v1/chat/completions", json=body, timeout=10)
+            return loopback.post(url + "/v1/chat/completions", json=body, timeout=10)
 
         failed = ask(lighthouse)
         assert b"failed mid-stream" in failed.content and failed.content.endswith(b"data: [DONE]\n\n")
@@ -202,8 +205,8 @@ def test_a_whole_answer_without_usage_or_text_is_passed_on_and_replayed_as_it_wa
     upstream = RawUpstream(lambda seen: json_answer(silent))
     ask = {"model": "stub-a", "messages": [{"role": "user", "content": "Say nothing."}], "temperature": 0}
     with upstream, serving(front(tmp_path, upstream.url, semantic_cache={"enabled": True}), None) as url:
-        first = httpx.post(url + "/v1/chat/completions", json=ask, timeout=10)
-        replies = [httpx.post(url + "/v1/chat/completions", json=ask, timeout=10) for _ in range(5)]
+        first = loopback.post(url + "/v1/chat/completions", json=ask, timeout=10)
+        replies = [loopback.post(url + "/v1/chat/completions", json=ask, timeout=10) for _ in range(5)]
     assert first.status_code == 200 and first.json() == silent
     for again in replies:
         assert again.status_code == 200 and again.json()["choices"][0]["message"]["content"] in (None, "")

@@ -14,13 +14,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 from openai.types.responses import Response
 
 from kvgate.bench.upstream import serve_upstream
 from kvgate.gateway.settings import Settings
+from tests import loopback
 from tests.servers import serving
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +90,7 @@ def test_a_stream_is_the_responses_events_ending_with_the_response(client, base_
     assert client.responses.create(**ask, max_output_tokens=48).output_text == text
     with client.responses.stream(**ask, max_output_tokens=48) as stream:  # the SDK's own bookkeeping of the events
         assert stream.get_final_response().output_text == text
-    with httpx.stream("POST", base_url + "/v1/responses", json={**ask, "max_output_tokens": 4, "stream": True}) as r:
+    with loopback.stream("POST", base_url + "/v1/responses", json={**ask, "max_output_tokens": 4, "stream": True}) as r:
         lines = [line for line in r.iter_lines() if line]
     named = [line.removeprefix("event: ") for line in lines[0::2]]
     assert named == [json.loads(line.removeprefix("data: "))["type"] for line in lines[1::2]]
@@ -198,7 +198,7 @@ BAD = [
 
 @pytest.mark.parametrize(("fields", "param"), BAD, ids=[p for _, p in BAD])
 def test_what_cannot_be_honoured_is_a_400_naming_the_param(base_url, model_name, fields, param):
-    r = httpx.post(base_url + "/v1/responses", json={"model": model_name, "input": "hi", **fields}, timeout=60)
+    r = loopback.post(base_url + "/v1/responses", json={"model": model_name, "input": "hi", **fields}, timeout=60)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert (error["type"], error["param"]) == ("invalid_request_error", param), error
@@ -272,11 +272,11 @@ def front(tmp_path: Path, upstream: str, semantic: bool = False) -> Settings:
 
 
 def sent(upstream: str) -> dict[str, Any]:
-    return httpx.get(upstream + "/_stats").json()["last_body"]
+    return loopback.get(upstream + "/_stats").json()["last_body"]
 
 
 def test_in_proxy_mode_a_chat_upstream_answers(tmp_path, stub):
-    httpx.post(stub + "/_reset")
+    loopback.post(stub + "/_reset")
     with serving(front(tmp_path, stub), None) as url:
         first = sdk(url).responses.create(model="stub-a", instructions="Be brief.", input="hello")
         assert (first.output_text, first.status, first.usage.output_tokens) == (STUB_ANSWER, "completed", 8)
@@ -293,24 +293,24 @@ def test_in_proxy_mode_a_chat_upstream_answers(tmp_path, stub):
         tool_calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
         answered = [said("assistant", "ok", tool_calls=tool_calls), said("tool", "done", tool_call_id="c1")]
         assert sent(stub)["messages"] == [said("user", "hi"), *answered]  # text and calls: one chat message
-        httpx.post(stub + "/_script", json={"actions": [{"drop_after": 2}]})
+        loopback.post(stub + "/_script", json={"actions": [{"drop_after": 2}]})
         events = list(sdk(url).responses.create(model="stub-a", input="hello", stream=True))
         assert events[-1].type == "response.failed" and events[-1].response.status == "failed"
         assert "failed mid-stream" in events[-1].response.error.message
-        httpx.post(stub + "/_script", json={"actions": [{"status": 400}]})
+        loopback.post(stub + "/_script", json={"actions": [{"status": 400}]})
         with pytest.raises(openai.BadRequestError, match="Scripted failure 400"):
             sdk(url).responses.create(model="stub-a", input="hello")
 
 
 def test_the_semantic_cache_answers_responses_as_it_answers_chat(tmp_path, stub):
-    httpx.post(stub + "/_reset")
+    loopback.post(stub + "/_reset")
     with serving(front(tmp_path, stub, semantic=True), None) as url:
         ask = {"model": "stub-a", "input": "What is the capital of France?", "temperature": 0}
         assert sdk(url).responses.with_raw_response.create(**ask).headers["x-kvgate-cache"] == "miss"
         again = sdk(url).responses.with_raw_response.create(**ask, stream=True)
         assert again.headers["x-kvgate-cache"] == "hit"
         assert list(again.parse())[-1].response.output_text == STUB_ANSWER
-    assert httpx.get(stub + "/_stats").json()["requests"] == 1
+    assert loopback.get(stub + "/_stats").json()["requests"] == 1
 
 
 # ---- the OpenAI Agents SDK, its default model: OpenAIResponsesModel ---------------------------------------------

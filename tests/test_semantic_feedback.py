@@ -10,7 +10,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 import yaml
@@ -21,6 +20,7 @@ from kvgate.gateway.semantic import Checks
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
 from kvgate.semantic_cache.config import DEFAULT_CATEGORIES
+from tests import loopback
 from tests.servers import serving
 from tests.waiting import wait_until
 
@@ -46,7 +46,7 @@ def ask(url: str, question: str, key: str = "key-alice"):
 
 
 def bound(url: str) -> dict:
-    stats = httpx.get(f"{url}/admin/semantic-cache", headers={"authorization": f"Bearer {ADMIN}"}).json()
+    stats = loopback.get(f"{url}/admin/semantic-cache", headers={"authorization": f"Bearer {ADMIN}"}).json()
     return stats["bound"]
 
 
@@ -82,14 +82,14 @@ def test_a_wrong_hit_reported_by_its_id_is_deleted_and_taught(url: str) -> None:
 def test_a_bad_feedback_body_is_a_400_in_the_openai_format(url: str) -> None:
     headers = {"authorization": "Bearer key-alice"}
     for body in ({}, {"id": ""}, {"id": 7}):
-        reply = httpx.post(f"{url}/v1/cache/feedback", json=body, headers=headers)
+        reply = loopback.post(f"{url}/v1/cache/feedback", json=body, headers=headers)
         assert reply.status_code == 400 and reply.json()["error"]["param"].startswith("id"), body
-    assert httpx.post(f"{url}/v1/cache/feedback", json={"id": "x"}).status_code == 401
+    assert loopback.post(f"{url}/v1/cache/feedback", json={"id": "x"}).status_code == 401
 
 
 def test_the_bound_is_in_the_metrics_one_series_per_category(url: str) -> None:
     ask(url, f"Why is the ocean salty {time.monotonic_ns()}?")
-    text = httpx.get(f"{url}/metrics").text
+    text = loopback.get(f"{url}/metrics").text
     names = [c["name"] for c in yaml.safe_load(DEFAULT_CATEGORIES.read_text())["categories"]]
     for name in names:
         assert f'kvgate_semantic_threshold{{category="{name}"}}' in text
@@ -127,7 +127,7 @@ def test_beside_a_checked_hit_is_served_and_the_model_answers_it_in_the_backgrou
         assert served.headers["x-kvgate-cache"] == "hit" and served.headers["x-kvgate-cache-check"] == "beside"
         checked = lambda: sum(bound(base)["verdicts"][v] for v in ("right", "wrong")) >= 4  # noqa: E731
         wait_until(checked, 60, "the check beside the hit never ran", every_s=0.2)
-        checks = httpx.get(f"{base}/admin/semantic-cache", headers={"authorization": f"Bearer {ADMIN}"}).json()
+        checks = loopback.get(f"{base}/admin/semantic-cache", headers={"authorization": f"Bearer {ADMIN}"}).json()
         assert checks["checks"]["checked"] == 1 and checks["checks"]["dropped"] == 0
 
 

@@ -16,6 +16,7 @@ import yaml
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
 from kvgate.semantic_cache.config import DEFAULT_CATEGORIES
+from tests import loopback
 from tests.servers import serving
 
 KEYS = {"key-alice": "alice", "key-bob": "bob"}
@@ -153,7 +154,7 @@ def test_cache_control_no_cache_skips_the_lookup_and_no_store_the_write(url: str
 def test_a_streamed_hit_replays_the_stored_text(url: str, model_name: str) -> None:
     question = unique("Write a haiku about the sea.")
     stored = ask(url, question, model=model_name).parse()
-    with httpx.stream(
+    with loopback.stream(
         "POST",
         f"{url}/v1/chat/completions",
         headers={"authorization": "Bearer key-alice"},
@@ -193,8 +194,8 @@ def test_admin_endpoints_need_the_admin_key_and_invalidate(url: str, model_name:
     hit = ask(url, question, model=model_name)
     entry = hit.headers["x-kvgate-cache-entry"]
     admin = httpx.Client(base_url=f"{url}/admin/semantic-cache", headers={"authorization": f"Bearer {ADMIN}"})
-    assert httpx.get(f"{url}/admin/semantic-cache").status_code == 401
-    denied = httpx.get(f"{url}/admin/semantic-cache", headers={"authorization": "Bearer key-alice"})
+    assert loopback.get(f"{url}/admin/semantic-cache").status_code == 401
+    denied = loopback.get(f"{url}/admin/semantic-cache", headers={"authorization": "Bearer key-alice"})
     assert denied.status_code == 403 and denied.json()["error"]["type"] == "permission_error"
     assert admin.get(f"{url}/admin/semantic-cache").json()["entries"] >= 1
     assert admin.delete(f"/entries/{entry}").json()["deleted"] == 1
@@ -208,7 +209,7 @@ def test_admin_endpoints_need_the_admin_key_and_invalidate(url: str, model_name:
 def test_admin_endpoints_are_closed_without_an_admin_key(engine: Engine, tmp_path: Path) -> None:
     settings = Settings(semantic_cache={"path": tmp_path / "s.sqlite3"})
     with serving(settings, engine) as base:
-        closed = httpx.get(f"{base}/admin/semantic-cache", headers={"authorization": "Bearer anything"})
+        closed = loopback.get(f"{base}/admin/semantic-cache", headers={"authorization": "Bearer anything"})
     assert closed.status_code == 403 and closed.json()["error"]["code"] == "admin_disabled"
 
 
@@ -222,7 +223,7 @@ def test_without_keys_callers_with_different_tokens_do_not_share(engine: Engine,
 
 
 def entries(url: str) -> int:
-    return httpx.get(f"{url}/admin/semantic-cache", headers={"authorization": f"Bearer {ADMIN}"}).json()["entries"]
+    return loopback.get(f"{url}/admin/semantic-cache", headers={"authorization": f"Bearer {ADMIN}"}).json()["entries"]
 
 
 def test_n_above_one_or_logprobs_are_never_answered_from_the_cache(url: str, model_name: str) -> None:

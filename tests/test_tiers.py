@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import pytest
 import redis
 import torch
@@ -20,6 +19,7 @@ from kvgate.chunk_cache import ChunkKV, DiskTier
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel
+from tests import loopback
 from tests.redis_server import RedisServer
 from tests.servers import free_port, serving
 from tests.waiting import wait_healthy
@@ -45,7 +45,7 @@ def gateway(loaded: LoadedModel, **options) -> Iterator[tuple[str, Engine]]:
 def ask(url: str, reuse: str = "blend", ratio: float | None = 0.15, token: str = "") -> tuple[str, list[float], int]:
     """The greedy answer, its logprobs, and how many tokens' KV came from the cache."""
     body = {
-        "model": httpx.get(f"{url}/v1/models").json()["data"][0]["id"],
+        "model": loopback.get(f"{url}/v1/models").json()["data"][0]["id"],
         "messages": [{"role": "user", "content": QUESTION}],
         "documents": [{"text": d} for d in DOCS],
         "kvgate": {"reuse": reuse, **({"recompute_ratio": ratio} if ratio is not None else {})},
@@ -54,7 +54,7 @@ def ask(url: str, reuse: str = "blend", ratio: float | None = 0.15, token: str =
         "logprobs": True,
     }
     headers = {"authorization": f"Bearer {token}"} if token else {}
-    r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120)
+    r = loopback.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     logprobs = [t["logprob"] for t in choice["logprobs"]["content"]]
@@ -62,7 +62,7 @@ def ask(url: str, reuse: str = "blend", ratio: float | None = 0.15, token: str =
 
 
 def store_documents(url: str) -> list[str]:
-    return [httpx.post(f"{url}/v1/documents", json={"text": d}, timeout=60).json()["id"] for d in DOCS]
+    return [loopback.post(f"{url}/v1/documents", json={"text": d}, timeout=60).json()["id"] for d in DOCS]
 
 
 def tier_stats(engine: Engine, name: str) -> dict:
@@ -155,14 +155,14 @@ def test_requests_survive_a_redis_outage_and_use_it_again_when_it_is_back(loaded
             started = time.monotonic()
             during = ask(url)  # from memory, Redis unreachable
             assert during[0] == answer[0] and during[2] > 0
-            httpx.post(f"{url}/v1/documents", json={"text": "Written while Redis is down."}, timeout=60)
+            loopback.post(f"{url}/v1/documents", json={"text": "Written while Redis is down."}, timeout=60)
             engine.reuser.store.flush()
             assert time.monotonic() - started < 20
             assert tier_stats(engine, "redis")["errors"] > 0
 
             server.start()  # empty again: it saves nothing
             time.sleep(1.5)  # the tier's retry interval
-            key = httpx.post(f"{url}/v1/documents", json={"text": "Written once Redis is back."}, timeout=60)
+            key = loopback.post(f"{url}/v1/documents", json={"text": "Written once Redis is back."}, timeout=60)
             engine.reuser.store.flush()
             assert key.json()["id"].removeprefix("doc-") in engine.reuser.store.tiers[-1]
 
@@ -173,7 +173,7 @@ def test_after_a_restart_documents_are_found_on_disk(loaded: LoadedModel, tmp_pa
         before = ask(url)
     with gateway(loaded, caches={"dir": tmp_path}) as (url, engine):  # shutdown flushed the writes
         # Cited by id: the restarted process learns the tokens from the entry on disk.
-        shown = httpx.get(f"{url}/v1/documents/{ids[0]}")
+        shown = loopback.get(f"{url}/v1/documents/{ids[0]}")
         assert shown.status_code == 200 and shown.json()["tokens"] > 0
         after = ask(url)
         assert after[2] > 0 and after[0] == before[0]
@@ -204,7 +204,7 @@ def test_a_document_stored_through_one_process_is_a_hit_in_another_through_redis
         try:
             url_b = f"http://127.0.0.1:{port}"
             wait_healthy(process, url_b, 120)
-            assert httpx.get(f"{url_b}/v1/documents/{ids[0]}").status_code == 200
+            assert loopback.get(f"{url_b}/v1/documents/{ids[0]}").status_code == 200
             assert ask(url_b)[2] > 0
         finally:
             process.terminate()

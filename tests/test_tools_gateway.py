@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
-import httpx
 import jsonschema
 import openai
 import pydantic
 import pytest
 
+from tests import loopback
 from tests.servers import serving
 
 WEATHER = {
@@ -188,10 +188,10 @@ def test_another_tenant_resending_the_same_history_starts_afresh(tenants, model_
     history = [*ASK, first.choices[0].message.model_dump(exclude_none=True)]
     history.append({"role": "tool", "tool_call_id": first.choices[0].message.tool_calls[0].id, "content": "Rain"})
     body = {"model": model_name, "messages": history, "tools": TOOLS, "temperature": 0, "max_tokens": 2}
-    stranger = httpx.post(tenants + "/v1/chat/completions", json=body, headers={"authorization": "Bearer sk-two"})
+    stranger = loopback.post(tenants + "/v1/chat/completions", json=body, headers={"authorization": "Bearer sk-two"})
     assert stranger.status_code == 200
     assert stranger.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    owner = httpx.post(tenants + "/v1/chat/completions", json=body, headers={"authorization": "Bearer sk-one"})
+    owner = loopback.post(tenants + "/v1/chat/completions", json=body, headers={"authorization": "Bearer sk-one"})
     assert owner.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= prompt
     assert stranger.headers["x-kvgate-program-id"] != owner.headers["x-kvgate-program-id"]
 

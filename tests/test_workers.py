@@ -16,6 +16,7 @@ from kvgate.gateway.routing import Ring
 from kvgate.gateway.settings import Settings
 from kvgate.gateway.upstreams import Upstream
 from kvgate.gateway.workers import running
+from tests import loopback
 from tests.servers import serving
 from tests.waiting import wait_until
 
@@ -47,7 +48,7 @@ def front(loaded, tmp_path_factory) -> Iterator[tuple[str, dict[str, Upstream]]]
 
 def chat(url: str, model: str, documents: list[dict], auth: dict[str, str] = AUTH, **body) -> httpx.Response:
     payload = {"model": model, "messages": QUESTION, "documents": documents, "max_tokens": 4, "temperature": 0}
-    r = httpx.post(url + "/v1/chat/completions", json={**payload, **body}, headers=auth, timeout=120)
+    r = loopback.post(url + "/v1/chat/completions", json={**payload, **body}, headers=auth, timeout=120)
     assert r.status_code == 200, r.text
     return r
 
@@ -96,7 +97,7 @@ def test_stored_documents_are_found_where_they_were_stored(front, model_name):
     """A document's id does not hash to the worker its text does: the front remembers where it went."""
     url, _ = front
     for n in range(7, 60):  # one whose id alone would name the other worker
-        stored = httpx.post(url + "/v1/documents", json={"text": passage(n)}, headers=AUTH, timeout=60)
+        stored = loopback.post(url + "/v1/documents", json={"text": passage(n)}, headers=AUTH, timeout=60)
         assert stored.status_code == 200 and stored.headers["x-kvgate-upstream"] == owner(passage(n))
         document_id = stored.json()["id"]
         if Ring(["worker-0", "worker-1"]).owner(document_id) != owner(passage(n)):
@@ -106,11 +107,11 @@ def test_stored_documents_are_found_where_they_were_stored(front, model_name):
     cited = chat(url, model_name, [{"id": document_id}])
     assert cited.headers["x-kvgate-upstream"] == owner(passage(n))
     assert int(cited.headers["x-kvgate-reused-tokens"]) > 0
-    shown = httpx.get(url + f"/v1/documents/{document_id}", headers=AUTH)
+    shown = loopback.get(url + f"/v1/documents/{document_id}", headers=AUTH)
     assert shown.status_code == 200 and shown.json()["id"] == document_id
     assert shown.headers["x-kvgate-upstream"] == owner(passage(n))
-    assert httpx.delete(url + f"/v1/documents/{document_id}", headers=AUTH).status_code == 200
-    assert httpx.get(url + f"/v1/documents/{document_id}", headers=AUTH).status_code == 404
+    assert loopback.delete(url + f"/v1/documents/{document_id}", headers=AUTH).status_code == 200
+    assert loopback.get(url + f"/v1/documents/{document_id}", headers=AUTH).status_code == 404
 
 
 def long_stream(url: str, model: str, text: str, opened: threading.Event, stop: threading.Event) -> None:
@@ -122,7 +123,7 @@ def long_stream(url: str, model: str, text: str, opened: threading.Event, stop: 
         "ignore_eos": True,
         "stream": True,
     }
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120) as r:
+    with loopback.stream("POST", url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120) as r:
         for _ in r.iter_lines():
             opened.set()
             if stop.is_set():
@@ -131,7 +132,7 @@ def long_stream(url: str, model: str, text: str, opened: threading.Event, stop: 
 
 def asked(worker: Upstream, path: str) -> httpx.Response:
     """A worker's answer to a GET as its front asks it (with the secret it holds)."""
-    return httpx.get(worker.base_url + path, headers=worker.credentials())
+    return loopback.get(worker.base_url + path, headers=worker.credentials())
 
 
 def running_at(worker: Upstream) -> int:
@@ -163,14 +164,14 @@ def ready_model(workers: dict[str, Upstream]) -> str:
 
 def test_the_front_reports_its_workers(front):
     url, workers = front
-    ready = httpx.get(url + "/ready").json()
+    ready = loopback.get(url + "/ready").json()
     assert ready == {"status": "ready", "upstreams": dict.fromkeys(workers, True)}
-    text = httpx.get(url + "/metrics").text
+    text = loopback.get(url + "/metrics").text
     assert 'kvgate_upstream_in_flight{upstream="worker-0"}' in text
     assert 'kvgate_upstream_waiting{upstream="worker-1"} 0.0' in text
     # The workers' own metrics, labelled: document KV found in each worker's memory tier.
     assert 'kvgate_document_kv_hits_total{tier="memory",worker="worker-0"}' in text
     assert 'kvgate_requests_running{worker="worker-1"}' in text
     assert list(text_string_to_metric_families(text))  # still valid Prometheus text
-    models = httpx.get(url + "/v1/models", headers=AUTH).json()["data"]
+    models = loopback.get(url + "/v1/models", headers=AUTH).json()["data"]
     assert [m["id"] for m in models] == [ready_model(workers)]

@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import httpx
 
+from tests import loopback
+
 
 def wait_until(condition: Callable[[], object], timeout_s: float, what: str, every_s: float = 0.02) -> None:
     """Returns once condition() is true; fails the test with `what` when it is still false after timeout_s."""
@@ -27,7 +29,7 @@ def wait_healthy(process: subprocess.Popen, url: str, timeout_s: float) -> None:
             text = text.decode(errors="replace") if isinstance(text, bytes) else text
             raise AssertionError(f"{process.args} exited: {text[-2000:]}")
         try:
-            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+            return loopback.get(f"{url}/health", timeout=1).status_code == 200
         except httpx.TransportError:
             return False
 

@@ -28,6 +28,7 @@ from kvgate.chunk_cache.disk_tier import LOCK
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel, load
+from tests import loopback
 from tests.entries import chunk
 from tests.servers import free_port, serving
 from tests.test_families import FAMILIES, saved
@@ -57,13 +58,13 @@ def gateway(loaded: LoadedModel | None = None, **options) -> Iterator[tuple[str,
 def chat(url: str, documents: list[dict] | None = None, question: str = QUESTION, reuse: str = "") -> httpx.Response:
     body = {
         **({"kvgate": {"reuse": reuse}} if reuse else {}),
-        "model": httpx.get(f"{url}/v1/models").json()["data"][0]["id"],
+        "model": loopback.get(f"{url}/v1/models").json()["data"][0]["id"],
         "messages": [{"role": "user", "content": question}],
         "temperature": 0,
         "max_tokens": 6,
         **({"documents": documents} if documents else {}),
     }
-    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    r = loopback.post(f"{url}/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r
 
@@ -96,11 +97,11 @@ def test_the_same_model_at_two_paths_shares_document_kv_through_redis(
     dirs = {name: copy_model(loaded.path, tmp_path / name / "model") for name in "ab"}
     common = {"redis_url": redis_url, "semantic_cache": {"enabled": False}}
     with gateway(engine={"model": str(dirs["a"])}, cache_dir=tmp_path / "a" / "cache", **common) as (url_a, engine_a):
-        card = httpx.post(f"{url_a}/v1/documents", json={"text": DOC}, timeout=120).json()
+        card = loopback.post(f"{url_a}/v1/documents", json={"text": DOC}, timeout=120).json()
         engine_a.reuser.store.flush()
     with gateway(engine={"model": str(dirs["b"])}, cache_dir=tmp_path / "b" / "cache", **common) as (url_b, engine_b):
         assert engine_b.model_fp == engine_a.model_fp  # other path, other cache dir: the same model
-        assert httpx.get(f"{url_b}/v1/documents/{card['id']}").json()["tokens"] == card["tokens"]
+        assert loopback.get(f"{url_b}/v1/documents/{card['id']}").json()["tokens"] == card["tokens"]
         assert reused(chat(url_b, [{"text": DOC}])) >= card["tokens"] // 2
 
 
@@ -170,7 +171,7 @@ def test_a_document_answered_durable_survives_a_sigkill(loaded: LoadedModel, tmp
     chunks = tmp_path / "chunks"
     env = {"KVGATE_CACHES__DIR": str(chunks), "KVGATE_SEMANTIC_CACHE__ENABLED": "false"}
     with served_process(env) as (url, process):
-        card = httpx.post(f"{url}/v1/documents", json={"text": DOC}, timeout=120).json()
+        card = loopback.post(f"{url}/v1/documents", json={"text": DOC}, timeout=120).json()
         process.send_signal(signal.SIGKILL)  # at once: no shutdown, no flush of writes queued
         process.wait(timeout=30)
     assert card["cached"] and card["durable"] and card["tier"] == "disk"
@@ -178,14 +179,14 @@ def test_a_document_answered_durable_survives_a_sigkill(loaded: LoadedModel, tmp
     key = card["id"].removeprefix("doc-")
     assert disk.get(key) is not None and not list(chunks.glob("*.tmp"))
     with gateway(loaded, caches={"dir": chunks}, semantic_cache={"enabled": False}) as (url, _):
-        shown = httpx.get(f"{url}/v1/documents/{card['id']}")
+        shown = loopback.get(f"{url}/v1/documents/{card['id']}")
         assert shown.status_code == 200 and shown.json() == card
         assert reused(chat(url, [{"id": card["id"]}])) >= card["tokens"] // 2  # blend recomputes a few
 
 
 def test_a_memory_only_document_says_it_is_not_durable(loaded: LoadedModel, tmp_path: Path) -> None:
     with gateway(loaded, caches={"disk_bytes": 0}, semantic_cache={"enabled": False}) as (url, _):
-        card = httpx.post(f"{url}/v1/documents", json={"text": DOC}, timeout=120).json()
+        card = loopback.post(f"{url}/v1/documents", json={"text": DOC}, timeout=120).json()
         assert card["cached"] and card["tier"] == "memory" and card["durable"] is False
 
 

@@ -22,7 +22,7 @@ from kvgate.gateway.local import Local
 from kvgate.gateway.proxy import Upstreams
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
-from tests import servers
+from tests import loopback, servers
 
 KEYS = {"sk-flood": "flood", "sk-calm": "calm", "sk-third": "third"}
 SHARE, TOTAL = 32, 40  # sequences in flight: per tenant, in all
@@ -114,7 +114,9 @@ def test_a_request_asking_for_16000_sequences_is_a_400_and_queues_nothing(server
     tokenized = []
     monkeypatch.setattr("kvgate.gateway.local.token_ids", lambda *a: tokenized.append(a))
     body = {"model": model_name, "prompt": ["hi"] * 1000, "n": 16, "max_tokens": 1}
-    r = httpx.post(server.url + "/v1/completions", json=body, headers={"authorization": "Bearer sk-flood"}, timeout=30)
+    r = loopback.post(
+        server.url + "/v1/completions", json=body, headers={"authorization": "Bearer sk-flood"}, timeout=30
+    )
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert (error["code"], error["param"], error["type"]) == ("too_many_sequences", "prompt", "invalid_request_error")
@@ -122,7 +124,7 @@ def test_a_request_asking_for_16000_sequences_is_a_400_and_queues_nothing(server
     assert tokenized == [] and server.backend.admission.total == 0
     assert engine.load_stats == {"waiting": 0, "running": 0}
     # n alone over the bound names n; a list of prompts within it is served.
-    r = httpx.post(
+    r = loopback.post(
         server.url + "/v1/completions",
         json={**body, "prompt": ["hi"] * 2, "n": 9},
         headers={"authorization": "Bearer sk-flood"},
@@ -130,7 +132,7 @@ def test_a_request_asking_for_16000_sequences_is_a_400_and_queues_nothing(server
     )
     assert (r.status_code, r.json()["error"]["param"]) == (400, "n")
     monkeypatch.undo()
-    r = httpx.post(
+    r = loopback.post(
         server.url + "/v1/completions",
         json={**body, "prompt": ["hi"] * 4, "n": 4},
         headers={"authorization": "Bearer sk-flood"},
@@ -143,7 +145,7 @@ def test_a_request_asking_for_16000_sequences_is_a_400_and_queues_nothing(server
 def test_a_flooding_tenant_gets_429_while_another_tenants_short_chat_answers_promptly(server, engine, model_name):
     server.idle(engine)
     calm_alone = time.monotonic()
-    r = httpx.post(
+    r = loopback.post(
         server.url + "/v1/chat/completions",
         json=chat(model_name),
         headers={"authorization": "Bearer sk-calm"},
@@ -232,7 +234,7 @@ def test_proxy_mode_holds_the_same_bounds_at_the_gateway(tmp_path):
             semantic_cache={"enabled": False},
             cache_dir=tmp_path,
         )
-        httpx.post(upstream + "/_script", json={"actions": [{"delay_s": 3}] * 3}).raise_for_status()
+        loopback.post(upstream + "/_script", json={"actions": [{"delay_s": 3}] * 3}).raise_for_status()
         with serving(settings, None) as server:
             admission = server.backend.admission
 
@@ -248,7 +250,7 @@ def test_proxy_mode_holds_the_same_bounds_at_the_gateway(tmp_path):
                     await seen.send(http, "third", chat("stub-a", n=9))  # never: 9 of 8 a request
                     await asyncio.gather(*held)
                     # A stream whose client leaves after its first event releases its sequences.
-                    httpx.post(upstream + "/_script", json={"actions": [{"chunk_delay_s": 1}]}).raise_for_status()
+                    loopback.post(upstream + "/_script", json={"actions": [{"chunk_delay_s": 1}]}).raise_for_status()
                     body = {**chat("stub-a", n=2), "stream": True}
                     headers = {"authorization": "Bearer sk-calm"}
                     async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:

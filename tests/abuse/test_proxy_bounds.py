@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvgate.gateway.settings import Settings
+from tests import loopback
 from tests.servers import free_port, serving
 from tests.waiting import wait_until
 
@@ -139,7 +140,7 @@ def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 def ask(url: str, model: str, **body: object) -> httpx.Response:
     payload = {"model": model, "messages": [{"role": "user", "content": f"Tell me about {model}."}], **body}
-    return httpx.post(url + "/v1/chat/completions", json=payload, timeout=30)
+    return loopback.post(url + "/v1/chat/completions", json=payload, timeout=30)
 
 
 def too_large(error: dict, what: str = "one answer") -> None:

@@ -18,6 +18,7 @@ from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.model import Run, forward
+from tests import loopback
 from tests.servers import serving
 
 BUDGET = 32  # tokens a step computes: a 600-token document takes 16 steps or more
@@ -70,7 +71,7 @@ def test_a_long_document_is_ingested_between_other_streams_steps(chunked, model_
 
 def test_a_long_blend_is_spread_over_steps(chunked, model_name) -> None:
     engine, url = chunked
-    stored = httpx.post(f"{url}/v1/documents", json={"text": TEXT + " (blend)"}, timeout=300).json()
+    stored = loopback.post(f"{url}/v1/documents", json={"text": TEXT + " (blend)"}, timeout=300).json()
     chat = {
         "model": model_name,
         "messages": [{"role": "user", "content": "Which lamp is amber?"}],

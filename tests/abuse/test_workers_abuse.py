@@ -23,6 +23,7 @@ import pytest
 
 from kvgate.bench.upstream import serve_upstream
 from kvgate.gateway.workers import Worker, serving
+from tests import loopback
 from tests.waiting import wait_until
 
 FRONT = {
@@ -66,7 +67,7 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
 
 
 def model(url: str) -> str:
-    return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    return loopback.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
 
 
 def gone(pid: int) -> bool:
@@ -85,19 +86,19 @@ def assert_refused(r: httpx.Response) -> None:
 def test_via_the_front_the_worker_answers(shared: Front) -> None:
     url = shared.front.url
     body = {"model": model(url), "messages": HELLO, "max_tokens": 4}
-    r = httpx.post(url + "/v1/chat/completions", json=body, headers={"authorization": "Bearer sk-a"}, timeout=120)
+    r = loopback.post(url + "/v1/chat/completions", json=body, headers={"authorization": "Bearer sk-a"}, timeout=120)
     assert r.status_code == 200 and r.headers["x-kvgate-upstream"] == "worker-0", r.text
-    assert 'kvgate_requests_running{worker="worker-0"}' in httpx.get(url + "/metrics").text  # scraped with it
+    assert 'kvgate_requests_running{worker="worker-0"}' in loopback.get(url + "/metrics").text  # scraped with it
 
 
 def test_a_worker_refuses_whoever_is_not_its_front(shared: Front) -> None:
     url = shared.worker_url
     body = {"model": model(shared.front.url), "messages": HELLO, "max_tokens": 4}
     for path in ("/v1/models", "/ready", "/metrics", "/openapi.json", "/docs", "/admin/keys", "/nowhere"):
-        assert_refused(httpx.get(url + path))
+        assert_refused(loopback.get(url + path))
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/documents", "/v1/embeddings", "/v1/responses"):
-        assert_refused(httpx.post(url + path, json=body))
-    assert httpx.get(url + "/health").json() == {"status": "ok"}  # liveness only: says nothing else
+        assert_refused(loopback.post(url + path, json=body))
+    assert loopback.get(url + "/health").json() == {"status": "ok"}  # liveness only: says nothing else
 
 
 def test_a_forged_tenant_or_secret_is_refused(shared: Front) -> None:
@@ -110,7 +111,7 @@ def test_a_forged_tenant_or_secret_is_refused(shared: Front) -> None:
     }
     for secret in (None, "", "x", "A" * 43, "Bearer"):
         forged = victim | ({"x-kvgate-worker-secret": secret} if secret is not None else {})
-        assert_refused(httpx.post(shared.worker_url + "/v1/chat/completions", json=body, headers=forged))
+        assert_refused(loopback.post(shared.worker_url + "/v1/chat/completions", json=body, headers=forged))
     # The secret reached the worker neither in its command line nor in its environment.
     argv = Path(f"/proc/{shared.worker_pid}/cmdline").read_bytes().split(b"\0")
     assert b"/dev/stdin" in argv and b"secret" not in b" ".join(argv).lower()
@@ -120,7 +121,7 @@ def test_a_forged_tenant_or_secret_is_refused(shared: Front) -> None:
 
 def stream(url: str, body: dict, opened: threading.Event, lines: list[str]) -> None:
     """Its lines into `lines` until it ends (cut short: as far as it came)."""
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=180) as r:
+    with loopback.stream("POST", url + "/v1/chat/completions", json=body, timeout=180) as r:
         try:
             for line in r.iter_lines():
                 if line:
@@ -134,7 +135,7 @@ def refuses_connections(url: str, within_s: float) -> bool:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         try:
-            httpx.get(url + "/health", timeout=1)
+            loopback.get(url + "/health", timeout=1)
         except httpx.TransportError:
             return True
         time.sleep(0.05)
@@ -167,7 +168,7 @@ def test_sigterm_cuts_what_outlasts_the_grace(tmp_path: Path) -> None:
     """A proxy front (no model: light) over a stream of 200 words 0.05 s apart, shutdown_grace_s 1: the
     stream goes on for the grace, is then cut, and the front exits 0."""
     with serve_upstream(models=("stub-a",), words=200) as up:
-        httpx.post(up + "/_script", json={"actions": [{"chunk_delay_s": 0.05}]}).raise_for_status()
+        loopback.post(up + "/_script", json={"actions": [{"chunk_delay_s": 0.05}]}).raise_for_status()
         upstream = {"name": "stub", "base_url": up, "models": ["stub-a"]}
         values = {
             "proxy": {"upstreams": [upstream]},
