@@ -17,6 +17,7 @@ it keeps per tenant and in all, the one a tenant kept or found longest ago going
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -43,6 +44,7 @@ class Breaks:
     paragraph: frozenset[int] = frozenset()
 
     @classmethod
+    @functools.lru_cache(maxsize=8)  # per tokenizer: decoding its vocabulary takes ~1 s, and each engine asks
     def of(cls, tokenizer: PreTrainedTokenizerBase) -> Breaks:
         texts = {i: tokenizer.decode([i]) for i in tokenizer.get_vocab().values()}
         newline = frozenset(i for i, t in texts.items() if "\n" in t and not t.strip())

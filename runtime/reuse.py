@@ -8,6 +8,7 @@ document boundary of a later prompt with the same leading pieces.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from array import array
@@ -49,6 +50,7 @@ class Prefilled:
     ratio: float = 0.0  # the recompute ratio that ran (naive: 0)
 
 
+@functools.lru_cache(maxsize=8)  # per tokenizer: serialising one takes ~0.3 s, and each engine asks twice
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     return fingerprint(backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items())))
