@@ -20,10 +20,11 @@ def client(prefix_base_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{prefix_base_url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-def passages(seed: int) -> tuple[list[str], str]:
-    """Four retrieved passages (~200 words each) no other test sends, and the question they answer."""
+def passages(seed: int, words: int = 100) -> tuple[list[str], str]:
+    """Four retrieved passages no other test sends, cut to their first `words` words (a passage has ~200: twice
+    the prefill, and no other code), and the question they answer."""
     row = musique_rows(1, seed=seed)[0]
-    return list(row["passages"][:4]), str(row["question"])
+    return [" ".join(str(p).split()[:words]) for p in row["passages"][:4]], str(row["question"])
 
 
 def pasted(passages: list[str], question: str) -> list[dict[str, str]]:
@@ -112,7 +113,7 @@ def test_an_agents_answer_quoted_in_another_agents_message_is_reused(client, mod
         {"role": "system", "content": "You are a researcher. Write thorough notes."},
         {"role": "user", "content": f"Write ten numbered facts about {'lighthouses' if program else 'rivers'}."},
     ]
-    _, reply, _ = ask(client, model_name, researcher, max_tokens=120)
+    _, reply, _ = ask(client, model_name, researcher, max_tokens=80)
     notes = reply.choices[0].message.content
     assert len(notes.split()) > 40
     writer = [
