@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from kvgate.bench.commands import OUTPUT, QQP
-from kvgate.bench.semantic import load_pairs
+from kvgate.bench.data import load_pairs
 from kvgate.runtime.report import pct, table, write_section
 from kvgate.semantic_cache.embedder import MiniLM, minilm_path
 

@@ -5,7 +5,6 @@ and lookup latency through the real SemanticCache at growing sizes."""
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from functools import partial
@@ -14,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from kvgate.bench.data import DataError, Half, Pair
+from kvgate.bench.data import DataError, Half, Pair, load_pairs
 from kvgate.bench.semantic_bound import bound_section
 from kvgate.bench.semantic_hit import bench_hit
 from kvgate.bench.semantic_latency import SEED, latency_pool, latency_section
@@ -31,21 +30,6 @@ REFERENCES = {"GPTCache-like, 0.7": 0.7, "RedisVL-like, 0.9 (distance 0.1)": 0.9
 RECALLS = (0.5, 0.6, 0.7, 0.8, 0.9)
 LAMBDAS = np.geomspace(0.01, 100.0, 161)
 NEVER = 1.01  # a threshold no cosine similarity reaches
-
-
-def load_pairs(path: Path, limit: int) -> list[Pair]:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such data file (the shared QQP pairs)")
-    pairs: list[Pair] = []
-    with path.open() as f:
-        for line in f:
-            if len(pairs) == limit:
-                break
-            row = json.loads(line)
-            pairs.append((row["a"], row["b"], bool(row["duplicate"])))
-    if len(pairs) < 20:
-        raise DataError(f"{path}: {len(pairs)} pairs; need at least 20")
-    return pairs
 
 
 def embed_cached(embedder: Embedder, texts: list[str], cache_dir: Path) -> np.ndarray:
