@@ -50,7 +50,7 @@ def ask(url: str, reuse: str = "blend", ratio: float | None = 0.15, token: str =
         "documents": [{"text": d} for d in DOCS],
         "kvgate": {"reuse": reuse, **({"recompute_ratio": ratio} if ratio is not None else {})},
         "temperature": 0,
-        "max_tokens": 8,
+        "max_tokens": 4,  # the answer and its logprobs compared: 4 tokens of them suffice
         "logprobs": True,
     }
     headers = {"authorization": f"Bearer {token}"} if token else {}
