@@ -188,7 +188,7 @@ def test_in_a_pipeline_kvcomm_moves_the_answer_less_than_naive_reuse_and_blend(s
         pieces, kinds = message_pieces(spans.reuser.tokenizer, messages(question, [], 0))
         kv, first, _ = run(spans, pieces, kinds, "full", "solver")
         n = len(kv)
-        answer = write(spans.reuser, kv, first, eos, 32)
+        answer = write(spans.reuser, kv, first, eos, 16)
         ids = spans.reuser.tokenizer.encode(answer, add_special_tokens=False)
         kv.truncate(n)
         forward(model, [Run(kv, ids, n)])
@@ -200,6 +200,7 @@ def test_in_a_pipeline_kvcomm_moves_the_answer_less_than_naive_reuse_and_blend(s
             if i >= 2:
                 moved[mode].append(kl(dense, logits))
     mean = {mode: sum(v) / len(v) for mode, v in moved.items()}
+    # Measured with 16-token answers: kvcomm 0.026, blend 0.053, naive 0.083 (with 32: 0.032, 0.123, 0.168).
     assert mean["kvcomm"] < mean["blend"] and mean["kvcomm"] < mean["naive"], mean
 
 
