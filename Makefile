@@ -55,7 +55,7 @@ redis:
 TEST_WORKERS ?= 2
 test: $(TEST_STAMP) $(CREWAI)/.installed redis
 	$(BIN)/kvgate convert
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rfEs -n $(TEST_WORKERS) --dist loadfile
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rfEs -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
