@@ -53,7 +53,7 @@ def main(base_url: str, model: str, topic: str) -> None:
         )  # fmt: skip
 
     researcher = Agent(
-        role="Researcher", goal=f"Collect facts about {topic}", backstory="You write thorough notes.", llm=llm(160)
+        role="Researcher", goal=f"Collect facts about {topic}", backstory="You write thorough notes.", llm=llm(80)
     )
     # The writer's prompt is what is checked; a few words of its answer prove the call went through.
     writer = Agent(role="Writer", goal="Write a short article", backstory="You turn research into prose.", llm=llm(16))
