@@ -50,8 +50,8 @@ redis:
 	  else sudo apt-get update -qq && sudo apt-get install -y -qq redis-server; fi; }
 
 # The suite in TEST_WORKERS processes (pytest-xdist), a test file to each at a time (its module's servers are
-# started once), one torch thread each: on 2 cores 25.5 min where one process took 41 (most of a test's time is
-# a small model's decode steps, which one thread runs as fast as two).
+# started once), the slowest files first (tests/conftest.py), one torch thread each: on 2 cores about half the
+# time of one process (most of a test's time is a small model's decode steps, which one thread runs as fast as two).
 TEST_WORKERS ?= 2
 test: $(TEST_STAMP) $(CREWAI)/.installed redis
 	$(BIN)/kvgate convert
