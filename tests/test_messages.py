@@ -73,7 +73,13 @@ def test_forced_tool_use_then_its_result_continue_on_the_first_turns_kv(claude: 
     asked = [{"role": "user", "content": "What is the weather in Paris?"}]
     choice = {"type": "tool", "name": "get_weather"}
     first = claude.messages.create(
-        model=model_name, max_tokens=64, system=BRIEF, messages=asked, tools=[WEATHER], tool_choice=choice
+        model=model_name,
+        max_tokens=64,
+        system=BRIEF,
+        messages=asked,
+        tools=[WEATHER],
+        tool_choice=choice,
+        extra_body=GREEDY,
     )
     assert first.stop_reason == "tool_use"
     (use,) = [b for b in first.content if b.type == "tool_use"]
@@ -113,6 +119,7 @@ def test_a_streamed_tool_use_sends_its_input_as_json_deltas(claude: anthropic.An
     with claude.messages.stream(
         model=model_name,
         max_tokens=64,
+        extra_body=GREEDY,  # sampled (Anthropic's default temperature is 1), the city may run past max_tokens
         messages=[{"role": "user", "content": "Weather in Rome?"}],
         tools=[WEATHER],
         tool_choice={"type": "any", "disable_parallel_tool_use": True},
