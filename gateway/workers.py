@@ -109,8 +109,7 @@ def serving(values: dict[str, object], output: IO[bytes] | None = None, within_s
     operations = {"host": "127.0.0.1", "port": free_port(), **values.get("operations", {})}  # type: ignore[dict-item]
     worker = launch("kvgate", {**values, "operations": operations}, output)
     try:
-        with httpx.Client() as client:
-            wait_ready(worker, client, within_s)
+        wait_ready(worker, within_s)
         yield worker
     finally:
         stop([worker])
@@ -124,13 +123,10 @@ def running(settings: Settings, n: int) -> Iterator[tuple[Upstream, ...]]:
     try:
         for i in range(n):  # all start at once; then each is waited for
             workers.append(launch(f"worker-{i}", worker_settings(settings, i, free_port(), secret)))
-        with httpx.Client() as client:
-            for w in workers:
-                wait_ready(w, client)
-                log.info("%s ready at %s (pid %d)", w.name, w.url, w.process.pid)
-            names = [
-                client.get(w.url + "/v1/models", headers=w.headers, timeout=5).json()["data"][0]["id"] for w in workers
-            ]
+        for w in workers:
+            wait_ready(w)
+            log.info("%s ready at %s (pid %d)", w.name, w.url, w.process.pid)
+        names = [httpx.get(w.url + "/v1/models", headers=w.headers, timeout=5).json()["data"][0]["id"] for w in workers]
         yield tuple(
             Upstream(
                 w.name, w.url, {name: name}, max_in_flight=2 * settings.engine.max_num_seqs, worker=True, secret=secret
@@ -141,19 +137,20 @@ def running(settings: Settings, n: int) -> Iterator[tuple[Upstream, ...]]:
         stop(workers)
 
 
-def wait_ready(worker: Worker, client: httpx.Client, within_s: float = READY_S) -> None:
-    """Polls the worker's /ready through `client`: one for all the polls, as each httpx.get() would load the CA
-    bundle (~50 ms of CPU every 0.2 s, taken from the workers starting)."""
+def wait_ready(worker: Worker, within_s: float = READY_S) -> None:
+    """Polls the worker's /ready through one client: each httpx.get() would load the CA bundle (~50 ms of CPU
+    every 0.2 s, taken from the worker starting)."""
     deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if worker.process.poll() is not None:
-            raise RuntimeError(f"{worker.name} exited with status {worker.process.returncode}")
-        try:
-            if client.get(worker.url + "/ready", headers=worker.headers, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+    with httpx.Client() as client:
+        while time.monotonic() < deadline:
+            if worker.process.poll() is not None:
+                raise RuntimeError(f"{worker.name} exited with status {worker.process.returncode}")
+            try:
+                if client.get(worker.url + "/ready", headers=worker.headers, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
     raise RuntimeError(f"{worker.name} was not ready within {within_s:.0f} s")
 
 
