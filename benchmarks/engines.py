@@ -34,6 +34,7 @@ from typing import Any
 
 import httpx
 
+from kvgate.gateway.readiness import NotReady, free_port, wait_ready
 from kvgate.runtime.documents import DOCUMENT_TEMPLATE
 from kvgate.runtime.report import table, write_section
 
@@ -60,28 +61,6 @@ def vllm_python(venv: Path) -> Path:
     return python
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, process: subprocess.Popen, timeout_s: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server at {url} exited ({process.returncode}); its log: {log}")
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"the server at {url} was not ready within {timeout_s:.0f} s; its log: {log}")
-
-
 @contextmanager
 def server(argv: list[str], env: dict[str, str], name: str, logs: Path, timeout_s: float) -> Iterator[Served]:
     port = free_port()
@@ -92,7 +71,10 @@ def server(argv: list[str], env: dict[str, str], name: str, logs: Path, timeout_
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url, process, timeout_s, log)
+        try:
+            wait_ready(f"{url}/v1/models", process, timeout_s, name=f"the server at {url}", every_s=1)
+        except NotReady as exc:
+            raise NotReady(f"{exc}; its log: {log}") from None
         yield Served(url, process)
     finally:
         os.killpg(process.pid, signal.SIGCONT)

@@ -26,6 +26,8 @@ from typing import Any
 
 import httpx
 
+from kvgate.gateway.readiness import free_port, wait_ready
+
 KEYS = {"sk-flood": "flood", "sk-calm": "calm"}
 QUESTION = [{"role": "user", "content": "Say hi."}]
 
@@ -49,14 +51,6 @@ def serve(values: dict[str, Any], port: int, reserve: int | None, switch_interva
         engine.scheduler.reserve = reserve
     app = create_app(settings, make_backend(settings, engine))
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def calm_latencies(http: httpx.AsyncClient, model: str, samples: int, gap_s: float) -> list[float]:
@@ -153,16 +147,7 @@ def main() -> None:
     server.start()
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.is_alive(), "the server exited"
-            assert time.monotonic() < deadline, "the server did not get ready"
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_ready(url + "/ready", server, 300)
         found = asyncio.run(measure(url, args))
     finally:
         server.terminate()

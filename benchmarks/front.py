@@ -15,10 +15,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import yaml
 
-from kvgate.bench.upstream import _free_port, serve_upstream
+from kvgate.bench.upstream import serve_upstream
+from kvgate.gateway.readiness import free_port, wait_ready
 from kvgate.runtime.report import table, write_section
 
 
@@ -28,20 +28,7 @@ def start(command: list[str], cwd: Path, port: int) -> tuple[float, int, bool]:
     began = time.perf_counter()
     process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        # One client for every poll: httpx.get() loads the CA bundle (~50 ms of CPU) each call, which polling every
-        # 10 ms would take from the process being timed.
-        with httpx.Client() as client:
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"{command} exited with status {process.returncode}")
-                try:
-                    if client.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.perf_counter() - began > 120:
-                    raise TimeoutError(f"{command} was not ready within 120 s")
-                time.sleep(0.01)
+        wait_ready(f"http://127.0.0.1:{port}/ready", process, 120, name=str(command), every_s=0.01)
         ready = time.perf_counter() - began
         status = Path(f"/proc/{process.pid}/status").read_text()
         rss = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
@@ -55,7 +42,7 @@ def start(command: list[str], cwd: Path, port: int) -> tuple[float, int, bool]:
 def measure(label: str, command: list[str], cwd: Path, settings: dict, runs: int, folder: Path) -> list[str]:
     results = []
     for i in range(runs):
-        port = _free_port()
+        port = free_port()
         config = folder / f"{label.replace(' ', '-')}-{i}.yaml"
         config.write_text(yaml.safe_dump({**settings, "port": port}))
         results.append(start([arg.replace("CONFIG", str(config)) for arg in command], cwd, port))

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import httpx
 
-from kvgate.bench.upstream import _free_port, serve_upstream
+from kvgate.bench.upstream import serve_upstream
+from kvgate.gateway.readiness import NotReady, free_port, wait_ready
 from kvgate.gateway.workers import serving
 from kvgate.runtime.report import table, write_section
 
@@ -56,7 +57,7 @@ def litellm_proxy(binary: Path, upstream: str, folder: Path) -> Iterator[str]:
         f"      api_base: {upstream}/v1\n"
         "      api_key: none\n"
     )
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ, "LITELLM_MASTER_KEY": LITELLM_KEY, "LITELLM_LOCAL_MODEL_COST_MAP": "True",
         "LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False",
@@ -65,16 +66,10 @@ def litellm_proxy(binary: Path, upstream: str, folder: Path) -> Iterator[str]:
     process = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(url + "/health/liveliness", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"LiteLLM's proxy did not start ({' '.join(args)})")
-            time.sleep(0.5)
+        try:
+            wait_ready(url + "/health/liveliness", process, 180, name="LiteLLM's proxy", every_s=0.5)
+        except NotReady as exc:
+            raise NotReady(f"{exc} ({' '.join(args)})") from None
         yield url
     finally:
         process.terminate()

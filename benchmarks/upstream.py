@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +23,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -33,6 +31,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import kvgate
+from kvgate.gateway.readiness import free_port, wait_ready
 
 _RAW_SEND = "upstream.raw_send"  # scope key: the server's own `send`, through which its transport can be reached
 _ERROR_KINDS = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error"}
@@ -238,16 +237,10 @@ class Upstream:
         return _json({"status": "ok"})
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextmanager
 def serve_upstream(models: Sequence[str] = ("stub-a",), words: int = 8, api_key: str | None = None) -> Iterator[str]:
     """The upstream in a subprocess on a free loopback port; yields its base URL (no /v1)."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "kvgate.bench.upstream", "--port", str(port), "--models", ",".join(models)]
     cmd += ["--words", str(words)] + (["--api-key", api_key] if api_key is not None else [])
     root = str(Path(kvgate.__file__).resolve().parent.parent)  # where `kvgate` imports from, whatever the layout
@@ -255,17 +248,7 @@ def serve_upstream(models: Sequence[str] = ("stub-a",), words: int = 8, api_key:
     proc = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        with httpx.Client() as client:  # one for every poll: httpx.get() loads the CA bundle (~50 ms of CPU) each call
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the upstream exited with status {proc.returncode} before answering /health")
-                with contextlib.suppress(httpx.TransportError):
-                    if client.get(f"{url}/health", timeout=1.0).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the upstream on port {port} did not answer /health within 30 s")
-                time.sleep(0.05)
+        wait_ready(f"{url}/health", proc, 30, name=f"the upstream on port {port}", every_s=0.05)
         yield url
     finally:
         proc.terminate()

@@ -15,7 +15,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,7 +28,9 @@ import httpx
 import yaml
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvgate.gateway import readiness
 from kvgate.gateway.errors import APIError
+from kvgate.gateway.readiness import free_port
 from kvgate.gateway.settings import Settings, laid_over
 from kvgate.gateway.upstreams import SECRET_HEADER, Upstream
 
@@ -53,12 +54,6 @@ class Worker:
     def headers(self) -> dict[str, str]:
         """What a request to this process carries to be answered."""
         return {SECRET_HEADER: self.secret} if self.secret else {}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker_settings(settings: Settings, index: int, port: int, secret: str) -> dict[str, object]:
@@ -138,20 +133,7 @@ def running(settings: Settings, n: int) -> Iterator[tuple[Upstream, ...]]:
 
 
 def wait_ready(worker: Worker, within_s: float = READY_S) -> None:
-    """Polls the worker's /ready through one client: each httpx.get() would load the CA bundle (~50 ms of CPU
-    every 0.2 s, taken from the worker starting)."""
-    deadline = time.monotonic() + within_s
-    with httpx.Client() as client:
-        while time.monotonic() < deadline:
-            if worker.process.poll() is not None:
-                raise RuntimeError(f"{worker.name} exited with status {worker.process.returncode}")
-            try:
-                if client.get(worker.url + "/ready", headers=worker.headers, timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-    raise RuntimeError(f"{worker.name} was not ready within {within_s:.0f} s")
+    readiness.wait_ready(worker.url + "/ready", worker.process, within_s, name=worker.name, headers=worker.headers)
 
 
 def stop(workers: list[Worker], within_s: float = STOP_S) -> None:

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 
 import uvicorn
 
+from kvgate.gateway import readiness
 from kvgate.gateway.app import create_app
 from kvgate.gateway.backend import Backend, make_backend
 from kvgate.gateway.serve import http_protocol
@@ -21,9 +22,7 @@ from tests.waiting import wait_until
 def free_port(cluster: bool = False) -> int:
     """A free loopback port; for a cluster node, one whose bus port (10000 higher) is free too."""
     for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = readiness.free_port()
         if not cluster:
             return port
         if port + 10000 <= 65535:

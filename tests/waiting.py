@@ -6,9 +6,7 @@ import subprocess
 import time
 from collections.abc import Callable
 
-import httpx
-
-from tests import loopback
+from kvgate.gateway import readiness
 
 
 def wait_until(condition: Callable[[], object], timeout_s: float, what: str, every_s: float = 0.02) -> None:
@@ -21,16 +19,10 @@ def wait_until(condition: Callable[[], object], timeout_s: float, what: str, eve
 
 def wait_healthy(process: subprocess.Popen, url: str, timeout_s: float) -> None:
     """Returns once `url`/health answers 200; fails with the process's output if it exits first."""
-
-    def healthy() -> bool:
-        if process.poll() is not None:
-            output = process.stdout or process.stderr
-            text = output.read() if output else ""
-            text = text.decode(errors="replace") if isinstance(text, bytes) else text
-            raise AssertionError(f"{process.args} exited: {text[-2000:]}")
-        try:
-            return loopback.get(f"{url}/health", timeout=1).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_until(healthy, timeout_s, f"{url} did not come up", every_s=0.2)
+    try:
+        readiness.wait_ready(f"{url}/health", process, timeout_s, name=str(process.args))
+    except readiness.NotReady as exc:
+        output = (process.stdout or process.stderr) if process.poll() is not None else None
+        text = output.read() if output else ""  # read only once it exited: a running process's pipe blocks
+        text = text.decode(errors="replace") if isinstance(text, bytes) else text
+        raise AssertionError(f"{exc}: {text[-2000:]}") from None
