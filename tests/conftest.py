@@ -6,18 +6,20 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import openai
 import pytest
 
 from kvgate.gateway import settings_flat
 from kvgate.gateway.settings import Settings, user_cache_dir
-from kvgate.runtime.engine import Engine
-from kvgate.runtime.loader import LoadedModel, load
-from kvgate.runtime.tokens import chat_prompt
 from tests import corpus, questions
 from tests.redis_server import RedisServer
-from tests.servers import serving
+
+if TYPE_CHECKING:  # imported by the fixtures that use them: pytest-xdist's controller, which runs no test,
+    # loads this file before it starts the workers, and torch with transformers would hold them back ~10 s
+    from kvgate.runtime.engine import Engine
+    from kvgate.runtime.loader import LoadedModel
 
 # The slowest test files, slowest first (seconds of `make test`, measured: 139 ... 34), run before the rest in
 # collection order: pytest-xdist hands files out in this order (`make test` passes --no-loadscope-reorder; by
@@ -136,11 +138,15 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
 
 @pytest.fixture(scope="session")
 def loaded(settings: Settings) -> LoadedModel:
+    from kvgate.runtime.loader import load
+
     return load(settings.engine_config())
 
 
 @pytest.fixture(scope="session")
 def engine(settings: Settings, loaded: LoadedModel) -> Iterator[Engine]:
+    from kvgate.runtime.engine import Engine
+
     engine = Engine(settings.engine_config(), loaded)
     yield engine
     engine.shutdown()
@@ -148,6 +154,8 @@ def engine(settings: Settings, loaded: LoadedModel) -> Iterator[Engine]:
 
 @pytest.fixture(scope="session")
 def base_url(settings: Settings, engine: Engine) -> Iterator[str]:
+    from tests.servers import serving
+
     with serving(settings, engine) as url:
         yield url
 
@@ -160,6 +168,8 @@ def prefix_settings(settings: Settings) -> Settings:
 @pytest.fixture(scope="session")
 def prefix_engine(prefix_settings: Settings, loaded: LoadedModel) -> Iterator[Engine]:
     """An engine with automatic prefix caching and content-defined chunks, as every server has by default."""
+    from kvgate.runtime.engine import Engine
+
     engine = Engine(prefix_settings.engine_config(), loaded)
     yield engine
     engine.shutdown()
@@ -167,6 +177,8 @@ def prefix_engine(prefix_settings: Settings, loaded: LoadedModel) -> Iterator[En
 
 @pytest.fixture(scope="session")
 def prefix_base_url(prefix_settings: Settings, prefix_engine: Engine) -> Iterator[str]:
+    from tests.servers import serving
+
     with serving(prefix_settings, prefix_engine) as url:
         yield url
 
@@ -198,6 +210,8 @@ def model_name(engine: Engine) -> str:
 
 @pytest.fixture(scope="session")
 def chat_ids(loaded: LoadedModel):
+    from kvgate.runtime.tokens import chat_prompt
+
     def render(question: str) -> list[int]:
         return chat_prompt(loaded.tokenizer, [{"role": "user", "content": question}])
 

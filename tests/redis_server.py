@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -22,12 +23,26 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.servers import free_port
+from kvgate.gateway.readiness import free_port
 
 
 def redis_server_binary() -> str | None:
     found = shutil.which("redis-server") or "/usr/bin/redis-server"
     return found if os.access(found, os.X_OK) else None
+
+
+def node_port() -> int:
+    """A free loopback port for a cluster node: one whose bus port (10000 higher) is free too."""
+    for _ in range(100):
+        port = free_port()
+        if port + 10000 <= 65535:
+            with socket.socket() as bus:
+                try:
+                    bus.bind(("127.0.0.1", port + 10000))
+                    return port
+                except OSError:
+                    pass
+    raise RuntimeError("no free port pair for a cluster node")
 
 
 class RedisServer:
@@ -36,7 +51,7 @@ class RedisServer:
         if binary is None:
             pytest.skip("redis-server is not installed (not on PATH, not /usr/bin/redis-server)")
         self.binary, self.cluster, self.start_timeout_s = binary, cluster, start_timeout_s
-        self.port = free_port(cluster)
+        self.port = node_port() if cluster else free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="kvgate-redis-"))
         self.process: subprocess.Popen[bytes] | None = None
 

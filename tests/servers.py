@@ -2,37 +2,20 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import uvicorn
 
-from kvgate.gateway import readiness
 from kvgate.gateway.app import create_app
 from kvgate.gateway.backend import Backend, make_backend
+from kvgate.gateway.readiness import free_port
 from kvgate.gateway.serve import http_protocol
 from kvgate.gateway.settings import Settings
 from kvgate.gateway.upstreams import Upstream
 from kvgate.runtime.engine import Engine
 from tests.waiting import wait_until
-
-
-def free_port(cluster: bool = False) -> int:
-    """A free loopback port; for a cluster node, one whose bus port (10000 higher) is free too."""
-    for _ in range(100):
-        port = readiness.free_port()
-        if not cluster:
-            return port
-        if port + 10000 <= 65535:
-            with socket.socket() as bus:
-                try:
-                    bus.bind(("127.0.0.1", port + 10000))
-                    return port
-                except OSError:
-                    pass
-    raise RuntimeError("no free port pair for a cluster node")
 
 
 @contextmanager
