@@ -132,6 +132,8 @@ def main() -> None:
     p.add_argument("--reserve", type=int, default=None, help="slots kept for a tenant with nothing running")
     p.add_argument("--switch-interval", type=float, default=None, help="the server's sys.setswitchinterval")
     args = p.parse_args()
+    if args.flooders * args.n <= args.max_num_seqs:  # the calm tenant would wait for a full batch forever
+        p.error("--flooders x --n must be more than --max-num-seqs: a smaller flood never fills the batch")
 
     values = {
         "security": {"api_keys": KEYS},
