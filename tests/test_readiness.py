@@ -52,7 +52,7 @@ def test_a_process_that_exits_ends_the_wait_at_once_with_its_status():
 
 
 def test_a_multiprocessing_process_has_its_exit_code_read_too():
-    process = multiprocessing.get_context("fork").Process(target=sys.exit, args=(4,))
+    process = multiprocessing.get_context("spawn").Process(target=sys.exit, args=(4,))  # fork: a thread may hold a lock
     process.start()
     process.join(timeout=30)
     assert exit_status(process) == 4
