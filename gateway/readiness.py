@@ -40,9 +40,9 @@ def wait_ready(
     headers: Mapping[str, str] | None = None,
     every_s: float = 0.2,
 ) -> None:
-    """Polls GET `url` until it answers 200. Raises NotReady when `process` exits
-    first or `within_s` passes. One client for every poll: each `httpx.get()` loads the CA bundle (~50 ms of
-    CPU), which polling would take from the process starting."""
+    """Polls GET `url` until it answers 200. Raises NotReady when `process` exits first or `within_s` passes.
+    One client for every poll: each `httpx.get()` loads the CA bundle (~50 ms of CPU), which polling would take
+    from the process starting."""
     began = time.monotonic()
     with httpx.Client(headers=headers) as client:
         while True:

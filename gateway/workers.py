@@ -30,7 +30,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvgate.gateway import readiness
 from kvgate.gateway.errors import APIError
-from kvgate.gateway.readiness import free_port
 from kvgate.gateway.settings import Settings, laid_over
 from kvgate.gateway.upstreams import SECRET_HEADER, Upstream
 
@@ -101,7 +100,7 @@ def launch(name: str, values: dict[str, object], output: IO[bytes] | None = None
 @contextmanager
 def serving(values: dict[str, object], output: IO[bytes] | None = None, within_s: float = READY_S) -> Iterator[Worker]:
     """One `kvgate serve` process on a free loopback port, once it is ready; stopped at exit."""
-    operations = {"host": "127.0.0.1", "port": free_port(), **values.get("operations", {})}  # type: ignore[dict-item]
+    operations = {"host": "127.0.0.1", "port": readiness.free_port(), **values.get("operations", {})}  # type: ignore[dict-item]
     worker = launch("kvgate", {**values, "operations": operations}, output)
     try:
         wait_ready(worker, within_s)
@@ -117,7 +116,7 @@ def running(settings: Settings, n: int) -> Iterator[tuple[Upstream, ...]]:
     workers: list[Worker] = []
     try:
         for i in range(n):  # all start at once; then each is waited for
-            workers.append(launch(f"worker-{i}", worker_settings(settings, i, free_port(), secret)))
+            workers.append(launch(f"worker-{i}", worker_settings(settings, i, readiness.free_port(), secret)))
         for w in workers:
             wait_ready(w)
             log.info("%s ready at %s (pid %d)", w.name, w.url, w.process.pid)
