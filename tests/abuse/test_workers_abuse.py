@@ -53,6 +53,9 @@ def started(folder: Path) -> Iterator[Front]:
     tmp.mkdir()
     with pytest.MonkeyPatch.context() as env, log.open("wb") as out:
         env.setenv("TMPDIR", str(tmp))
+        # torch's compile cache, which a process importing transformers' model code creates under TMPDIR unless
+        # this names it (torch then sets it for the processes it starts): torch's folder, not kvgate's file
+        env.setenv("TORCHINDUCTOR_CACHE_DIR", str(folder / "torchinductor"))
         with serving({**FRONT, "caches": {"disk_bytes": 0, "dir": str(folder / "chunks")}}, out) as front:
             found = re.search(r"worker-0 ready at (\S+) \(pid (\d+)\)", log.read_text())
             assert found, log.read_text()
