@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from kvgate.gateway.readiness import NotReady, free_port, wait_ready
+from kvgate.gateway.readiness import free_port, wait_ready
 from kvgate.runtime.documents import DOCUMENT_TEMPLATE
 from kvgate.runtime.report import table, write_section
 
@@ -71,10 +71,7 @@ def server(argv: list[str], env: dict[str, str], name: str, logs: Path, timeout_
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        try:
-            wait_ready(f"{url}/v1/models", process, timeout_s, name=f"the server at {url}", every_s=1)
-        except NotReady as exc:
-            raise NotReady(f"{exc}; its log: {log}") from None
+        wait_ready(f"{url}/v1/models", process, timeout_s, name=f"the server at {url} (its log: {log})", every_s=1)
         yield Served(url, process)
     finally:
         os.killpg(process.pid, signal.SIGCONT)

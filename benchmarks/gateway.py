@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from kvgate.bench.upstream import serve_upstream
-from kvgate.gateway.readiness import NotReady, free_port, wait_ready
+from kvgate.gateway.readiness import free_port, wait_ready
 from kvgate.gateway.workers import serving
 from kvgate.runtime.report import table, write_section
 
@@ -66,10 +66,8 @@ def litellm_proxy(binary: Path, upstream: str, folder: Path) -> Iterator[str]:
     process = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        try:
-            wait_ready(url + "/health/liveliness", process, 180, name="LiteLLM's proxy", every_s=0.5)
-        except NotReady as exc:
-            raise NotReady(f"{exc} ({' '.join(args)})") from None
+        name = f"LiteLLM's proxy ({' '.join(args)})"
+        wait_ready(url + "/health/liveliness", process, 180, name=name, every_s=0.5)
         yield url
     finally:
         process.terminate()

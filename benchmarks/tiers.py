@@ -32,6 +32,7 @@ import torch
 
 from kvgate.chunk_cache import ByteTier, ChunkKV, ChunkStore, DiskTier, Loading, MemoryTier, Tier, make_tier
 from kvgate.chunk_cache.redis_tier import PIECE, RedisTier
+from kvgate.gateway.readiness import free_port
 from kvgate.runtime.blend import BlendConfig
 from kvgate.runtime.calibration import model_fingerprint
 from kvgate.runtime.config import EngineConfig
@@ -58,9 +59,7 @@ def redis_server() -> Iterator[str]:
     binary = shutil.which("redis-server")
     if binary is None:
         raise FileNotFoundError("redis-server is not installed (make test installs it); or pass --redis-url")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     args = [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"

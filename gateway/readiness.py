@@ -4,6 +4,7 @@ Used by the front for its workers, by the benchmarks for the servers they start,
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import time
@@ -49,11 +50,9 @@ def wait_ready(
             status = exit_status(process)
             if status is not None:
                 raise NotReady(f"{name} exited with status {status}")
-            try:
+            with contextlib.suppress(httpx.HTTPError):  # not listening yet: asked again at the next poll
                 if client.get(url, timeout=2).status_code == 200:
                     return
-            except httpx.HTTPError:
-                pass
             if time.monotonic() - began > within_s:
                 raise NotReady(f"{name} did not answer {url} within {within_s:g} s")
             time.sleep(every_s)

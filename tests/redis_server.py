@@ -10,6 +10,7 @@ Tests using it skip when no redis-server is installed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -36,12 +37,9 @@ def node_port() -> int:
     for _ in range(100):
         port = free_port()
         if port + 10000 <= 65535:
-            with socket.socket() as bus:
-                try:
-                    bus.bind(("127.0.0.1", port + 10000))
-                    return port
-                except OSError:
-                    pass
+            with socket.socket() as bus, contextlib.suppress(OSError):  # the bus port taken: another pair
+                bus.bind(("127.0.0.1", port + 10000))
+                return port
     raise RuntimeError("no free port pair for a cluster node")
 
 
