@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvgate.bench.engines import Rag, Reply, load_rag, stream
+from kvgate.bench.engines_rows import Rag, Reply, load_rag, stream
 from kvgate.bench.server import gateway
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.loader import load

@@ -111,6 +111,14 @@ def fidelity_options(parser: argparse.ArgumentParser) -> None:
         default="alone",
         help="each document's KV computed alone, or from a dense prefill of the same documents in the other order",
     )
+    parser.add_argument(
+        "--retrieval",
+        type=count,
+        default=0,
+        help="also score every mode by answer accuracy on this many retrieval tasks (a fact in one of --docs "
+        "documents, asked for; runtime/retrieval_task.py), against full prefill's (0: none; 24 in BENCHMARKS.md)",
+    )
+    parser.add_argument("--retrieval-words", type=int, default=100, help="words per retrieval document (>= 20)")
 
 
 def error_sources_options(parser: argparse.ArgumentParser) -> None:
@@ -236,11 +244,18 @@ def engines_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="the HF directory both serve (default: the one `kvgate convert` writes)")
     parser.add_argument("--data", type=Path, default=MUSIQUE, help="MuSiQue RAG jsonl: documents and questions")
     parser.add_argument("--repeats", type=int, default=3, help="requests per row and engine (new documents each)")
+    parser.add_argument("--words", type=int, default=300, help="words per document (300: ~2.8k-token RAG prompts)")
     parser.add_argument(
-        "--cores", type=int, default=0, help="both engines computing on this many cores (0: each engine's defaults)"
+        "--cores",
+        type=int,
+        default=0,
+        help="both engines computing on cores 0..N-1 (taskset, kvgate's threads, vLLM's OMP binding; "
+        "0: each engine's own defaults)",
     )
     parser.add_argument(
-        "--kvgate-dtype", choices=["float32", "bfloat16"], help="kvgate's dtype (default: its own, auto)"
+        "--dtype",
+        default="auto",
+        help="both engines' dtype: auto (each its own), float32, bfloat16; comma-separated: one section each",
     )
     parser.add_argument(
         "--venv", type=Path, help="vLLM's virtualenv, made on first use (default: the user cache's vllm-venv)"

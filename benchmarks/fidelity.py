@@ -18,9 +18,10 @@ from pathlib import Path
 from kvgate.runtime.blend import BlendConfig
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.fidelity import ANSWER, Scores, load_items, make_reuser, measure
-from kvgate.runtime.loader import load
+from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.report import table, write_section
-from kvgate.runtime.reuse import Reuse
+from kvgate.runtime.retrieval_task import ANSWER_TOKENS, BENCH_SEED, WORDS, Accuracy, kept, measure_tasks
+from kvgate.runtime.reuse import Reuse, Reuser
 
 TARGET_TOP1, TARGET_KL = 0.95, 0.05  # the issue's fidelity targets, drawn on the plot
 
@@ -56,7 +57,17 @@ def plot(scores: dict[str, Scores], path: Path, title: str = "") -> None:
     plt.close(fig)
 
 
-def report(scores: dict[str, Scores]) -> str:
+def answered(found: Accuracy | None, full: Accuracy | None) -> list[str]:
+    """A mode's retrieval columns: accuracy, the share of full prefill's right answers kept, equal answers."""
+    if found is None or full is None:
+        return []
+    right, of = kept(full, found)
+    n = len(found.correct)
+    return [f"{sum(found.correct)} of {n} ({100 * found.rate:.0f}%)", f"{right} of {of}", f"{sum(found.same)} of {n}"]
+
+
+def report(scores: dict[str, Scores], retrieval: dict[str, Accuracy] | None = None, answer: int = ANSWER) -> str:
+    full = (retrieval or {}).get("full")
     rows = [
         [
             name,
@@ -66,6 +77,7 @@ def report(scores: dict[str, Scores]) -> str:
             f"{100 * s.mean('exact'):.0f}%",
             f"{s.mean('rouge'):.3f}",
             f"{s.mean('deviation'):.3g} / {max(s.deviation, default=0.0):.3g}",
+            *answered((retrieval or {}).get(name), full),
         ]
         for name, s in scores.items()
     ]
@@ -73,12 +85,36 @@ def report(scores: dict[str, Scores]) -> str:
         "mode",
         "document tokens recomputed",
         "first-token KL",
-        "top-1 (32, forced)",
-        "greedy-32 exact",
+        f"top-1 ({answer}, forced)",
+        f"greedy-{answer} exact",
         "ROUGE-L",
         "key deviation mean / max",
     ]
+    if retrieval:  # full prefill's own row: the accuracy every mode is held to (its other columns by definition)
+        rows.insert(0, ["full (the reference)", "100.0%", "0", "100.0%", "100%", "1.000", "-", *answered(full, full)])
+        header += ["retrieval: answers right", "... of full prefill's right kept", "... equal to full prefill's"]
     return table(header, rows)
+
+
+def retrieval_accuracy(
+    loaded: LoadedModel, reuser: Reuser, data: Path, modes: list[Reuse], count: int, docs: int, words: int,
+    context: bool,
+) -> tuple[dict[str, Accuracy], str]:  # fmt: skip
+    """Every mode's answer accuracy on `count` retrieval tasks (runtime/retrieval_task.py), and what they were."""
+    scores, items = measure_tasks(loaded, reuser, modes, count, BENCH_SEED, docs, words, data, context)
+    tokens = statistics.fmean(len(i.ids) for i in items)
+    filler = f"passages of `{data.name}`" if data.is_file() else "filler sentences made by the generator"
+    kv = "a dense prefill of the documents in their stored order" if context else "each document computed alone"
+    described = (
+        f"Retrieval: {len(items)} tasks (runtime/retrieval_task.py, seed {BENCH_SEED}), {docs} documents of "
+        f"{words} words ({filler}), one holding the fact asked for and up to two holding facts of the same form "
+        f"about other names, asked in another order than the stored one (documents' KV: {kv}), the fact at "
+        f"every depth in turn; {tokens:.0f} prompt tokens on average. An answer is right when its first number "
+        f"is the fact's (greedy, {ANSWER_TOKENS} tokens, after the answer's lead words as RULER prompts). Full "
+        f"prefill answers {sum(scores['full'].correct)} of {len(items)} right; each mode's count, how many of "
+        "those it keeps, and how many of its answers equal full prefill's are the last three columns."
+    )
+    return scores, described
 
 
 def changed(blend: BlendConfig) -> dict[str, object]:
@@ -115,12 +151,16 @@ def bench_fidelity(
     command: str,
     blend: BlendConfig | None = None,
     context: bool = False,
+    retrieval: int = 0,
+    retrieval_words: int = WORDS,
     answer: int = ANSWER,
 ) -> dict[str, Scores]:
     """`blend`: the blend's settings besides the ratio (default BlendConfig()); any other names the
     section (`fidelity-shuffled-first_k4`), so a variant does not overwrite the default run.
     `context`: documents' KV from a dense prefill of the same documents in the other order (the
-    stored one for shuffled items, the shuffled one otherwise), section suffix `-context`."""
+    stored one for shuffled items, the shuffled one otherwise), section suffix `-context`. `retrieval`:
+    retrieval tasks (of `docs` documents of `retrieval_words` words) whose answer accuracy each mode is
+    also scored by (0: none)."""
     began = time.perf_counter()
     blend = blend or BlendConfig()
     loaded = load(config)
@@ -130,6 +170,9 @@ def bench_fidelity(
     decode = loaded.tokenizer.decode
     others = load_items(loaded, data, docs, limit, not shuffle, offset, words) if context else None
     scores = measure(reuser, data_items, modes, loaded.eos_token_ids, decode, others=others, answer=answer)
+    found, retrieved = None, ""
+    if retrieval:
+        found, retrieved = retrieval_accuracy(loaded, reuser, data, modes, retrieval, docs, retrieval_words, context)
     name = ("fidelity-shuffled" if shuffle else "fidelity") + variant(blend) + ("-context" if context else "")
     settings = ", ".join(f"{k}={v!r}" for k, v in changed(blend).items())
     order = "shuffled (a fixed permutation per item)" if shuffle else "in their stored order"
@@ -153,8 +196,10 @@ def bench_fidelity(
         f"over the reference answer's first {answer} positions, teacher-forced on the reference answer. "
         f"Greedy-{answer} exact / ROUGE-L: the mode's own greedy answer against the reference's. "
         "Key deviation: the blend's relative key deviation of document tokens at its first check layer "
-        "(what calibration bounds).\n\n"
-        + report(scores)
+        "(what calibration bounds)."
+        + (f" {retrieved}" if retrieved else "")
+        + "\n\n"
+        + report(scores, found, answer)
         + f"\n\n![fidelity against recompute ratio]({picture.name})\n\n"
         f"Took {time.perf_counter() - began:.0f} s."
     )
@@ -162,5 +207,5 @@ def bench_fidelity(
     title += f", blend with {settings}" if settings else ""
     title += ", documents' KV from a dense prefill in the other order" if context else ""
     write_section(output, name, title, command, body)
-    print(report(scores), flush=True)
+    print(report(scores, found, answer), flush=True)
     return scores

@@ -65,6 +65,8 @@ def run_fidelity(args: argparse.Namespace, settings: Settings, command: str) -> 
     from kvgate.runtime.blend import BlendConfig
 
     check_numbers(args)
+    if args.retrieval and (args.docs < 2 or args.retrieval_words < 20):
+        raise DataError("--retrieval needs --docs >= 2 and --retrieval-words >= 20")
     ratios = list(percentages(args.ratios))
     config = settings.engine_config()
     bench_fidelity(
@@ -80,6 +82,8 @@ def run_fidelity(args: argparse.Namespace, settings: Settings, command: str) -> 
         command,
         BlendConfig(**blend_options(args)),
         args.document_kv == "context",
+        args.retrieval,
+        args.retrieval_words,
         **answer_tokens(args),
     )
     return 0
@@ -232,11 +236,14 @@ def run_engines(args: argparse.Namespace, settings: Settings, command: str) -> i
     from kvgate.runtime.config import user_cache_dir
     from kvgate.runtime.loader import resolve
 
-    if not args.data.is_file() or args.repeats < 1 or args.cores < 0:
-        raise DataError(f"need --data (a file: {args.data}), --repeats >= 1 and --cores >= 0")
+    if not args.data.is_file() or args.repeats < 1 or args.cores < 0 or args.words < 1:
+        raise DataError(f"need --data (a file: {args.data}), --repeats >= 1, --words >= 1 and --cores >= 0")
+    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    if not dtypes or not set(dtypes) <= {"auto", "float32", "bfloat16"}:
+        raise DataError(f"--dtype {args.dtype!r}: auto, float32 or bfloat16, comma-separated")
     model = Path(resolve(settings.engine_config()))
     venv = args.venv or user_cache_dir() / "vllm-venv"
-    print(bench_engines(model, args.data, venv, args.repeats, args.cores, args.kvgate_dtype, args.output, command))
+    print(bench_engines(model, args.data, venv, args.repeats, args.cores, dtypes, args.words, args.output, command))
     return 0
 
 

@@ -46,6 +46,9 @@ class ChunkKV:
     # eviction keeps entries that save the most per byte.
     cost: float = 0.0
     model: str = ""  # fingerprint of the model that computed it
+    # Rows 0..exact-1 are, bit for bit, what a full prefill of the same tokens computes; the rest came otherwise
+    # (decode steps, or a lossy codec's read-back: 0). None: every row.
+    exact: int | None = None
 
     def __post_init__(self) -> None:
         ids = self.token_ids.tolist() if isinstance(self.token_ids, torch.Tensor) else self.token_ids
@@ -60,6 +63,13 @@ class ChunkKV:
             )
         if self.keys.shape[2] != len(self.token_ids):
             raise ValueError(f"{len(self.token_ids)} token ids for {self.keys.shape[2]} cached tokens")
+        if self.exact is not None and not 0 <= self.exact <= len(self.token_ids):
+            raise ValueError(f"exact={self.exact} rows of {len(self.token_ids)}")
+
+    @property
+    def exact_rows(self) -> int:
+        """How many leading rows are full prefill's own."""
+        return self.tokens if self.exact is None else min(self.exact, self.tokens)
 
     @property
     def tokens(self) -> int:
@@ -76,7 +86,8 @@ class ChunkKV:
     def to(self, device: str | torch.device) -> ChunkKV:
         if self.keys.device == torch.device(device):
             return self
-        return ChunkKV(self.key, self.token_ids, self.keys.to(device), self.values.to(device), self.cost, self.model)
+        keys, values = self.keys.to(device), self.values.to(device)
+        return ChunkKV(self.key, self.token_ids, keys, values, self.cost, self.model, self.exact)
 
     def to_bytes(self, codec: str | None = None) -> bytes:
         """The byte form; `codec` (codec.py's names; None: raw) compresses each layer."""
@@ -84,7 +95,8 @@ class ChunkKV:
         coder = codec_named(codec)
         stored = kv if coder is None else torch.stack([coder.encode(layer) for layer in kv])
         digests = tuple(_digest(_raw(layer)) for layer in stored)
-        metadata = _described(self.key, self.model, kv.dtype, tuple(self.keys.shape), self.cost, digests, codec)
+        shape = tuple(self.keys.shape)
+        metadata = _described(self.key, self.model, kv.dtype, shape, self.cost, digests, codec, self.exact)
         metadata["checksum"] = _header_checksum(metadata, self.token_ids)
         ids = torch.tensor(self.token_ids, dtype=torch.int64)
         return save({"kv": stored, "token_ids": ids}, metadata=metadata)
@@ -123,6 +135,7 @@ class Header:
     total: int
     token_ids: tuple[int, ...] = ()  # filled by check_tokens
     codec: Quantiser | None = None  # None: raw layers
+    exact: int | None = None  # ChunkKV.exact as stored
 
     @staticmethod
     def size_of(prefix: bytes | memoryview) -> int:
@@ -153,6 +166,7 @@ class Header:
             dtype = _DTYPES[meta["dtype"]]
             digests = tuple(json.loads(meta["layers"]))
             codec = codec_named(meta.get("codec"))  # ValueError (damage) for a codec not known here
+            exact = int(meta["exact"]) if "exact" in meta else None
             if len(shape) != 4 or not all(isinstance(d, int) and d >= 0 for d in shape):
                 raise CorruptEntry(f"shape {shape}")
             if [kv["dtype"], kv["shape"]] != _stored(codec, meta["dtype"], shape) or ids["dtype"] != "I64":
@@ -162,7 +176,7 @@ class Header:
             (k0, k1), (i0, i1) = kv["data_offsets"], ids["data_offsets"]
             parsed = cls(
                 str(meta["key"]), str(meta["model"]), dtype, shape, float(meta["cost"]), digests,
-                str(meta["checksum"]), size + k0, size + i0, size + i1, size + max(k1, i1), codec=codec,
+                str(meta["checksum"]), size + k0, size + i0, size + i1, size + max(k1, i1), codec=codec, exact=exact,
             )  # fmt: skip
             if k1 - k0 != shape[0] * parsed.layer_bytes or i1 - i0 != 8 * shape[2]:
                 raise CorruptEntry("tensor byte ranges do not match their shapes")
@@ -198,7 +212,7 @@ class Header:
             raise CorruptEntry("token ids truncated")
         ids = tuple(np.frombuffer(raw, dtype="<i8").tolist())
         codec = None if self.codec is None else self.codec.name
-        meta = _described(self.key, self.model, self.dtype, self.shape, self.cost, self.digests, codec)
+        meta = _described(self.key, self.model, self.dtype, self.shape, self.cost, self.digests, codec, self.exact)
         if _header_checksum(meta, ids) != self.checksum:
             raise CorruptEntry("header checksum mismatch")
         object.__setattr__(self, "token_ids", ids)
@@ -220,8 +234,10 @@ class Header:
             raise CorruptEntry(f"layer {i}: checksum mismatch")
 
     def entry(self, kv: torch.Tensor) -> ChunkKV:
-        """The entry whose layers have all been read into `kv` [layers, 2, kv_heads, T, head_dim]."""
-        return ChunkKV(self.key, self.token_ids, kv[:, 0], kv[:, 1], self.cost, self.model)
+        """The entry whose layers have all been read into `kv` [layers, 2, kv_heads, T, head_dim]. A lossy
+        codec's rows are nobody's prefill: none is exact."""
+        exact = 0 if self.codec is not None else self.exact
+        return ChunkKV(self.key, self.token_ids, kv[:, 0], kv[:, 1], self.cost, self.model, exact)
 
 
 def _described(
@@ -232,8 +248,10 @@ def _described(
     cost: float,
     digests: tuple[str, ...],
     codec: str | None = None,
+    exact: int | None = None,
 ) -> dict[str, str]:
-    """An entry's metadata, as stored and as the header checksum covers it (a raw entry: no codec)."""
+    """An entry's metadata, as stored and as the header checksum covers it (a raw entry: no codec; every row
+    exact: no `exact`)."""
     described = {
         "format": FORMAT,
         "key": key,
@@ -243,6 +261,8 @@ def _described(
         "cost": repr(cost),
         "layers": json.dumps(list(digests)),
     }
+    if exact is not None:
+        described["exact"] = str(exact)
     return described if codec is None else {**described, "codec": codec}
 
 

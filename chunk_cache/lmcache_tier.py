@@ -122,6 +122,7 @@ class _Held:
     cost: float
     model: str
     nbytes: int  # in LMCache's pool
+    exact: int | None = None  # ChunkKV.exact
 
 
 @register_tier("lmcache")
@@ -178,7 +179,7 @@ class LMCacheTier(Tier):
                 return None
             self._held.move_to_end(key)
             self._counts["hits"] += 1
-        return ChunkKV(key, held.token_ids, kv[:, 0], kv[:, 1], held.cost, held.model)
+        return ChunkKV(key, held.token_ids, kv[:, 0], kv[:, 1], held.cost, held.model, held.exact)
 
     def put(self, entry: ChunkKV) -> bool:
         layers, kv_heads, tokens, head_dim = entry.keys.shape
@@ -207,7 +208,8 @@ class LMCacheTier(Tier):
                 self._counts["refused"] += 1
                 return False
             shape = (layers, kv_heads, tokens, head_dim)
-            self._held[entry.key] = _Held(entry.token_ids, shape, digests.hexdigest(), entry.cost, entry.model, size)
+            digest = digests.hexdigest()
+            self._held[entry.key] = _Held(entry.token_ids, shape, digest, entry.cost, entry.model, size, entry.exact)
             self._bytes += size
             self._counts["puts"] += 1
         return True

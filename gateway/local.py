@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import replace
+from dataclasses import asdict, replace
 from functools import partial
 from typing import Any
 
@@ -34,7 +34,7 @@ from kvgate.gateway.choices import (
 )
 from kvgate.gateway.embeddings import Embeddings
 from kvgate.gateway.errors import APIError, bad_request
-from kvgate.gateway.metrics import counter, fidelity_metrics, gauge, tier_metrics
+from kvgate.gateway.metrics import calibration_metrics, counter, fidelity_metrics, gauge, tier_metrics
 from kvgate.gateway.programs import HEADER
 from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest, Sampling
 from kvgate.gateway.render import dumps, response_head, sse, sse_error, usage
@@ -43,6 +43,7 @@ from kvgate.gateway.toolcalls import CallStream, constraint, repeat_guard
 from kvgate.runtime.engine import Engine, Result
 from kvgate.runtime.errors import GrammarError, InvalidPrompt
 from kvgate.runtime.planner import Chat, Planner
+from kvgate.runtime.quality import STATES
 from kvgate.runtime.sequence import Output, Plan, Request
 from kvgate.runtime.tokens import TokenBytes
 from kvgate.runtime.tools import detect, prepare
@@ -306,7 +307,13 @@ class Local(Backend):
     async def ready(self) -> dict[str, Any]:
         if not self.alive():
             raise APIError(503, "the engine thread has stopped", code="engine_down")
-        return {"status": "ready", "model": self.name, **self.engine.load_stats}
+        return {"status": "ready", "model": self.name, **self.engine.load_stats, "calibration": self.calibration()}
+
+    def calibration(self) -> dict[str, Any]:
+        """Where blends' recompute ratio comes from (runtime/caching.py `standing`): `calibrated` false while
+        the server calibrates online (it serves full prefill where it would blend), or cannot."""
+        standing = self.engine.caches.standing()
+        return {"calibrated": standing.calibrated, **asdict(standing)}
 
     def alive(self) -> bool:
         return self.engine.thread.is_alive()
@@ -318,6 +325,8 @@ class Local(Backend):
         yield gauge("kvgate_requests_waiting", "sequences waiting for the engine", load["waiting"])
         yield gauge("kvgate_requests_running", "sequences the engine is running", load["running"])
         yield from fidelity_metrics(self.name, engine.gate.stats(), engine.gate.due_count, engine.gate.dropped)
+        standing = engine.caches.standing()
+        yield from calibration_metrics(self.name, standing.state, STATES, standing.checks)
         yield from self.agents.metrics()
         if self.engine.anchors is not None:
             anchors = self.engine.anchors.stats()

@@ -164,6 +164,25 @@ def fidelity_metrics(
     yield counter("kvgate_shadow_dropped", "shadow checks dropped: too many were waiting", dropped)
 
 
+def calibration_metrics(model: str, state: str, states: Iterable[str], checks: int) -> Iterator[Metric]:
+    """Where blends' recompute ratio comes from (runtime/quality.py `STATES`): 1 for the state the server is
+    in, 0 for the others; and the shadow checks of the ratio calibrating online (or opened by them)."""
+    family = GaugeMetricFamily(
+        "kvgate_blend_calibration",
+        "blends' ratio from: table, operator, shadow (opened online); calibrating, unmet, off: full prefill",
+        labels=["model", "state"],
+    )
+    for name in states:
+        family.add_metric([model, name], float(name == state))
+    yield family
+    yield gauge(
+        "kvgate_blend_calibration_checks",
+        "shadow checks of the ratio being calibrated online, or of the one they opened",
+        checks,
+        {"model": model},
+    )
+
+
 def semantic_metrics(stats: Callable[[], dict[str, Any]]) -> Iterator[Metric]:
     """The semantic cache's error bound per category: verdicts, the score served from (above 1: only
     the same question), and the operator's rate."""

@@ -17,13 +17,14 @@ from kvgate.runtime.calibration import Calibration
 from kvgate.runtime.chunks import Breaks, Chunks
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.prefix import Blocks
-from kvgate.runtime.quality import FULL, Gate, shape_key
+from kvgate.runtime.quality import FULL, Gate, Standing, shape_key
 from kvgate.runtime.reuse import Reuse, Reuser
 from kvgate.runtime.sequence import Missing, Plan, Sequence
 from kvgate.runtime.shared import Spans
 
 log = logging.getLogger("kvgate.engine")
-EXACT = "exact"  # the KV reused is the very KV full prefill computes (an exact prefix, a program's own context)
+EXACT = "exact"  # the KV reused is, bit for bit, the KV full prefill computes (an exact prefix, a program's prompt)
+GRID = 64  # runtime/model.py's: a read that continues with computed rows ends at a multiple of it
 
 
 class Caches:
@@ -38,8 +39,12 @@ class Caches:
         in_context: bool = True,
         chunks: Chunks | None = None,
         blended: Blocks | None = None,
+        exact: bool = False,
     ) -> None:
         self.reuser, self.spans, self.cost = reuser, spans, cost  # cost: seconds to prefill n tokens
+        # Whether the engine computes a prompt's rows the same however its prefill is split (runtime/model.py);
+        # if not, no reuse is called exact.
+        self.exact = exact
         self.blocks = blocks  # None: no automatic prefix caching
         self.chunks = chunks  # None: no content-defined chunks
         # A blended prompt's KV, kept in blocks of a chain of their own, so that the same tokens asked again
@@ -92,21 +97,29 @@ class Caches:
             return
         turn, reuse = seq.turn, seq.cache.reuse
         if turn is not None and turn.resume:
-            seq.cache.cached_tokens = self.reuser.resume(seq.kv, seq.prompt_ids, turn.resume)
+            context = self.reuser.resume(seq.kv, seq.prompt_ids, turn.resume)
+            if self.exact and context.exact == context.tokens and context.tokens % GRID:
+                seq.kv.truncate(context.tokens - context.tokens % GRID)  # the rest from where a prefill would be
+            seq.cache.cached_tokens = len(seq.kv)
+            if context.exact < len(seq.kv):  # it holds decoded rows
+                seq.cache.bitwise = context.exact
             reuse = "program" if seq.cache.cached_tokens else ""
             if turn.keep:  # the KV now lives in the sequence: the stored copy would count twice
                 self.reuser.store.delete(turn.resume)
         resumed = len(seq.kv)
         blocks = self.blocks_for(seq)
-        found = blocks.attach(seq.kv, seq.prompt_ids, seq.tenant) if blocks is not None else 0
+        attached = blocks.attach(seq.kv, seq.prompt_ids, seq.tenant) if blocks is not None else None
+        found = attached.tokens if attached is not None else 0
+        if attached is not None and attached.exact < len(seq.kv) and seq.cache.bitwise >= resumed:
+            seq.cache.bitwise = attached.exact  # the first row read that is not full prefill's own
         seq.cache.cached_tokens += found
         seq.cache.reuse = reuse or ("prefix" if found else "")
         seq.cache.exact = len(seq.kv)
         # Blocks found need not be stored again: only from the block where the found ones end.
         seq.cache.kept = 0 if resumed or blocks is None else found - found % blocks.size
-        seq.cache.fidelity = EXACT if seq.cache.cached_tokens else ""
+        seq.cache.fidelity = self.read(seq)
         again = self.blended_for(seq)
-        if again is not None and (read := again.attach(seq.kv, seq.prompt_ids, seq.tenant)):
+        if again is not None and (read := again.attach(seq.kv, seq.prompt_ids, seq.tenant).tokens):
             seq.cache.blended = read
             seq.cache.cached_tokens += read
             seq.cache.reuse = f"blend; {read} tokens as a blend of the same tokens left them"
@@ -190,7 +203,7 @@ class Caches:
                 seq.cache.gated = None  # nothing reused, or nothing to reuse: a check would compare dense with dense
             seq.cache.exact = head if spans else len(seq.prompt_ids)
             key = seq.cache.gated[0] if seq.cache.gated is not None else "kvcomm"
-            seq.cache.fidelity = self.fidelity(key, ratio, 0) if spans else EXACT if seq.cache.cached_tokens else ""
+            seq.cache.fidelity = self.fidelity(key, ratio, 0) if spans else self.read(seq)
             return done.logits
         rest = after(plan, head)
         reuse, why = self.choose(seq, rest) if any(rest.documents) else (Reuse("full"), "")
@@ -204,13 +217,24 @@ class Caches:
         seq.cache.reuse = "; ".join(x for x in (label, plan.note, done.note, why) if x)
         if not seq.cache.blended:  # else exact up to where a blend's blocks were read, as start() left it
             seq.cache.exact = len(seq.prompt_ids)
-            if blended:  # exact up to the first document placed from its own KV
-                lead = next((i for i, d in enumerate(rest.documents) if d), len(rest.pieces))
-                seq.cache.exact = head + sum(len(p) for p in rest.pieces[:lead])
+            if blended:  # exact up to the head: a blend computes the tokens before its first document its own way
+                seq.cache.exact = head
         if done.reused:
             key = seq.cache.gated[0] if seq.cache.gated is not None else done.mode
             seq.cache.fidelity = self.fidelity(key, done.ratio, sum(rest.documents))
         return done.logits
+
+    def read(self, seq: Sequence) -> str:
+        """The fidelity of KV read as it was stored (prefix blocks, a program's context): exact when every row
+        is, bit for bit, what full prefill computes; else how many are not (decoded rows, rows a lossy codec
+        read back, or an engine whose kernels are not row-invariant), unmeasured."""
+        cached = seq.cache.cached_tokens
+        if not cached:
+            return ""
+        if not self.exact:
+            return "numerics; kernels not split-invariant here; source=none"
+        other = len(seq.kv) - min(seq.cache.bitwise, len(seq.kv))
+        return EXACT if other <= 0 else f"numerics; rows={other} decoded or read back lossy; source=none"
 
     def fidelity(self, mode: str, ratio: float, documents: int) -> str:
         """How far reusing KV at `ratio` moves the first token from full prefill's: the latest shadow
@@ -231,7 +255,8 @@ class Caches:
         as asked. A mode left to the server gets the smallest ratio the calibration table says meets
         the fidelity target for this many documents (none: full prefill), never below the quality
         gate's rung, and may be checked (`seq.cache.gated`); a blend the cost model says is slower than full
-        prefill runs as full prefill."""
+        prefill runs as full prefill. With no table (and no operator's ratio) blends are calibrated online:
+        full prefill, checked against the blend its checks measure, until they open a ratio (`Gate.uncalibrated`)."""
         reuse, why = plan.reuse, ""
         if seq.cache.in_context:
             return Reuse("full"), "documents new to the cache: prefilled in full, their KV kept as computed here"
@@ -246,6 +271,9 @@ class Caches:
                     return Reuse("full"), note
                 ratio = max(ratio, planned)
             if ratio == FULL:
+                probe = self.gate.calibrating(key)  # a blend the cost model says is slower opens nothing
+                if probe is not None and (slower := self.slower(seq, plan, Reuse(reuse.mode, probe))):
+                    return Reuse("full"), slower
                 seq.cache.gated = (key, FULL)
                 return Reuse("full"), why
             reuse = Reuse(reuse.mode, None if ratio == self.gate.base(reuse.mode) else ratio)
@@ -286,6 +314,17 @@ class Caches:
     def targets(self) -> tuple[float, float]:
         return self.gate.config.target_kl, self.gate.config.target_top1
 
+    def standing(self) -> Standing:
+        """Where the ratio of blends left to the server comes from: the calibration table, the operator's
+        `recompute_ratio`, or shadow checks (calibrated online: `Gate.standing`)."""
+        online = self.gate.standing("blend")
+        if online is not None:
+            return online
+        if self.calibration is not None:
+            cal = self.calibration
+            return Standing("table", note=f"kvgate calibrate: {cal.items} items, blends selecting by {cal.select}")
+        return Standing("operator", ratio=self.reuser.blend.ratio)
+
     def settle(self, seq: Sequence) -> None:
         """The prompt's KV is complete and its first token out (sampling leaves the prompt's rows
         as they are): what it leaves to store, its exact prefix or its new spans as sources and
@@ -293,7 +332,8 @@ class Caches:
         plan, shared, seq.cache.shared = seq.plan, seq.cache.shared, None
         try:
             if blocks := self.blocks_for(seq):
-                seq.cache.kept = blocks.keep(seq.kv, seq.prompt_ids[: seq.cache.exact], seq.tenant, seq.cache.kept)
+                ids, bitwise = seq.prompt_ids[: seq.cache.exact], seq.cache.bitwise
+                seq.cache.kept = blocks.keep(seq.kv, ids, seq.tenant, seq.cache.kept, bitwise)
             again = self.blended_for(seq)
             if (
                 again is not None
@@ -322,7 +362,8 @@ class Caches:
         blocks = self.blocks_for(seq)
         if blocks is not None and seq.cache.exact == len(seq.prompt_ids):
             try:
-                blocks.keep(seq.kv, seq.all_ids, seq.tenant, seq.cache.kept)
+                decoded = min(seq.cache.bitwise, len(seq.prompt_ids))  # the answer's rows were decoded
+                blocks.keep(seq.kv, seq.all_ids, seq.tenant, seq.cache.kept, decoded)
             except Exception:
                 log.exception("request %d: storing its prefix blocks failed", seq.id)
         if chunks := self.chunks_for(seq):  # its answer: a span a later prompt may quote
@@ -335,7 +376,8 @@ class Caches:
             return
         until = time.monotonic() + turn.pin_s if turn.pin_s > 0 else None
         try:
-            self.reuser.keep(seq.kv, seq.all_ids, turn.keep, self.cost(len(seq.kv)), until)
+            decoded = min(seq.cache.bitwise, len(seq.prompt_ids))
+            self.reuser.keep(seq.kv, seq.all_ids, turn.keep, self.cost(len(seq.kv)), until, decoded)
             plan = seq.plan
             if plan is not None and plan.spans:  # its answer: a span other agents may read
                 self.spans.wrote(seq.kv, len(seq.prompt_ids), seq.output_ids, seq.text, plan.agent, plan.scope)
@@ -350,17 +392,24 @@ def make_caches(
     gate: Gate,
     calibration: Calibration | None,
     cost: Callable[[int], float],
+    exact: bool = False,
 ) -> Caches:
-    """The caches an engine's config asks for (cost: seconds to prefill n tokens)."""
+    """The caches an engine's config asks for (cost: seconds to prefill n tokens; exact: whether the engine
+    computes a prompt the same however its prefill is split)."""
     store, model_fp = reuser.store, reuser.model_fp
-    blocks = Blocks(store, model_fp, reuser.tokenizer_fp, cost, config.prefix_block) if config.prefix_caching else None
+    grid = GRID if exact else 1
+    fp = reuser.tokenizer_fp
+    blocks = Blocks(store, model_fp, fp, cost, config.prefix_block, grid=grid) if config.prefix_caching else None
     chunks = blended = None
     if config.content_chunks:
         chunks = Chunks(store, reuser.model, model_fp, reuser.key, cost, config.chunks, Breaks.of(reuser.tokenizer))
         if config.prefix_caching:
             blended = Blocks(store, model_fp, reuser.tokenizer_fp, cost, config.prefix_block, namespace="blended")
     calibrated = calibration if config.recompute_ratio is None else None
-    return Caches(reuser, blocks, spans, cost, gate, calibrated, config.documents_in_context, chunks, blended)
+    if calibrated is None and config.recompute_ratio is None:  # no ratio measured: blends calibrated online
+        gate.uncalibrated("blend")
+    in_context = config.documents_in_context
+    return Caches(reuser, blocks, spans, cost, gate, calibrated, in_context, chunks, blended, exact)
 
 
 def after(plan: Plan, done: int) -> Plan:

@@ -21,9 +21,10 @@ from kvgate.runtime.calibration import find as find_calibration
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.errors import EngineError, GrammarError, InvalidPrompt, PromptTooLong
 from kvgate.runtime.grammar import Grammars
+from kvgate.runtime.invariance import invariant, row_floor
 from kvgate.runtime.kv import KVCache, Pool
 from kvgate.runtime.loader import LoadedModel, load
-from kvgate.runtime.model import Run, forward
+from kvgate.runtime.model import GRID, Run, forward
 from kvgate.runtime.quality import Gate
 from kvgate.runtime.reuse import Reuser
 from kvgate.runtime.sampling import SamplingParams, choose, logprob_of, penalise
@@ -55,6 +56,12 @@ class Engine:
         )
         self.model_fp = model_fingerprint(self.loaded)
         c = config
+        row_floor(self.model, c.cache_dir)  # measured once per machine; every step is padded to it
+        budget = max(config.max_num_batched_tokens, config.max_num_seqs)
+        # Prompt chunks stop at multiples of GRID, so that a prompt's KV is the same however it is split; a
+        # budget below that, or GEMMs that are not row-invariant, leave no reuse exact (runtime/caching.py).
+        grid = GRID if budget >= GRID else 1
+        self.exact = grid == GRID and invariant(self.model)
         self.calibration = find_calibration(c.cache_dir, self.model_fp, c.shipped_calibration, c.blend_select)
         self.reuser = self.make_reuser(self.calibration)
         self.grammars = Grammars(self.tokenizer, self.loaded.eos_token_ids)
@@ -63,12 +70,13 @@ class Engine:
         self.spans = Spans(self.reuser, self.anchors, cost=self.prefill_s)
         self.gate = Gate(config.quality, {"blend": self.reuser.blend.ratio, "kvcomm": config.kvcomm_ratio})
         self.shadow = Shadow(self.gate, self.reuser, self.spans)
-        self.caches = make_caches(config, self.reuser, self.spans, self.gate, self.calibration, self.prefill_s)
-        budget = max(config.max_num_batched_tokens, config.max_num_seqs)
+        self.caches = make_caches(
+            config, self.reuser, self.spans, self.gate, self.calibration, self.prefill_s, self.exact
+        )
         # Programs in flight: counted by the gateway's agent programs, held at the scheduler's door when on.
         self.flight = Flight(self.reuser.store.memory_bytes, c.in_flight, c.in_flight_linger_s)
         gate = self.flight if c.in_flight > 0 else None
-        self.scheduler = Scheduler(config.max_num_seqs, budget, config.queue_order, gate=gate)
+        self.scheduler = Scheduler(config.max_num_seqs, budget, config.queue_order, gate=gate, grid=grid)
         self.pool = Pool()  # finished sequences' KV storage, for new ones (used only on the engine thread)
         self.callbacks: dict[int, Callback] = {}
         self.inbox: list[tuple[Sequence | int | Future, Callback | None]] = []
@@ -305,7 +313,8 @@ class Engine:
         if logits is not None:  # the whole prompt is in the KV: straight to the first token
             self.sample(seq, logits)
             return None
-        return Run(seq.kv, seq.next_run(budget), seq.computed)
+        tokens = seq.next_run(budget, self.scheduler.grid)
+        return Run(seq.kv, tokens, seq.computed) if tokens else None
 
     def ingested(self, seq: Sequence) -> None:
         """A document ingest is done: its KV is stored, its tokens remembered to find it by id."""

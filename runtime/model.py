@@ -3,6 +3,14 @@
 Each sequence contributes a run of new tokens (a prompt chunk or one decode token).
 Projections and MLPs run once over all tokens of the step; attention runs per sequence
 over that sequence's own KV, so sequences of any length share a step without padding.
+
+A prompt's KV is the same bit for bit however its prefill is split (a cached prefix continued, chunked
+prefill, other sequences in the step), so that reuse called exact is exact in every dtype:
+- a linear layer's rows do not depend on how many rows are computed with them, once there are at least
+  `row_floor` (measured per model, dtype and thread count: CPU GEMMs take other paths for a few rows), so a
+  step's rows are padded to it;
+- attention of prompt rows runs in chunks that start at multiples of GRID, each by the same kernels whatever
+  came before (`attend_grid`); the engine cuts prefill runs and rounds prefix hits to GRID.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from kvgate.runtime.invariance import row_floor
 from kvgate.runtime.kv import KVCache
 
 
@@ -28,6 +37,8 @@ FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 # Rows from which the merged kernels beat the masked one (measured after 3.7k cached, 1 thread: 64 rows 15 ms both,
 # 256 rows 48 against 51 ms, 1024 rows 155 against 195 ms, 3.6k rows 354 against 669 ms).
 MERGED_ROWS = 512
+# Prompt rows are attended in chunks that begin at multiples of this (a prefix block's size).
+GRID = 64
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -95,6 +106,28 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
     return torch.bmm(scores.softmax(-1), v).reshape(heads, 1, d).to(dtype)
 
 
+def attend_grid(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float, window: int | None = None
+) -> torch.Tensor:
+    """`attend` of rows start..start+n ([heads, n, d]) over k, v [kv_heads, start+n, d], one chunk of rows at a
+    time, cut at multiples of GRID: a chunk's kernels and shapes depend only on where it begins and ends, so a
+    prompt continued from cached KV at a multiple of GRID runs exactly the calls its whole prefill runs. One row
+    (a decode step, or a prompt's last row alone in its chunk) is `attend_one` either way."""
+    n = q.shape[1]
+    if n == 1:
+        return attend(q, k, v, scale, window)
+    parts, a = [], start
+    while a < start + n:
+        e = min(start + n, (a // GRID + 1) * GRID)
+        keys, values, rows = k[:, :e], v[:, :e], q[:, a - start : e - start]
+        if a == 0 or e - a == 1 or window is not None or q.device.type != "cpu":
+            parts.append(attend(rows, keys, values, scale, window))
+        else:  # the merged kernels at every size: one kernel for a chunk, whatever its length
+            parts.append(attend_after(rows[None], keys[None], values[None], scale)[0])
+        a = e
+    return torch.cat(parts, 1)
+
+
 def window_of(layer: torch.nn.Module) -> int | None:
     """A layer's sliding attention window, or None for full attention."""
     attn = layer.self_attn
@@ -142,8 +175,13 @@ def forward(model: PreTrainedModel, runs: list[Run], every: bool = False) -> tor
     """
     device = model.device
     lengths = [len(r.token_ids) for r in runs]
-    ids = torch.tensor([t for r in runs for t in r.token_ids], device=device)
-    positions = torch.cat([torch.arange(r.start, r.start + n, device=device) for r, n in zip(runs, lengths)])
+    floor = row_floor(model)
+    pad = max(0, floor - sum(lengths))  # rows of nothing, so that every linear sees at least `floor`
+    ids = torch.tensor([t for r in runs for t in r.token_ids] + [0] * pad, device=device)
+    positions = torch.cat(
+        [torch.arange(r.start, r.start + n, device=device) for r, n in zip(runs, lengths)]
+        + [torch.zeros(pad, dtype=torch.long, device=device)]
+    )
     for r, n in zip(runs, lengths):
         r.kv.reserve(r.start + n)
 
@@ -155,14 +193,15 @@ def forward(model: PreTrainedModel, runs: list[Run], every: bool = False) -> tor
 
     for i, layer in enumerate(inner.layers):
         q, k, v = project(layer, h, cos, sin)
-        out = torch.empty_like(q)
+        out = torch.zeros_like(q) if pad else torch.empty_like(q)
         scale, window = layer.self_attn.scaling, window_of(layer)
         for r, a, b in zip(runs, bounds, bounds[1:]):
             keys, values = r.kv.append(i, k[a:b].transpose(0, 1), v[a:b].transpose(0, 1))
-            out[a:b] = attend(q[a:b].transpose(0, 1), keys, values, scale, window).transpose(0, 1)
+            out[a:b] = attend_grid(q[a:b].transpose(0, 1), keys, values, r.start, scale, window).transpose(0, 1)
         h = finish_layer(layer, h, out)
 
     if every:
-        return logits_of(model, h)
+        return logits_of(model, h)[: bounds[-1]]
     last = torch.tensor(bounds[1:], device=device) - 1
-    return logits_of(model, h[last])
+    rows = torch.cat([last, last.new_zeros(max(0, floor - len(runs)))])  # the LM head is a linear too
+    return logits_of(model, h[rows])[: len(runs)]

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 from kvgate.chunk_cache import ChunkKV, ChunkStore, chunk_key
 from kvgate.runtime.kv import KVCache
-from kvgate.runtime.reuse import snapshot
+from kvgate.runtime.reuse import Attached, snapshot
 
 BLOCK = 64  # tokens per block: long enough that a prompt's blocks are few, short enough to share
 
@@ -43,6 +43,7 @@ class Blocks:
         size: int = BLOCK,
         max_branches: int = 1 << 16,
         namespace: str = "block",
+        grid: int = 1,
     ) -> None:
         if size < 1:
             raise ValueError(f"a block holds at least one token, got size={size}")
@@ -53,6 +54,9 @@ class Blocks:
         # seen latest last, `max_branches` children in all.
         self.children: OrderedDict[str, dict[str, tuple[int, ...]]] = OrderedDict()
         self.max_branches, self.branches = max_branches, 0
+        # A read ends at a multiple of `grid` (runtime/model.py GRID): the prompt's rows after it are then
+        # computed by the very kernels its whole prefill would run.
+        self.grid = grid
         self.lock = threading.Lock()
 
     def key(self, parent: str, token_ids: Sequence[int], tenant: str) -> str:
@@ -61,12 +65,14 @@ class Blocks:
     def root(self, tenant: str) -> str:
         return self.key("", (), tenant)
 
-    def attach(self, kv: KVCache, token_ids: Sequence[int], tenant: str) -> int:
+    def attach(self, kv: KVCache, token_ids: Sequence[int], tenant: str) -> Attached:
         """Extend `kv` (holding an exact prefix of `token_ids`, maybe empty) with the stored blocks
-        that continue it, up to all but the last token (its logits start the answer); return how
-        many tokens this added."""
+        that continue it, up to all but the last token (its logits start the answer), ending at a
+        multiple of `grid`; return how many tokens this added and where the rows that are full prefill's
+        own end (a block may hold decoded rows, or rows a lossy codec read back)."""
         limit = len(token_ids) - 1
-        have = before = len(kv)
+        have = before = exact = len(kv)
+        exact_so_far = True
         kv.reserve(len(token_ids))  # the prompt's room at once: growing block by block copies it again and again
         parent, start = self.root(tenant), 0
         while start < limit:
@@ -83,10 +89,17 @@ class Blocks:
                 skip = have - start
                 kv.extend(entry.keys[:, :, skip : stop - start], entry.values[:, :, skip : stop - start])
                 have = stop
+                if exact_so_far:
+                    exact = min(stop, start + entry.exact_rows)
+                    exact_so_far = exact == stop
             if n < self.size:  # the prompts part inside this block
                 break
             parent, start = key, start + self.size
-        return have - before
+        end = have - have % self.grid
+        if before <= end < have:
+            kv.truncate(end)
+            have, exact = end, min(exact, end)
+        return Attached(have - before, exact)
 
     def branch(self, parent: str, block: tuple[int, ...]) -> tuple[ChunkKV | None, int]:
         """Of the stored children of `parent`, the one sharing the most leading tokens with
@@ -103,17 +116,19 @@ class Blocks:
             self.forget(parent, key)  # evicted from every tier
         return None, 0
 
-    def keep(self, kv: KVCache, token_ids: Sequence[int], tenant: str, start: int = 0) -> int:
+    def keep(self, kv: KVCache, token_ids: Sequence[int], tenant: str, start: int = 0, exact: int | None = None) -> int:
         """Store the blocks of the first len(token_ids) tokens of `kv` (exact KV of those tokens)
         from the block holding token `start` on (those before it are stored already); the last
-        block may be partial. Return where the next call may start: the end of the last whole block."""
+        block may be partial; `exact`: where the rows that are full prefill's own, bit for bit, end (the
+        rest were decoded, or computed over decoded rows). Return where the next call may start: the end
+        of the last whole block."""
         end = min(len(token_ids), len(kv))
         parent, first = self.root(tenant), 0
         while first < end:
             block = tuple(token_ids[first : min(first + self.size, end)])
             key = self.key(parent, block, tenant)
             if first + self.size > start:
-                entry = snapshot(kv, key, block, self.cost(len(block)), self.model_fp, first)
+                entry = snapshot(kv, key, block, self.cost(len(block)), self.model_fp, first, exact)
                 if self.store.put(entry):
                     self.remember(parent, key, block)
             if len(block) < self.size:

@@ -23,6 +23,14 @@ capacity) must keep answers, since by the time a served reuse shows it moved the
 read them. A shape's rung checked fewer than `min_checks` times is checked on every request it
 serves, then at `shadow_rate`. With no checks (`shadow_rate` 0) nothing could earn it: shapes start
 at their reuse.
+
+A mode with no calibration (no table for this model's fingerprint, no operator's ratio: runtime/caching.py
+`make_caches`) is calibrated online: its ladder never serves a rung its checks have not measured. It starts
+at full prefill, and its checks compute the blend at its lowest rung on spare capacity, every request until
+`min_checks` of them (then at `shadow_rate`); once they meet the targets (with the margin a rung is left
+downward with) that rung opens and is served, its fidelity reported from those checks; a rung they miss passes
+the probe to the next one up. An open rung whose checks miss goes back to full prefill, probing the next rung
+up: never a lower one, which no check measured. A shape of such a mode starts withheld even with no checks.
 """
 
 from __future__ import annotations
@@ -34,6 +42,11 @@ from dataclasses import dataclass
 
 FULL = 1.0  # the top rung: every token computed, nothing reused
 RECOVER = 0.8  # a rung is left downward only with KL this far under the target
+# Where a gated mode's ratio comes from (`Standing.state`): a calibration table, the operator's ratio, or the
+# shadow checks that opened it; else, served as full prefill: calibrating online, every rung's checks missed
+# (checked on), or no checks to calibrate with (`shadow_rate` 0).
+STATES = ("table", "operator", "shadow", "calibrating", "unmet", "off")
+CALIBRATED = STATES[:3]
 
 
 @dataclass(frozen=True)
@@ -76,18 +89,26 @@ class Totals:
 class Ladder:
     """One reuse mode's (or shape's) rungs, where it stands, and the checks of that rung."""
 
-    def __init__(self, base: float, config: QualityConfig, shape: bool = False) -> None:
+    def __init__(self, base: float, config: QualityConfig, shape: bool = False, online: bool = False) -> None:
         self.rungs = [base, FULL] if shape else [base, *sorted(r for r in set(config.ratios) if r > base), FULL]
         self.target_answer = config.target_answer if shape else 0.0
+        top = len(self.rungs) - 1
+        # A mode's ladder with no calibration serves only rungs its checks opened (`trial`: the one they probe).
+        self.online = online and not shape
         # A shape's reuse is served once its checks show it keeps answers (where checks run at all): it
-        # comes back after min_checks of them, not a whole window.
-        self.recover_after = config.min_checks if shape else config.window
-        self.at = len(self.rungs) - 1 if shape and config.shadow_rate > 0 else 0
+        # comes back after min_checks of them, not a whole window; so does an online ladder's first rung.
+        self.recover_after = config.min_checks if shape or self.online else config.window
+        self.at = top if (shape and (config.shadow_rate > 0 or online)) or self.online else 0
+        self.floor = self.at if self.online else 0  # the lowest rung the ladder may step down to
+        self.trial: int | None = 0 if self.online else None  # an online ladder at full prefill: the rung probed
+        self.exhausted = False  # an online ladder whose every rung missed: the largest probed on, at shadow_rate
         self.checks: deque[tuple[float, bool]] = deque(maxlen=config.window)
         self.answers: deque[float] = deque(maxlen=config.window)  # the checks' answer agreement (decides for a shape)
         self.why = ""  # the last climb's reason, while above the first rung
-        if self.at:
+        if self.at and shape:
             self.why = f"a new agent's reuse, served once {config.min_checks} shadow checks meet the targets"
+            if config.shadow_rate <= 0:
+                self.why = "uncalibrated: no shadow checks (quality.shadow_rate 0) to measure this agent's blend"
         self.totals = Totals()
         self.asked = 0  # checks made due at this rung, less those that came to nothing (`Gate.void`)
 
@@ -97,8 +118,34 @@ class Ladder:
 
     @property
     def probe(self) -> float:
-        """The ratio a check measures: the served one, or at full prefill the one below it."""
+        """The ratio a check measures: the served one, or at full prefill the one below it (an online
+        ladder's: the one it is calibrating)."""
+        if self.trial is not None:
+            return self.rungs[self.trial]
         return self.rungs[self.at - 1] if self.ratio == FULL else self.ratio
+
+    @property
+    def learning(self) -> bool:
+        """Whether requests are checked eagerly (up to min_checks of the rung probed): an online ladder's while
+        it calibrates (served at full prefill anyway, its checks are what opens a rung)."""
+        return self.trial is not None and not self.exhausted
+
+    def try_rung(self, trial: int, why: str) -> None:
+        """An online ladder at full prefill, probing rung `trial` (past the largest below full prefill: the
+        largest again, exhausted); its checks start over."""
+        top = len(self.rungs) - 1
+        self.exhausted, self.trial = trial >= top, min(trial, top - 1)
+        self.at = self.floor = top
+        self.checks.clear()
+        self.answers.clear()
+        self.asked = 0
+        self.why = why
+
+    def open(self) -> None:
+        """An online ladder's probed rung met the targets: served from now on, its checks kept (they measured it)."""
+        assert self.trial is not None
+        self.at = self.floor = self.trial
+        self.trial, self.exhausted, self.why, self.asked = None, False, "", 0
 
     def means(self, pad: int = 0) -> tuple[float, float]:
         """The mean KL and top-1 of the rung's checks, with `pad` perfect checks more."""
@@ -125,6 +172,22 @@ class Ladder:
         self.why = why if self.at else ""
 
 
+@dataclass(frozen=True)
+class Standing:
+    """Where blends' recompute ratio comes from (`STATES`), as /ready and the metrics say it."""
+
+    state: str
+    ratio: float | None = None  # the ratio served (None: a table's, per document count; or none: full prefill)
+    probe: float | None = None  # calibrating online: the ratio the checks measure
+    checks: int = 0  # the checks of that ratio (once open: those that opened it and the latest since)
+    needed: int = 0  # checks meeting the targets that open a ratio
+    note: str = ""
+
+    @property
+    def calibrated(self) -> bool:
+        return self.state in CALIBRATED
+
+
 def shape_key(mode: str, shape: str) -> str:
     """The key of a mode's ladder for one shape ("" : the mode's own)."""
     return f"{mode}/{shape}" if shape else mode
@@ -139,9 +202,10 @@ class Gate:
     """The ladders of the gated reuse modes, and of agent programs' shapes, by key (`shape_key`). Read from
     any thread, moved by the engine's."""
 
-    def __init__(self, config: QualityConfig, base: dict[str, float]) -> None:
+    def __init__(self, config: QualityConfig, base: dict[str, float], online: Iterable[str] = ()) -> None:
         self.config = config
-        self.ladders = {mode: Ladder(ratio, config) for mode, ratio in base.items()}
+        self.online = set(online)  # the modes calibrated online: no table, no operator's ratio
+        self.ladders = {mode: Ladder(ratio, config, online=mode in self.online) for mode, ratio in base.items()}
         self.shapes: OrderedDict[str, Ladder] = OrderedDict()  # bounded by config.shapes, least recent first
         self.credit = 0.0  # shadow_rate accumulated: a check is due at each whole one
         self.due_count = 0  # checks that came due
@@ -154,7 +218,8 @@ class Gate:
             return self.ladders[key]
         ladder = self.shapes.get(key)
         if ladder is None:
-            ladder = self.shapes[key] = Ladder(self.base(key), self.config, shape=True)
+            online = mode_of(key) in self.online
+            ladder = self.shapes[key] = Ladder(self.base(key), self.config, shape=True, online=online)
             while len(self.shapes) > self.config.shapes:
                 self.shapes.popitem(last=False)
         self.shapes.move_to_end(key)
@@ -163,11 +228,28 @@ class Gate:
     def base(self, key: str) -> float:
         return self.ladders[mode_of(key)].rungs[0]
 
+    def uncalibrated(self, mode: str) -> None:
+        """`mode` has no calibration (no table, no operator's ratio): from now on it is calibrated online,
+        never served at a rung its shadow checks have not opened. Before any request."""
+        with self.lock:
+            self.online.add(mode)
+            self.ladders[mode] = Ladder(self.base(mode), self.config, online=True)
+            for key in [key for key in self.shapes if mode_of(key) == mode]:
+                del self.shapes[key]
+
+    def calibrating(self, key: str) -> float | None:
+        """The ratio an online ladder at full prefill is calibrating (its checks compute that blend); else None."""
+        with self.lock:
+            ladder = self.ladder(key)
+            return ladder.probe if ladder.trial is not None else None
+
     def serve(self, key: str) -> tuple[float, str]:
         """The recompute ratio to serve `key` with (FULL: no reuse), and why when above its own."""
         with self.lock:
             ladder = self.ladder(key)
-            ratio, why, raised = ladder.ratio, ladder.why, ladder.at > 0
+            ratio, why, raised = ladder.ratio, ladder.why, ladder.at > ladder.floor
+            if ladder.trial is not None:  # calibrating online: full prefill until a rung opens
+                return FULL, self.note(ladder)
         if not raised:
             return ratio, ""
         which = "quality gate (this agent)" if key != mode_of(key) else "quality gate"
@@ -183,11 +265,12 @@ class Gate:
         if self.config.shadow_rate <= 0.0:
             return False
         learning = False
-        if key is not None and key != mode_of(key):
+        if key is not None:
             with self.lock:
-                ladder = self.ladder(key)
-                learning = ladder.asked < self.config.min_checks
-                ladder.asked += 1
+                ladder = self.ladder(key) if key != mode_of(key) else self.ladders.get(key)
+                if ladder is not None and (key != mode_of(key) or ladder.learning):
+                    learning = ladder.asked < self.config.min_checks
+                    ladder.asked += 1
         if not learning:
             self.credit += self.config.shadow_rate
             if self.credit < 1.0:
@@ -226,15 +309,24 @@ class Gate:
                 ladder.answers.append(answer)
             n = len(ladder.checks)
             recovered = n >= ladder.recover_after and ladder.meets(c, RECOVER)
+            # Fewer than min_checks checks decide once they miss even if every check still to come is perfect:
+            # the decision min_checks would make, made as soon as it is certain.
+            missed = not ladder.meets(c, pad=max(0, c.min_checks - n))
+            if ladder.trial is not None:  # calibrating online: open the rung probed, or probe the next one up
+                if recovered:
+                    ladder.open()
+                elif missed and not ladder.exhausted:
+                    ladder.try_rung(ladder.trial + 1, why_missed(ladder, c, n, ratio))
+                return
             if ladder.ratio == FULL:  # the checks are of the rung below: recovered, go back to it
                 if recovered:
                     ladder.move(-1, ladder.why)
                 return
-            # Fewer than min_checks checks decide once they miss even if every check still to come is perfect:
-            # the decision min_checks would make, made as soon as it is certain.
-            if not ladder.meets(c, pad=max(0, c.min_checks - n)):
+            if missed and ladder.online:  # back to full prefill: the next rung up has no check of its own yet
+                ladder.try_rung(ladder.at + 1, why_missed(ladder, c, n, ratio))
+            elif missed:
                 ladder.move(+1, why_missed(ladder, c, n, ratio))
-            elif ladder.at and recovered:
+            elif ladder.at > ladder.floor and recovered:
                 ladder.move(-1, ladder.why)
 
     def measured(self, key: str, ratio: float) -> tuple[float, float, float | None, int] | None:
@@ -245,6 +337,32 @@ class Gate:
             if ladder is None or ladder.probe != ratio or not ladder.checks:
                 return None
             return (*ladder.means(), ladder.answer(), len(ladder.checks))
+
+    def note(self, ladder: Ladder) -> str:
+        """Why an online ladder serves full prefill, and how far its calibration is. Under the lock."""
+        c, n, probe = self.config, len(ladder.checks), f"{ladder.probe:.0%}"
+        if c.shadow_rate <= 0.0:
+            return "uncalibrated: no shadow checks to calibrate online (quality.shadow_rate 0): see kvgate calibrate"
+        if ladder.exhausted:
+            return (
+                f"uncalibrated: no recompute ratio up to {probe} met the fidelity target in shadow checks "
+                f"({ladder.why}); checked on"
+            )
+        done = f"{n}/{c.min_checks}" if n < c.min_checks else f"{n} (not yet within the targets' margin)"
+        missed = f"; {ladder.why}" if ladder.why else ""
+        return f"uncalibrated: calibrating online ({done} shadow checks of a {probe} blend{missed})"
+
+    def standing(self, mode: str) -> Standing | None:
+        """Where an online mode stands (None: `mode` is not calibrated online)."""
+        with self.lock:
+            ladder = self.ladders.get(mode)
+            if ladder is None or not ladder.online:
+                return None
+            n, needed = len(ladder.checks), self.config.min_checks
+            if ladder.trial is None:
+                return Standing("shadow", ratio=ladder.ratio, checks=n, needed=needed)
+            state = "off" if self.config.shadow_rate <= 0.0 else "unmet" if ladder.exhausted else "calibrating"
+            return Standing(state, probe=ladder.probe, checks=n, needed=needed, note=self.note(ladder))
 
     def stats(self) -> Iterable[tuple[str, dict[str, float]]]:
         """Per mode, over its ladders (its own and its shapes'): lifetime checks, their mean KL, top-1 and

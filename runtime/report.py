@@ -2,15 +2,32 @@
 
 from __future__ import annotations
 
+import os
 import platform
+import re
 import time
 from pathlib import Path
 
 import torch
 
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")  # what decides bf16's speed on a CPU
+
+
+def cpu() -> str:
+    """The CPU by name and which of CPU_FLAGS it has (Linux: /proc/cpuinfo; elsewhere the machine's arch)."""
+    info = Path("/proc/cpuinfo")
+    text = info.read_text(errors="replace") if info.is_file() else ""
+    name = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
+    listed = re.search(r"^flags\s*:\s*(.+)$", text, re.M)
+    flags = set(listed.group(1).split()) if listed else set()
+    logical = len(re.findall(r"^processor\s*:", text, re.M)) or os.cpu_count()
+    shown = ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in CPU_FLAGS) if listed else "flags unknown"
+    return f"CPU: {name.group(1).strip() if name else platform.machine()}, {logical} logical CPUs; {shown}"
+
 
 def machine() -> str:
-    return f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    flags = cpu().partition("; ")[2]
+    return f"{platform.machine()} ({flags}), {torch.get_num_threads()} torch threads, torch {torch.__version__}"
 
 
 def write_section(path: Path, name: str, title: str, command: str, body: str) -> None:

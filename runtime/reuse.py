@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
+from typing import NamedTuple
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -72,10 +73,28 @@ def copy_prefix(kv: KVCache, entry: ChunkKV, n: int) -> int:
     return n
 
 
-def snapshot(kv: KVCache, key: str, token_ids: Sequence[int], cost: float, model: str, start: int = 0) -> ChunkKV:
-    """An entry holding a copy of the KV of `kv`'s tokens start..start+len(token_ids)."""
+class Attached(NamedTuple):
+    """What a read of stored KV into a sequence's cache added: tokens, and where the rows that are full
+    prefill's own, bit for bit, end (an absolute position; the tokens' end when all are)."""
+
+    tokens: int
+    exact: int
+
+
+def snapshot(
+    kv: KVCache,
+    key: str,
+    token_ids: Sequence[int],
+    cost: float,
+    model: str,
+    start: int = 0,
+    exact: int | None = None,
+) -> ChunkKV:
+    """An entry holding a copy of the KV of `kv`'s tokens start..start+len(token_ids); `exact`: the absolute
+    position where `kv`'s full-prefill rows end (None: all of them are)."""
     keys, values = kv.rows(start, start + len(token_ids))
-    return ChunkKV(key, tuple(token_ids), keys.clone(), values.clone(), cost, model)
+    rows = None if exact is None or exact >= start + len(token_ids) else max(0, exact - start)
+    return ChunkKV(key, tuple(token_ids), keys.clone(), values.clone(), cost, model, rows)
 
 
 class Remembered:
@@ -244,25 +263,29 @@ class Reuser:
 
     # ---- agent programs ---------------------------------------------------------------
 
-    def resume(self, kv: KVCache, prompt_ids: list[int], key: str) -> int:
+    def resume(self, kv: KVCache, prompt_ids: list[int], key: str) -> Attached:
         """Copy into the empty `kv` the part of a program's stored context (prompt and output of
-        its previous turn) that this prompt begins with, token for token; return its length.
+        its previous turn) that this prompt begins with, token for token; return its length and
+        where its full-prefill rows end (the output's were decoded).
         The last prompt token is always left to compute: its logits start the answer."""
         entry = self.store.get(key, self.model_fp) if key else None
         if entry is None:
-            return 0
+            return Attached(0, 0)
         n = min(entry.tokens, len(prompt_ids) - 1)
         same = torch.tensor(entry.token_ids[:n]) == torch.tensor(prompt_ids[:n])
         if not bool(same.all()):
             n = int((~same).nonzero()[0])
-        return copy_prefix(kv, entry, n) if n else 0
+        return Attached(copy_prefix(kv, entry, n), min(n, entry.exact_rows)) if n else Attached(0, 0)
 
-    def keep(self, kv: KVCache, token_ids: list[int], key: str, cost: float, until: float | None) -> bool:
-        """Store the KV of `token_ids` (a whole turn: prompt and output) under `key`, pinned until `until`."""
+    def keep(
+        self, kv: KVCache, token_ids: list[int], key: str, cost: float, until: float | None, exact: int | None = None
+    ) -> bool:
+        """Store the KV of `token_ids` (a whole turn: prompt and output) under `key`, pinned until `until`;
+        `exact`: where its full-prefill rows end."""
         n = min(len(kv), len(token_ids))
         if n == 0:
             return False
-        return self.store.put(snapshot(kv, key, token_ids[:n], cost, self.model_fp), until)
+        return self.store.put(snapshot(kv, key, token_ids[:n], cost, self.model_fp, 0, exact), until)
 
     # ---- the modes ----------------------------------------------------------------------
 

@@ -45,8 +45,10 @@ class Scheduler:
         order: str = "fcfs",
         reserve: int | None = None,
         gate: Gate | None = None,
+        grid: int = 1,
     ) -> None:
         self.max_num_seqs = max_num_seqs
+        self.grid = grid  # prompt chunks stop at multiples of it (Sequence.next_run)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.order = order
         self.waiting: FairQueue[Sequence] = FairQueue(order)
@@ -131,8 +133,9 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Sequence, list[int]]]:
         """One step's work: every decoding sequence's next token first (so decodes never starve
-        behind a long prompt), then prompt chunks within the token budget; waiting sequences
-        join the running batch while there is room, fairly between tenants."""
+        behind a long prompt), then prompt chunks within the token budget, each ending at a multiple of
+        `grid` unless it ends the prompt (a prompt with no room for one waits for the next step); waiting
+        sequences join the running batch while there is room, fairly between tenants."""
         self.release()
         budget = self.max_num_batched_tokens
         batch = []
@@ -141,14 +144,14 @@ class Scheduler:
         for seq in decoding + prefilling:
             if budget <= 0:
                 break
-            tokens = seq.next_run(budget)
-            batch.append((seq, tokens))
-            budget -= len(tokens)
-        while budget > 0 and self.admittable():
+            if tokens := seq.next_run(budget, self.grid):
+                batch.append((seq, tokens))
+                budget -= len(tokens)
+        while budget >= self.grid and self.admittable():
             seq = self.admit()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            tokens = seq.next_run(budget)
-            batch.append((seq, tokens))
-            budget -= len(tokens)
+            if tokens := seq.next_run(budget, self.grid):
+                batch.append((seq, tokens))
+                budget -= len(tokens)
         return batch

@@ -120,6 +120,9 @@ class CacheState:
 
     planned: bool = False  # the plan's (or the turn's) reuse has run
     exact: int = 0  # leading prompt tokens whose KV is full prefill's own (what prefix blocks may keep)
+    # Where the rows that are full prefill's own bit for bit end: rows read decoded (or lossy) and every row
+    # computed over them are not (runtime/caching.py `read`).
+    bitwise: int = 1 << 62
     blended: int = 0  # prompt tokens read from the blocks an earlier blend of the same tokens left
     kept: int = 0  # where storing its prefix blocks goes on (the blocks before are stored)
     chunked: int = 0  # where keeping its content-defined chunks goes on
@@ -192,11 +195,16 @@ class Sequence:
     def prefilling(self) -> bool:
         return self.computed < len(self.prompt_ids)
 
-    def next_run(self, budget: int) -> list[int]:
-        """The tokens to compute in the next step: a prompt chunk, or the last sampled token."""
-        if self.prefilling:
-            return self.prompt_ids[self.computed : self.computed + budget]
-        return self.output_ids[-1:]
+    def next_run(self, budget: int, grid: int = 1) -> list[int]:
+        """The tokens to compute in the next step: a prompt chunk, or the last sampled token. A chunk that
+        stops short of the prompt's end stops at a multiple of `grid` (none fits: empty), so that the prompt's
+        KV is the same however it is chunked (runtime/model.py)."""
+        if not self.prefilling:
+            return self.output_ids[-1:]
+        stop = min(self.computed + budget, len(self.prompt_ids))
+        if stop < len(self.prompt_ids):
+            stop = max(self.computed, stop - stop % grid)
+        return self.prompt_ids[self.computed : stop]
 
     def add(self, token_id: int, logprob: TokenLogprob | None, tokenizer: PreTrainedTokenizerBase) -> None:
         self.output_ids.append(token_id)

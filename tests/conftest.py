@@ -82,6 +82,11 @@ def run_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         env.setenv("KVGATE_CACHE_DIR", str(ours))
         env.setenv("KVGATE_ENGINE__DTYPE", "float32")
         env.setenv("KVGATE_CACHES__SHIPPED_CALIBRATION", "false")  # nor does the calibration kvgate ships
+        # With no calibration a server blends only at ratios its shadow checks opened (runtime/quality.py), and
+        # these servers check nothing (`settings` below): blends left to them run at an operator's 15%, the
+        # ratio of an uncalibrated engine before, as the tests of what a blend does expect. A server's own
+        # choice is tested on servers that set it back (tests/test_calibrating.py, test_calibration.py).
+        env.setenv("KVGATE_CACHES__RECOMPUTE_RATIO", "0.15")
         yield ours
 
 

@@ -31,7 +31,9 @@ def fields(fidelity: str) -> dict[str, str]:
 
 @pytest.fixture
 def engine(loaded: LoadedModel, tmp_path: Path):
-    made = Engine(EngineConfig(cache_dir=tmp_path, quality=CHECKED), loaded)
+    # Blends at an operator's ratio: an uncalibrated engine's report of the ratio its checks opened is
+    # tests/test_calibrating.py's.
+    made = Engine(EngineConfig(cache_dir=tmp_path, quality=CHECKED, recompute_ratio=0.15), loaded)
     yield made
     made.shutdown()
 

@@ -20,8 +20,10 @@ from tests.test_quality import DOCS, ask
 @pytest.fixture(scope="module")
 def engine(loaded: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     # No prefix blocks: a later prompt over the same documents in the same order would read them exactly,
-    # and what is tested here is the documents' own KV.
-    engine = Engine(EngineConfig(cache_dir=tmp_path_factory.mktemp("in-context"), prefix_caching=False), loaded)
+    # and what is tested here is the documents' own KV, blended at an operator's ratio (uncalibrated, an
+    # engine blends only where its shadow checks opened a ratio: tests/test_calibrating.py).
+    cache_dir = tmp_path_factory.mktemp("in-context")
+    engine = Engine(EngineConfig(cache_dir=cache_dir, prefix_caching=False, recompute_ratio=0.15), loaded)
     yield engine
     engine.shutdown()
 

@@ -44,7 +44,7 @@ def test_a_later_prompt_reads_the_exact_kv_of_the_tokens_it_shares_down_to_the_t
     shared = next(i for i, (a, b) in enumerate(zip(earlier_ids, later_ids)) if a != b)
     assert shared % SIZE != 0  # the prompts part inside a block: found all the same
     kv = new_kv(loaded)
-    assert blocks.attach(kv, later_ids, "t") == len(kv) == shared
+    assert blocks.attach(kv, later_ids, "t").tokens == len(kv) == shared
     assert torch.equal(kv.keys[5][:, :shared], earlier.keys[5][:, :shared])
     assert torch.equal(kv.values[29][:, :shared], earlier.values[29][:, :shared])
     # What follows, computed over it, is what full prefill computes.
@@ -57,18 +57,18 @@ def test_a_repeat_reads_all_but_its_last_token(loaded, pieces) -> None:
     ids = [t for p in pieces[:3] for t in p]
     blocks = make()
     blocks.keep(prefilled(loaded, ids), ids, "t")
-    assert blocks.attach(new_kv(loaded), ids, "t") == len(ids) - 1  # its logits start the answer
-    assert blocks.attach(new_kv(loaded), ids[:20], "t") == 19  # a shorter prompt too
-    assert blocks.attach(new_kv(loaded), ids[:1], "t") == 0
+    assert blocks.attach(new_kv(loaded), ids, "t").tokens == len(ids) - 1  # its logits start the answer
+    assert blocks.attach(new_kv(loaded), ids[:20], "t").tokens == 19  # a shorter prompt too
+    assert blocks.attach(new_kv(loaded), ids[:1], "t").tokens == 0
 
 
 def test_a_prompt_finds_only_its_tenants_blocks(loaded, pieces) -> None:
     head, vell, _, q1, q2 = pieces
     blocks = make()
     blocks.keep(prefilled(loaded, head + vell + q1), head + vell + q1, "tenant-a")
-    assert blocks.attach(new_kv(loaded), head + vell + q2, "tenant-b") == 0
-    assert blocks.attach(new_kv(loaded), head + vell + q2, "") == 0
-    assert blocks.attach(new_kv(loaded), head + vell + q2, "tenant-a") >= len(head + vell)
+    assert blocks.attach(new_kv(loaded), head + vell + q2, "tenant-b").tokens == 0
+    assert blocks.attach(new_kv(loaded), head + vell + q2, "").tokens == 0
+    assert blocks.attach(new_kv(loaded), head + vell + q2, "tenant-a").tokens >= len(head + vell)
     assert blocks.root("tenant-a") != blocks.root("tenant-b")
 
 
@@ -79,8 +79,8 @@ def test_a_chain_of_another_namespace_is_apart_in_one_store(loaded, pieces) -> N
     store = ChunkStore.from_config()
     exact, blended = make(store), make(store, namespace="blended")
     blended.keep(prefilled(loaded, ids), ids, "t")
-    assert exact.attach(new_kv(loaded), ids, "t") == 0 and exact.attach(new_kv(loaded), ids, "blended:t") == 0
-    assert blended.attach(new_kv(loaded), ids, "t") == len(ids) - 1
+    assert exact.attach(new_kv(loaded), ids, "t").tokens == 0 and exact.attach(new_kv(loaded), ids, "blended:t").tokens == 0
+    assert blended.attach(new_kv(loaded), ids, "t").tokens == len(ids) - 1
     assert exact.root("blended:t") != blended.root("t") and exact.root("ed:t") != blended.root("t")
 
 
@@ -89,10 +89,10 @@ def test_a_prompt_that_differs_early_finds_nothing_after(loaded, pieces) -> None
     blocks = make()
     blocks.keep(prefilled(loaded, head + vell + q1), head + vell + q1, "t")
     # Documents begin alike ("<document>"): what they share is found, not a token more.
-    assert blocks.attach(new_kv(loaded), vell + head + q1, "t") == common(head, vell) < SIZE
+    assert blocks.attach(new_kv(loaded), vell + head + q1, "t").tokens == common(head, vell) < SIZE
     # Same tokens later, another token first: a block names its whole context, so none is found.
-    assert blocks.attach(new_kv(loaded), [head[1]] + head[1:] + vell + q1, "t") == 0
-    assert blocks.attach(new_kv(loaded), head + ost + q1, "t") == common(head + vell, head + ost)
+    assert blocks.attach(new_kv(loaded), [head[1]] + head[1:] + vell + q1, "t").tokens == 0
+    assert blocks.attach(new_kv(loaded), head + ost + q1, "t").tokens == common(head + vell, head + ost)
 
 
 def common(a: list[int], b: list[int]) -> int:
@@ -106,7 +106,7 @@ def test_an_evicted_block_ends_the_chain_and_is_forgotten(loaded, pieces) -> Non
     blocks.keep(prefilled(loaded, ids), ids, "t")
     second = blocks.key(blocks.key(blocks.root("t"), tuple(ids[:SIZE]), "t"), tuple(ids[SIZE : 2 * SIZE]), "t")
     assert blocks.store.delete(second)
-    assert blocks.attach(new_kv(loaded), head + vell + q2, "t") == SIZE  # only the first block is left
+    assert blocks.attach(new_kv(loaded), head + vell + q2, "t").tokens == SIZE  # only the first block is left
     parent = blocks.key(blocks.root("t"), tuple(ids[:SIZE]), "t")
     assert second not in blocks.children.get(parent, {})  # the way to it is gone too
 
@@ -122,7 +122,7 @@ def test_a_block_of_another_model_under_its_key_is_a_miss(loaded, pieces) -> Non
     assert real is not None
     blocks.store.delete(key)
     blocks.store.put(ChunkKV(key, real.token_ids, real.keys, real.values, model=fingerprint("another model")))
-    assert blocks.attach(new_kv(loaded), ids, "t") == 0
+    assert blocks.attach(new_kv(loaded), ids, "t").tokens == 0
 
 
 def test_blocks_are_evicted_by_value_within_the_tiers_budget(loaded, pieces) -> None:
@@ -133,7 +133,7 @@ def test_blocks_are_evicted_by_value_within_the_tiers_budget(loaded, pieces) -> 
     blocks = make(store)
     blocks.keep(kv, ids, "t")
     assert store.tiers[0].nbytes <= 3 * block_bytes and len(store.tiers[0]) == 3
-    assert blocks.attach(new_kv(loaded), ids, "t") < 3 * SIZE  # the chain broke where blocks went
+    assert blocks.attach(new_kv(loaded), ids, "t").tokens < 3 * SIZE  # the chain broke where blocks went
 
 
 def test_the_index_of_branches_is_bounded(loaded, pieces) -> None:
@@ -143,7 +143,7 @@ def test_the_index_of_branches_is_bounded(loaded, pieces) -> None:
         blocks.keep(prefilled(loaded, ids), ids, "t")
         assert blocks.branches <= 5 and sum(map(len, blocks.children.values())) == blocks.branches
     last = [4] + pieces[4]
-    assert blocks.attach(new_kv(loaded), last, "t") == len(last) - 1  # the latest are kept
+    assert blocks.attach(new_kv(loaded), last, "t").tokens == len(last) - 1  # the latest are kept
 
 
 def test_keep_stores_only_from_where_it_left_off(loaded, pieces) -> None:
@@ -155,4 +155,4 @@ def test_keep_stores_only_from_where_it_left_off(loaded, pieces) -> None:
     puts = blocks.store.tiers[0].stats()["puts"]
     blocks.keep(kv, ids, "t", start)
     assert blocks.store.tiers[0].stats()["puts"] - puts == -(-(len(ids) - 24) // SIZE)
-    assert blocks.attach(new_kv(loaded), ids, "t") == len(ids) - 1
+    assert blocks.attach(new_kv(loaded), ids, "t").tokens == len(ids) - 1

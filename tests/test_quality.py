@@ -210,8 +210,10 @@ DOCS = [
 def gated(loaded: LoadedModel, tmp_path_factory: pytest.TempPathFactory):
     # Targets a sound blend of two short documents meets, and a perturbed one cannot.
     quality = QualityConfig(shadow_rate=1.0, target_kl=0.2, target_top1=0.9, window=4, min_checks=2, ratios=(0.5,))
-    # Blends are the subject: no prefix blocks, which would read a repeated head and documents exactly.
-    config = EngineConfig(cache_dir=tmp_path_factory.mktemp("quality"), quality=quality, prefix_caching=False)
+    # Blends are the subject: no prefix blocks, which would read a repeated head and documents exactly. The
+    # ladder of an operator's ratio (15%): an uncalibrated one opens only where its checks do (test_calibrating.py).
+    cache_dir = tmp_path_factory.mktemp("quality")
+    config = EngineConfig(cache_dir=cache_dir, quality=quality, prefix_caching=False, recompute_ratio=0.15)
     engine = Engine(config, loaded)
     yield engine, Planner(engine.reuser)
     engine.shutdown()

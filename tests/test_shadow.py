@@ -36,9 +36,11 @@ DOCS = [
 
 def engine_with(loaded: LoadedModel, tmp_path, share: float) -> Engine:
     # Every blend checked, with targets a sound blend meets (the gate stays where it is); blends are the
-    # subject, so no prefix blocks.
+    # subject, so no prefix blocks, and served at an operator's ratio (an uncalibrated engine's first blends are
+    # the checks of its calibration: tests/test_calibrating.py).
     quality = QualityConfig(shadow_rate=1.0, target_kl=10.0, target_top1=0.0, shadow_share=share)
-    return Engine(EngineConfig(cache_dir=tmp_path, quality=quality, prefix_caching=False), loaded)
+    config = EngineConfig(cache_dir=tmp_path, quality=quality, prefix_caching=False, recompute_ratio=0.15)
+    return Engine(config, loaded)
 
 
 def checks(engine: Engine) -> int:
