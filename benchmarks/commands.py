@@ -31,6 +31,7 @@ MODULES = {
     "gate-load": "gate_load",
     "shapes": "shapes",
     "embedders": "embedders",
+    "exact": "exactness",
 }
 
 

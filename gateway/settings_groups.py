@@ -38,6 +38,8 @@ class EngineSettings(Group):
     # end: a tool call the model writes again word for word ends its answer before it (a small model's loop);
     # keep: every call as written, as OpenAI and vLLM pass them on
     repeated_tool_calls: Literal["end", "keep"] = "end"
+    # decode steps too computed as in any batch (runtime/invariance.py), not only prompts
+    deterministic: bool = False
 
 
 class CacheSettings(Group):

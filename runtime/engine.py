@@ -257,7 +257,8 @@ class Engine:
         runs = [run for _, run in batch] + ([rider] if rider else [])
         start = time.perf_counter()
         try:
-            logits = forward(self.model, runs)
+            prompts = any(seq.prefilling for seq, _ in batch) or rider is not None
+            logits = forward(self.model, runs, pad=prompts or self.config.deterministic)
         except Exception as exc:  # a failed step ends its requests, never the engine
             for seq, _ in batch:
                 self.fail(seq, exc)

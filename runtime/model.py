@@ -167,15 +167,15 @@ def logits_of(model: PreTrainedModel, h: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def forward(model: PreTrainedModel, runs: list[Run], every: bool = False) -> torch.Tensor:
+def forward(model: PreTrainedModel, runs: list[Run], every: bool = False, pad: bool = True) -> torch.Tensor:
     """Compute the runs' tokens through every layer, appending their K/V to each run's cache.
 
     Returns the logits of each run's last token, [len(runs), vocab]; with `every`, of every
-    token, [tokens, vocab].
+    token, [tokens, vocab]. `pad`: to the row floor (False: a decode step whose rows may depend on the batch).
     """
     device = model.device
     lengths = [len(r.token_ids) for r in runs]
-    floor = row_floor(model)
+    floor = row_floor(model) if pad else 1
     pad = max(0, floor - sum(lengths))  # rows of nothing, so that every linear sees at least `floor`
     ids = torch.tensor([t for r in runs for t in r.token_ids] + [0] * pad, device=device)
     positions = torch.cat(

@@ -25,7 +25,7 @@ from kvgate.runtime.sampling import SamplingParams
 from kvgate.runtime.sequence import Plan, Request, Result
 
 
-def tiny_engine(loaded: LoadedModel, where: Path, dtype: torch.dtype) -> Engine:
+def tiny_engine(loaded: LoadedModel, where: Path, dtype: torch.dtype, deterministic: bool = False) -> Engine:
     torch.manual_seed(0)
     vocab = len(loaded.tokenizer)
     config = LlamaConfig(
@@ -36,7 +36,10 @@ def tiny_engine(loaded: LoadedModel, where: Path, dtype: torch.dtype) -> Engine:
     model.save_pretrained(where)
     tiny = LoadedModel(model, loaded.tokenizer, "tiny", where, loaded.eos_token_ids)
     # A step of 128 tokens: a 300-token prompt is prefilled in three chunks, beside another sequence's decode.
-    return Engine(EngineConfig(dtype=str(dtype)[6:], cache_dir=where / "cache", max_num_batched_tokens=128), tiny)
+    config = EngineConfig(
+        dtype=str(dtype)[6:], cache_dir=where / "cache", max_num_batched_tokens=128, deterministic=deterministic
+    )
+    return Engine(config, tiny)
 
 
 def ask(engine: Engine, prompts: list[tuple[list[int], Plan | None]], tokens: int = 8) -> list[Result]:
@@ -71,14 +74,30 @@ def test_a_prompt_continued_from_its_prefix_blocks_is_its_full_prefill_bit_for_b
         other = [rng.randrange(100, 40000) for _ in range(50)]
         ask(engine, [(first, None)])  # leaves the system prompt's blocks
         full = Plan([second], [False], Reuse("full"))
-        reused, alone = ask(engine, [(second, None), (other, None)])  # beside another sequence
+        beside, _ = ask(engine, [(second, None), (other, None)])  # prefilled beside another sequence's steps
         (truth,) = ask(engine, [(second, full)])  # alone, and in one chunk fewer
-        assert reused.cached_tokens == 192 and reused.fidelity == "exact"  # 200 shared, read to a multiple of 64
-        assert truth.cached_tokens == 0
+        (reused,) = ask(engine, [(second, None)])
+        assert beside.cached_tokens == 192  # 200 shared, read to a multiple of 64
+        assert reused.cached_tokens == 256  # its own blocks now
+        assert beside.fidelity == reused.fidelity == "exact" and truth.cached_tokens == 0
+        assert logprobs(beside)[0] == logprobs(truth)[0]  # the first token, bit for bit, whatever the step held
         assert reused.token_ids == truth.token_ids
         assert logprobs(reused) == logprobs(truth)  # every logprob, bit for bit
-        (again,) = ask(engine, [(other, Plan([other], [False], Reuse("full")))])
-        assert logprobs(again) == logprobs(alone)  # a decode's rows do not depend on the step's others
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deterministic_decode_steps_do_not_depend_on_the_batch(
+    loaded: LoadedModel, tmp_path: Path, dtype: torch.dtype
+) -> None:
+    engine = tiny_engine(loaded, tmp_path, dtype, deterministic=True)
+    try:
+        rng = random.Random(2)
+        one, two, three = ([rng.randrange(100, 40000) for _ in range(40)] for _ in range(3))
+        together = ask(engine, [(one, None), (two, None), (three, None)], tokens=12)
+        alone = [ask(engine, [(ids, Plan([ids], [False], Reuse("full")))], tokens=12)[0] for ids in (one, two, three)]
+        assert [logprobs(r) for r in together] == [logprobs(r) for r in alone]
     finally:
         engine.shutdown()
 
