@@ -16,8 +16,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import torch
-
+from kvgate.runtime import invariance
 from kvgate.runtime import model as model_module
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.engine import Engine
@@ -30,7 +29,7 @@ from kvgate.runtime.sampling import SamplingParams
 from kvgate.runtime.sequence import Plan, Result
 
 OUTPUT = Path(__file__).with_name("BENCHMARKS.md")
-SYSTEM = "You are a careful assistant for a shipping company. Answer briefly and cite the documents. " * 4
+SYSTEM = "You are a careful assistant for a shipping company. Answer briefly and cite the documents. " * 8
 
 
 def chat(engine: Engine, messages: list[dict[str, str]]) -> list[int]:
@@ -43,12 +42,12 @@ def prompts(engine: Engine, rounds: int) -> list[tuple[str, list[dict[str, str]]
     work = tasks(rounds, seed=7, words=60)
     out: list[tuple[str, list[dict[str, str]]]] = []
     for i, task in enumerate(work):
-        question = task.question
-        out += [("repeat", [{"role": "user", "content": question}])] * 2
+        question, own = task.question, "\n\n".join(task.asked)
+        out += [("repeat", [{"role": "user", "content": f"{own}\n\n{question}"}])] * 2
         out.append(("system prompt", [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]))
         documents = "\n\n".join(work[0].stored)  # the same documents every time, in their stored order
         out.append(("documents", [{"role": "user", "content": f"{documents}\n\n{question}"}]))
-        out.append(("agent turn", [{"role": "user", "content": f"Plan step {i}: {question}"}]))
+        out.append(("agent turn", [{"role": "user", "content": f"{own}\n\nPlan step {i}: {question}"}]))
     return out
 
 
@@ -100,14 +99,14 @@ def cost(dtype: str, tokens: int = 2048, reps: int = 3) -> tuple[float, float, f
         return statistics.median(prefill), statistics.median(decode)
 
     invariant = timed()
-    grid, floors = model_module.attend_grid, dict(model_module.row_floor.__globals__["_floors"])
+    grid, floors = model_module.attend_grid, dict(invariance._floors)
     try:  # the kernels as they were: whatever one call per run picks, no padding
         model_module.attend_grid = lambda q, k, v, start, scale, window=None: attend(q, k, v, scale, window)
-        model_module.row_floor.__globals__["_floors"].update(dict.fromkeys(floors, 1))
+        invariance._floors.update(dict.fromkeys(floors, 1))
         before = timed()
     finally:
         model_module.attend_grid = grid
-        model_module.row_floor.__globals__["_floors"].update(floors)
+        invariance._floors.update(floors)
     return invariant[0], before[0], invariant[1], before[1]
 
 

@@ -4,6 +4,7 @@ n choices run on the engine concurrently, and their outputs become OpenAI's answ
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import asdict, replace
@@ -48,6 +49,7 @@ from kvgate.runtime.sequence import Output, Plan, Request
 from kvgate.runtime.tokens import TokenBytes
 from kvgate.runtime.tools import detect, prepare
 
+log = logging.getLogger("kvgate.gateway")
 JSON = {"content-type": "application/json"}
 Render = Callable[[int, Output], list[dict[str, Any]]]
 Dicts = list[dict[str, Any]]
@@ -71,6 +73,10 @@ class Local(Backend):
             settings.security.max_waiting_seqs,
             settings.security.max_waiting_seqs_per_tenant,
         )
+        standing = engine.caches.standing()
+        if not standing.calibrated:  # said once at start-up; /ready, /metrics and x-kvgate-reuse say it on
+            dtype = str(engine.model.dtype).removeprefix("torch.")
+            log.warning("%s in %s has no calibration table: %s", self.name, dtype, standing.note)
 
     # ---- what is served ----------------------------------------------------------------
 

@@ -5,6 +5,7 @@ program's context."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -110,6 +111,7 @@ class Caches:
         blocks = self.blocks_for(seq)
         attached = blocks.attach(seq.kv, seq.prompt_ids, seq.tenant) if blocks is not None else None
         found = attached.tokens if attached is not None else 0
+        seq.cache.matched = attached.matched if attached is not None else 0
         if attached is not None and attached.exact < len(seq.kv) and seq.cache.bitwise >= resumed:
             seq.cache.bitwise = attached.exact  # the first row read that is not full prefill's own
         seq.cache.cached_tokens += found
@@ -206,6 +208,10 @@ class Caches:
             seq.cache.fidelity = self.fidelity(key, ratio, 0) if spans else self.read(seq)
             return done.logits
         rest = after(plan, head)
+        if seq.cache.matched > head:  # documents the prefix blocks held in place, cut off by the grid: computed
+            starts = itertools.accumulate((len(p) for p in rest.pieces), initial=head)
+            documents = [d and start >= seq.cache.matched for d, start in zip(rest.documents, starts)]
+            rest = replace(rest, documents=documents)
         reuse, why = self.choose(seq, rest) if any(rest.documents) else (Reuse("full"), "")
         done = yield from self.reuser.prefilling(
             seq.kv, rest.pieces, rest.documents, reuse, plan.scope, seq.cache.fresh

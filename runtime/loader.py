@@ -184,13 +184,16 @@ def dtype_of(config: EngineConfig) -> torch.dtype:
 # primitive for each matmul shape and keeps it in two LRU caches, oneDNN's own and ideep's (per thread), of 1024
 # entries each by default. The engine's shapes are not a fixed set: a step's row count M is whatever its prefill
 # chunks and decodes add up to, and each new M is a new entry for each of a layer's weight shapes (5 in a Llama:
-# q and o, k and v, gate and up, down, the LM head). Measured on a 2-core AVX512-BF16 CPU (torch 2.13): ~0.6 MiB a
-# shape in the two caches together, whatever the weight's size (576x192 to 576x49152), so a bf16 server's RSS grew
-# ~1.5 MiB a second under load (tests/test_load.py: +42 MiB over 20 requests, +120 MiB over 170, still rising) until
-# both caches held 1024 entries, ~700 MiB; a float32 one stayed flat. At 64 entries they stop at ~40 MiB; the same
-# load ran as fast (126 requests in 40 s against 113 at 1024; with no cache, 76: every layer recompiles), as a
-# step's layers share its few shapes and a decode batch keeps its M step after step. An operator's own value wins.
-ONEDNN_CACHE_ENTRIES = 64
+# q and o, k and v, gate and up, down, the LM head). Measured on a 2-core AVX512-BF16 CPU (torch 2.13, the default
+# model, tests/test_load.py's load of 8 questions from 6 clients, 5 s rounds): ~0.6 MiB a shape in the two caches
+# together, whatever the weight's size (576x192 to 576x49152), so a bf16 server's RSS rose ~1.5 MiB a second, +120
+# MiB over its first 170 requests and still rising, towards ~700 MiB when both caches hold 1024 entries; a float32
+# one stayed flat, and so did bf16 with the caches off (but at 0.7x the requests a second: every layer compiled its
+# matmuls again). At 32 entries RSS stopped 11 MiB above the warm-up's after 15 s and stayed there (at 16, 8 MiB;
+# at 64, 42 MiB after 30 s), with the requests a second of 1024 entries, within this shared machine's noise: a
+# step's layers share its 5 shapes and a decode batch keeps its M from step to step, so a miss costs ~1 ms a shape
+# once a step at most. An operator's own value of either variable wins.
+ONEDNN_CACHE_ENTRIES = 32
 ONEDNN_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # oneDNN's, ideep's
 
 

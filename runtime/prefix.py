@@ -95,11 +95,11 @@ class Blocks:
             if n < self.size:  # the prompts part inside this block
                 break
             parent, start = key, start + self.size
-        end = have - have % self.grid
+        matched, end = have, have - have % self.grid
         if before <= end < have:
             kv.truncate(end)
             have, exact = end, min(exact, end)
-        return Attached(have - before, exact)
+        return Attached(have - before, exact, matched)
 
     def branch(self, parent: str, block: tuple[int, ...]) -> tuple[ChunkKV | None, int]:
         """Of the stored children of `parent`, the one sharing the most leading tokens with

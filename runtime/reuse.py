@@ -79,6 +79,7 @@ class Attached(NamedTuple):
 
     tokens: int
     exact: int
+    matched: int = 0  # where the stored tokens the prompt begins with end, before the read was cut to a grid
 
 
 def snapshot(

@@ -123,6 +123,7 @@ class CacheState:
     # Where the rows that are full prefill's own bit for bit end: rows read decoded (or lossy) and every row
     # computed over them are not (runtime/caching.py `read`).
     bitwise: int = 1 << 62
+    matched: int = 0  # where the prompt's tokens found in prefix blocks end (the read itself ends on the grid)
     blended: int = 0  # prompt tokens read from the blocks an earlier blend of the same tokens left
     kept: int = 0  # where storing its prefix blocks goes on (the blocks before are stored)
     chunked: int = 0  # where keeping its content-defined chunks goes on

@@ -92,7 +92,8 @@ def test_a_program_keeps_its_context_between_turns(kv: Client) -> None:
     assert first.reuse.program == "sdk-task-1" and first.reuse.pin_ttl_s is not None
     messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Another?"}]
     second = kv.chat(messages, program="sdk-task-1", **FAST)
-    assert second.reuse.mode == "program" and second.reuse.reused_tokens > 0 and second.reuse.fidelity == "exact"
+    assert second.reuse.mode == "program" and second.reuse.reused_tokens > 0
+    assert second.reuse.fidelity.startswith("numerics; rows=")  # its answer's rows were decoded
 
 
 def test_a_stream_reports_reuse_first_then_text_as_it_comes(kv: Client) -> None:

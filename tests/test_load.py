@@ -254,10 +254,12 @@ def test_the_model_under_load_fails_nothing_and_keeps_its_memory(tmp_path: Path)
         model = loopback.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         tenants = [Tenant(2, chat(model, 8), "sk-calm"), Tenant(4, chat(model, 8, n=4), "sk-flood")]
         # The server runs in the dtype `auto` picks, as `kvgate serve` does: bf16 on a CPU with AVX512-BF16 or AMX,
-        # float32 on an AVX2 one. In bf16 the warm-up also fills oneDNN's caches of compiled matmuls, one entry per
-        # row count a step has seen and weight shape, bounded at 64 entries by the loader (runtime/loader.py:
-        # ONEDNN_CACHE_ENTRIES): measured on the AVX512-BF16 machine, RSS rose 9 MiB in the 10 s after a 5 s
-        # warm-up, 2 MiB in the next 10 and then stayed flat; so the warm-up here is 10 s, the main run 10 s.
+        # float32 on an AVX2 one. In bf16 the warm-up also fills oneDNN's caches of compiled matmuls (an entry per
+        # row count a step has run and weight shape, ~0.6 MiB), bounded at 32 entries by the loader (runtime/loader.py,
+        # ONEDNN_CACHE_ENTRIES; at oneDNN's default of 1024 this test saw +42 MiB): measured on the AVX512-BF16
+        # machine, RSS rose 11 MiB over the 15 s after a 5 s warm-up, then stayed flat for the next 35. So the
+        # warm-up here is 10 s and the main run 10 s (20 s in all, as 5 and 15 were): growth +3.6 to +5.0 MiB in bf16
+        # (three runs), +1.0 and +3.4 MiB in float32 (two, the dtype forced).
         run = warm_up_then_load(server, tenants, warmup_s=10, load_s=10, check=some_answer)
     calm, flood = run.loads
     errors = calm.errors + flood.errors  # anything but a 429 with Retry-After to the flood: no 5xx, no other 4xx
@@ -268,6 +270,7 @@ def test_the_model_under_load_fails_nothing_and_keeps_its_memory(tmp_path: Path)
     # slow alike): measured 39 calm to 25 flood and 20 to 13 (1.5x); 0.75x is half that. (Tenants served
     # FCFS gave 21 to 20: the fair share is test_queue's and abuse/test_flood's to check.)
     assert calm.answered >= 2 and calm.answered >= 0.75 * flood.answered, (calm.answered, flood.answered)
-    # Over six times the largest growth measured. One request's KV cache (45 tokens x 45 KiB, about 3 MiB as
-    # allocated) kept by each of the ~50 requests would add some 150 MiB; kept by five of them, 16 MiB.
+    # Over three times the largest growth measured (5.0 MiB, bf16). One sequence's KV cache (45 tokens x 45 KiB in
+    # float32, half that in bf16: about 3 and 1.5 MiB as allocated) kept by each of the main run's ~50 sequences
+    # (calm's ~15 requests, flood's ~9 of 4) would add some 150 MiB (75 in bf16); kept by six of them (eleven), 16.
     assert run.growth_mib < 16, f"RSS grew {run.growth_mib:.1f} MiB over {run.load.answered} requests"
