@@ -17,6 +17,7 @@ from kvgate.runtime.blend import Steps, cost
 from kvgate.runtime.calibration import Calibration
 from kvgate.runtime.chunks import Breaks, Chunks
 from kvgate.runtime.config import EngineConfig
+from kvgate.runtime.model import GRID
 from kvgate.runtime.prefix import Blocks
 from kvgate.runtime.quality import FULL, Gate, Standing, shape_key
 from kvgate.runtime.reuse import Reuse, Reuser
@@ -25,7 +26,6 @@ from kvgate.runtime.shared import Spans
 
 log = logging.getLogger("kvgate.engine")
 EXACT = "exact"  # the KV reused is, bit for bit, the KV full prefill computes (an exact prefix, a program's prompt)
-GRID = 64  # runtime/model.py's: a read that continues with computed rows ends at a multiple of it
 
 
 class Caches:

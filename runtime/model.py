@@ -176,11 +176,11 @@ def forward(model: PreTrainedModel, runs: list[Run], every: bool = False, pad: b
     device = model.device
     lengths = [len(r.token_ids) for r in runs]
     floor = row_floor(model) if pad else 1
-    pad = max(0, floor - sum(lengths))  # rows of nothing, so that every linear sees at least `floor`
-    ids = torch.tensor([t for r in runs for t in r.token_ids] + [0] * pad, device=device)
+    extra = max(0, floor - sum(lengths))  # rows of nothing, so that every linear sees at least `floor`
+    ids = torch.tensor([t for r in runs for t in r.token_ids] + [0] * extra, device=device)
     positions = torch.cat(
         [torch.arange(r.start, r.start + n, device=device) for r, n in zip(runs, lengths)]
-        + [torch.zeros(pad, dtype=torch.long, device=device)]
+        + [torch.zeros(extra, dtype=torch.long, device=device)]
     )
     for r, n in zip(runs, lengths):
         r.kv.reserve(r.start + n)
@@ -193,7 +193,7 @@ def forward(model: PreTrainedModel, runs: list[Run], every: bool = False, pad: b
 
     for i, layer in enumerate(inner.layers):
         q, k, v = project(layer, h, cos, sin)
-        out = torch.zeros_like(q) if pad else torch.empty_like(q)
+        out = torch.zeros_like(q) if extra else torch.empty_like(q)
         scale, window = layer.self_attn.scaling, window_of(layer)
         for r, a, b in zip(runs, bounds, bounds[1:]):
             keys, values = r.kv.append(i, k[a:b].transpose(0, 1), v[a:b].transpose(0, 1))
