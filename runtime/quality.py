@@ -42,9 +42,8 @@ from dataclasses import dataclass
 
 FULL = 1.0  # the top rung: every token computed, nothing reused
 RECOVER = 0.8  # a rung is left downward only with KL this far under the target
-# Where a gated mode's ratio comes from (`Standing.state`): a calibration table, the operator's ratio, or the
-# shadow checks that opened it; else, served as full prefill: calibrating online, every rung's checks missed
-# (checked on), or no checks to calibrate with (`shadow_rate` 0).
+# Where blends' ratio comes from (`Standing.state`): a table, the operator's ratio, the checks that opened it;
+# else full prefill: calibrating online, every rung missed (checked on), no checks to calibrate with.
 STATES = ("table", "operator", "shadow", "calibrating", "unmet", "off")
 CALIBRATED = STATES[:3]
 
@@ -126,8 +125,7 @@ class Ladder:
 
     @property
     def learning(self) -> bool:
-        """Whether requests are checked eagerly (up to min_checks of the rung probed): an online ladder's while
-        it calibrates (served at full prefill anyway, its checks are what opens a rung)."""
+        """Whether each request is checked (up to min_checks of the rung probed): an online ladder calibrating."""
         return self.trial is not None and not self.exhausted
 
     def try_rung(self, trial: int, why: str) -> None:
