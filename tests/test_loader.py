@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvgate.runtime.config import EngineConfig
-from kvgate.runtime.loader import dtype_of, load, native_bf16
+from kvgate.runtime.loader import ONEDNN_CACHE_ENTRIES, ONEDNN_CACHES, dtype_of, load, native_bf16
 
 CPUINFO = Path("/proc/cpuinfo")
 
@@ -32,6 +33,11 @@ def test_auto_is_bf16_only_where_the_device_computes_it_natively(monkeypatch: py
     assert dtype_of(EngineConfig(dtype="bfloat16")) == torch.bfloat16
 
 
-def test_a_model_loaded_in_bf16_says_so() -> None:
+def test_a_model_loaded_in_bf16_says_so_and_bounds_onednns_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN reads its caches' capacities from the environment before its first bf16 matmul: the loader sets
+    them (runtime/loader.py: at oneDNN's 1024 a bf16 server grew towards ~700 MiB), an operator's own value kept."""
+    monkeypatch.delenv(ONEDNN_CACHES[0], raising=False)
+    monkeypatch.setenv(ONEDNN_CACHES[1], "500")
     loaded = load(EngineConfig(dtype="bfloat16"))
     assert loaded.model.dtype == torch.bfloat16 and loaded.dtype == "bfloat16"
+    assert os.environ[ONEDNN_CACHES[0]] == str(ONEDNN_CACHE_ENTRIES) and os.environ[ONEDNN_CACHES[1]] == "500"
