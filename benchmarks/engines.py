@@ -38,7 +38,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from kvgate.bench.engines_report import allowed, family, ranges, report, vllm_binding
-from kvgate.bench.engines_rows import ENGINES, chat_rows, decode_rows, load_rag, rag_rows, stream
+from kvgate.bench.engines_rows import ENGINES, Rag, Reply, chat_rows, decode_rows, load_rag, rag_rows, stream
 from kvgate.gateway.readiness import free_port, wait_ready
 from kvgate.runtime.errors import DataError
 from kvgate.runtime.report import cpu, write_section
@@ -50,6 +50,18 @@ DTYPES = ("auto", "float32", "bfloat16")
 
 
 # ---- the two servers ------------------------------------------------------------------------------
+
+
+__all__ = ["Rag", "Reply", "bench_engines", "kvgate_argv", "load_rag", "server", "stream", "vllm_argv", "vllm_python"]
+
+
+def kvgate_argv(model_dir: Path, name: str) -> list[str]:
+    return [sys.executable, "-m", "kvgate.gateway.cli", "serve", "--model", str(model_dir), "--served-model-name", name]
+
+
+def vllm_argv(python: Path, model_dir: Path, name: str) -> list[str]:
+    entry = "vllm.entrypoints.openai.api_server"  # `vllm serve` fails on the package's name
+    return [str(python), "-m", entry, "--model", str(model_dir), "--served-model-name", name]
 
 
 def vllm_python(venv: Path) -> Path:

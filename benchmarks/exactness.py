@@ -110,13 +110,17 @@ def cost(dtype: str, tokens: int = 2048, reps: int = 3) -> tuple[float, float, f
     return invariant[0], before[0], invariant[1], before[1]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgate bench exact", description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32,bfloat16")
     parser.add_argument("--rounds", type=int, default=10, help="rounds of the five shapes (six requests each)")
     parser.add_argument("--tokens", type=int, default=24, help="greedy tokens compared")
     parser.add_argument("--output", type=Path, default=OUTPUT)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     rows, costs = [], []
     for dtype in args.dtype.split(","):
         exact, same, labels = check(dtype, args.rounds, args.tokens)

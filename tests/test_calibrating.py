@@ -13,9 +13,10 @@ import openai
 import pytest
 
 from kvgate.bench.gate import ask
+from kvgate.runtime.calibration import find, model_fingerprint
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.engine import Engine
-from kvgate.runtime.loader import LoadedModel
+from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.planner import Planner
 from kvgate.runtime.quality import FULL, STATES, Gate, QualityConfig, Standing, shape_key
 from tests import loopback
@@ -89,6 +90,17 @@ def test_with_no_shadow_checks_an_uncalibrated_blend_is_never_served_and_says_so
     ratio, why = gate.serve(shape)
     assert ratio == FULL and "no shadow checks" in why
     assert Gate(unchecked, {"blend": 0.15}).serve(shape) == (0.15, "")  # a calibrated mode's shapes: as before
+
+
+def test_kvgate_ships_the_default_models_table_in_bfloat16_too(settings, tmp_path) -> None:
+    """`dtype: auto` picks bfloat16 on a CPU with AVX512-BF16 or AMX and on GPUs, and a table is per fingerprint
+    (dtype included): the default model's bfloat16 one ships beside float32's (tests/test_calibration.py), for
+    the server's selection and documents' KV, so a fresh server there starts calibrated too."""
+    bf16 = load(replace(settings.engine_config(), dtype="bfloat16"))  # loaded in bf16 on any CPU: no forward pass
+    assert str(bf16.model.dtype) == "torch.bfloat16"
+    shipped = find(tmp_path, model_fingerprint(bf16), select=settings.caches.blend_select)
+    assert shipped is not None and set(shipped.table) == {"2", "4", "6"}, shipped
+    assert (shipped.select, shipped.document_kv) == (settings.caches.blend_select, "context")
 
 
 # ---- on a real engine, and a real server ----------------------------------------------------------
