@@ -127,10 +127,13 @@ class SimSeq:
     def prefilling(self) -> bool:
         return self.computed < len(self.prompt_ids)
 
-    def next_run(self, budget: int) -> range:
-        if self.prefilling:
-            return self.prompt_ids[self.computed : self.computed + budget]
-        return range(1)
+    def next_run(self, budget: int, grid: int = 1) -> range:
+        if not self.prefilling:
+            return range(1)
+        stop = min(self.computed + budget, len(self.prompt_ids))
+        if stop < len(self.prompt_ids):  # as Sequence.next_run: a partial chunk ends on the grid
+            stop = max(self.computed, stop - stop % grid)
+        return self.prompt_ids[self.computed : stop]
 
 
 class SimCosts:

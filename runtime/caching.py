@@ -15,8 +15,7 @@ import torch
 
 from kvgate.runtime.blend import Steps, cost
 from kvgate.runtime.calibration import Calibration
-from kvgate.runtime.chunks import Breaks, Chunks
-from kvgate.runtime.config import EngineConfig
+from kvgate.runtime.chunks import Chunks
 from kvgate.runtime.model import GRID
 from kvgate.runtime.prefix import Blocks
 from kvgate.runtime.quality import FULL, Gate, Standing, shape_key
@@ -59,7 +58,7 @@ class Caches:
         otherwise compute each in one piece, stalling every other stream meanwhile)."""
         if seq.plan is None or not any(seq.plan.documents):
             return []
-        plan = after(seq.plan, len(seq.kv))
+        plan = seq.plan.after(len(seq.kv))
         if not seq.ingest and (plan.reuse.mode not in ("naive", "blend") or not self.reuser.shiftable):
             return []
         found = self.reuser.missing(plan.pieces, plan.documents, plan.scope)
@@ -143,7 +142,7 @@ class Caches:
         chunks = self.chunks_for(seq)
         if chunks is None or reuse.mode not in ("naive", "blend") or not self.reuser.shiftable:
             return plan if spans else None
-        head = len(seq.kv)
+        head = max(len(seq.kv), seq.cache.matched)  # what prefix blocks held in place is computed, not blended
         found = chunks.find(seq.prompt_ids, head, seq.tenant)
         if spans and plan is not None and found.reused <= self.spans.sourced(plan.pieces, plan.spans, head, plan.scope):
             return plan
@@ -207,7 +206,7 @@ class Caches:
             key = seq.cache.gated[0] if seq.cache.gated is not None else "kvcomm"
             seq.cache.fidelity = self.fidelity(key, ratio, 0) if spans else self.read(seq)
             return done.logits
-        rest = after(plan, head)
+        rest = plan.after(head)
         if seq.cache.matched > head:  # documents the prefix blocks held in place, cut off by the grid: computed
             starts = itertools.accumulate((len(p) for p in rest.pieces), initial=head)
             documents = [d and start >= seq.cache.matched for d, start in zip(rest.documents, starts)]
@@ -389,43 +388,3 @@ class Caches:
                 self.spans.wrote(seq.kv, len(seq.prompt_ids), seq.output_ids, seq.text, plan.agent, plan.scope)
         except Exception:  # the answer stands; the next turn computes its prompt again
             log.exception("request %d: keeping its context failed", seq.id)
-
-
-def make_caches(
-    config: EngineConfig,
-    reuser: Reuser,
-    spans: Spans,
-    gate: Gate,
-    calibration: Calibration | None,
-    cost: Callable[[int], float],
-    exact: bool = False,
-) -> Caches:
-    """The caches an engine's config asks for (cost: seconds to prefill n tokens; exact: whether the engine
-    computes a prompt the same however its prefill is split)."""
-    store, model_fp = reuser.store, reuser.model_fp
-    grid = GRID if exact else 1
-    fp = reuser.tokenizer_fp
-    blocks = Blocks(store, model_fp, fp, cost, config.prefix_block, grid=grid) if config.prefix_caching else None
-    chunks = blended = None
-    if config.content_chunks:
-        chunks = Chunks(store, reuser.model, model_fp, reuser.key, cost, config.chunks, Breaks.of(reuser.tokenizer))
-        if config.prefix_caching:
-            blended = Blocks(store, model_fp, reuser.tokenizer_fp, cost, config.prefix_block, namespace="blended")
-    calibrated = calibration if config.recompute_ratio is None else None
-    if calibrated is None and config.recompute_ratio is None:  # no ratio measured: blends calibrated online
-        gate.uncalibrated("blend")
-    in_context = config.documents_in_context
-    return Caches(reuser, blocks, spans, cost, gate, calibrated, in_context, chunks, blended, exact)
-
-
-def after(plan: Plan, done: int) -> Plan:
-    """The plan of the prompt after its first `done` tokens (an exact head already in the KV); a
-    document the head cuts into goes on as plain tokens."""
-    pieces, documents, offset = [], [], 0
-    for ids, is_document in zip(plan.pieces, plan.documents):
-        if offset + len(ids) > done:
-            cut = max(0, done - offset)
-            pieces.append(ids[cut:])
-            documents.append(is_document and cut == 0)
-        offset += len(ids)
-    return replace(plan, pieces=pieces, documents=documents)

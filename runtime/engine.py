@@ -15,7 +15,6 @@ from kvgate.agents.anchors import AnchorPool
 from kvgate.agents.flight import Flight
 from kvgate.chunk_cache import ChunkStore
 from kvgate.runtime.blend import BlendConfig
-from kvgate.runtime.caching import make_caches
 from kvgate.runtime.calibration import Calibration, model_fingerprint
 from kvgate.runtime.calibration import find as find_calibration
 from kvgate.runtime.config import EngineConfig
@@ -33,6 +32,7 @@ from kvgate.runtime.sequence import Output, Plan, Request, Result, Sequence
 from kvgate.runtime.shadow import Shadow
 from kvgate.runtime.shared import Spans
 from kvgate.runtime.timing import StepTimes
+from kvgate.runtime.wiring import make_caches
 
 log = logging.getLogger("kvgate.engine")
 

@@ -10,21 +10,19 @@ margin over a whole `window`, it steps one down. At full prefill nothing is reus
 checks run the other way: the reuse one rung below is computed on spare capacity and compared
 with the full prefill that was served, so the gate learns when reuse has recovered.
 
-A program's prompt climbs a ladder of its shape, per reuse mode: its reading agent (the agent pairs
-that end at it; keyed by the pairs themselves, a pipeline's 7 readers made 26 ladders, because which
-spans have a source varies from request to request, and each learnt slower), so a pipeline whose
-reuse does not generalise is withheld alone. A shape's ladder also holds
-the answer to `target_answer` (agents read each other's answers: a drift compounds down the
-pipeline), and has two rungs, its reuse and none (the prompt after its exact prefix computed): a
-recompute ratio rarely pays on short agent prompts, and each rung would take another `min_checks`
-checks of a shape seen far more rarely than the server's one blend. A new shape starts withheld
-and earns its reuse: its first `min_checks` checks (of the reuse it withholds, computed on spare
-capacity) must keep answers, since by the time a served reuse shows it moved them, the next agent has
-read them. A shape's rung checked fewer than `min_checks` times is checked on every request it
-serves, then at `shadow_rate`. With no checks (`shadow_rate` 0) nothing could earn it: shapes start
-at their reuse.
+A program's prompt climbs a ladder of its shape, per reuse mode: its reading agent (the agent pairs that end
+at it; keyed by the pairs themselves, a pipeline's 7 readers made 26 ladders, because which spans have a
+source varies from request to request, and each learnt slower), so a pipeline whose reuse does not generalise
+is withheld alone. A shape's ladder also holds the answer to `target_answer` (agents read each other's
+answers: a drift compounds down the pipeline), and has two rungs, its reuse and none (the prompt after its
+exact prefix computed): a recompute ratio rarely pays on short agent prompts, and each rung would take another
+`min_checks` checks of a shape seen far more rarely than the server's one blend. A new shape starts withheld
+and earns its reuse: its first `min_checks` checks (of the reuse it withholds, computed on spare capacity)
+must keep answers, since by the time a served reuse shows it moved them, the next agent has read them. A
+shape's rung checked fewer than `min_checks` times is checked on every request it serves, then at
+`shadow_rate`. With no checks (`shadow_rate` 0) nothing could earn it: shapes start at their reuse.
 
-A mode with no calibration (no table for this model's fingerprint, no operator's ratio: runtime/caching.py
+A mode with no calibration (no table for this model's fingerprint, no operator's ratio: runtime/wiring.py
 `make_caches`) is calibrated online: its ladder never serves a rung its checks have not measured. It starts
 at full prefill, and its checks compute the blend at its lowest rung on spare capacity, every request until
 `min_checks` of them (then at `shadow_rate`); once they meet the targets (with the margin a rung is left

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -36,6 +36,18 @@ class Plan:
     spans: list[bool] = field(default_factory=list)
     agent: str = ""
     note: str = ""  # how the plan was found, for x-kvgate-reuse
+
+    def after(self, done: int) -> Plan:
+        """The plan of the prompt after its first `done` tokens (an exact head already in the KV); a
+        document the head cuts into goes on as plain tokens."""
+        pieces, documents, offset = [], [], 0
+        for ids, is_document in zip(self.pieces, self.documents):
+            if offset + len(ids) > done:
+                cut = max(0, done - offset)
+                pieces.append(ids[cut:])
+                documents.append(is_document and cut == 0)
+            offset += len(ids)
+        return replace(self, pieces=pieces, documents=documents)
 
 
 @dataclass

@@ -1,0 +1,42 @@
+"""The caches an engine's config asks for, wired to the engine's reuser, spans and gate."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvgate.runtime.caching import Caches
+from kvgate.runtime.calibration import Calibration
+from kvgate.runtime.chunks import Breaks, Chunks
+from kvgate.runtime.config import EngineConfig
+from kvgate.runtime.model import GRID
+from kvgate.runtime.prefix import Blocks
+from kvgate.runtime.quality import Gate
+from kvgate.runtime.reuse import Reuser
+from kvgate.runtime.shared import Spans
+
+
+def make_caches(
+    config: EngineConfig,
+    reuser: Reuser,
+    spans: Spans,
+    gate: Gate,
+    calibration: Calibration | None,
+    cost: Callable[[int], float],
+    exact: bool = False,
+) -> Caches:
+    """The caches an engine's config asks for (cost: seconds to prefill n tokens; exact: whether the engine
+    computes a prompt the same however its prefill is split)."""
+    store, model_fp = reuser.store, reuser.model_fp
+    grid = GRID if exact else 1
+    fp = reuser.tokenizer_fp
+    blocks = Blocks(store, model_fp, fp, cost, config.prefix_block, grid=grid) if config.prefix_caching else None
+    chunks = blended = None
+    if config.content_chunks:
+        chunks = Chunks(store, reuser.model, model_fp, reuser.key, cost, config.chunks, Breaks.of(reuser.tokenizer))
+        if config.prefix_caching:
+            blended = Blocks(store, model_fp, reuser.tokenizer_fp, cost, config.prefix_block, namespace="blended")
+    calibrated = calibration if config.recompute_ratio is None else None
+    if calibrated is None and config.recompute_ratio is None:  # no ratio measured: blends calibrated online
+        gate.uncalibrated("blend")
+    in_context = config.documents_in_context
+    return Caches(reuser, blocks, spans, cost, gate, calibrated, in_context, chunks, blended, exact)
