@@ -208,8 +208,8 @@ class Caches:
             return done.logits
         rest = plan.after(head)
         if seq.cache.matched > head:  # documents the prefix blocks held in place, cut off by the grid: computed
-            starts = itertools.accumulate((len(p) for p in rest.pieces), initial=head)
-            documents = [d and start >= seq.cache.matched for d, start in zip(rest.documents, starts)]
+            ends = itertools.accumulate((len(p) for p in rest.pieces), initial=head)
+            documents = [d and end > seq.cache.matched for d, end in zip(rest.documents, list(ends)[1:])]
             rest = replace(rest, documents=documents)
         reuse, why = self.choose(seq, rest) if any(rest.documents) else (Reuse("full"), "")
         done = yield from self.reuser.prefilling(
