@@ -120,7 +120,11 @@ class Caches:
         seq.cache.kept = 0 if resumed or blocks is None else found - found % blocks.size
         seq.cache.fidelity = self.read(seq)
         again = self.blended_for(seq)
-        if again is not None and (read := again.attach(seq.kv, seq.prompt_ids, seq.tenant).tokens):
+        read = again.attach(seq.kv, seq.prompt_ids, seq.tenant).tokens if again is not None else 0
+        if read and len(seq.kv) <= seq.cache.matched:  # no further than the exact blocks went: computed exactly
+            seq.kv.truncate(len(seq.kv) - read)
+            read = 0
+        if read:
             seq.cache.blended = read
             seq.cache.cached_tokens += read
             seq.cache.reuse = f"blend; {read} tokens as a blend of the same tokens left them"

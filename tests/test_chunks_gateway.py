@@ -86,6 +86,9 @@ def test_a_blended_prompt_asked_again_is_read_whole_as_the_blend_left_it_and_nev
     assert repeat.choices[0].message.content == first.choices[0].message.content
     _, _, exact = ask(client, model_name, again, {"reuse": "prefix"})
     assert exact < 40  # the template's opening: the blend's KV is never read as exact
+    # A new prompt sharing only that opening, which the exact blocks hold too: computed, not read as the blend.
+    raw, _, _ = ask(client, model_name, pasted(["A passage no prompt held."], "What does it say?"))
+    assert "as a blend" not in raw.headers.get("x-kvgate-reuse", ""), raw.headers.get("x-kvgate-reuse")
 
 
 def test_prefix_and_full_read_no_chunk(client, model_name) -> None:
