@@ -163,10 +163,11 @@ class Caches:
         return None if seq.ingest or full else self.blocks
 
     def blended_for(self, seq: Sequence) -> Blocks | None:
-        """The blocks blended prompts leave, for a plain prompt that may blend chunks (not a program's, not
-        documents' (`chunks_for`), not one that asked for prefix or full)."""
+        """The blocks blended prompts leave, for a plain prompt that may blend chunks (not a program's turn that
+        resumes its own context, not documents' (`chunks_for`), not one that asked for prefix or full). A turn
+        that resumes nothing (a conversation whose id changes with each step) reads them as any prompt does."""
         plan = seq.plan
-        if self.blended is None or self.chunks_for(seq) is None or seq.turn is not None:
+        if self.blended is None or self.chunks_for(seq) is None or (seq.turn is not None and seq.turn.resume):
             return None
         if plan is not None and (plan.spans or plan.reuse.mode not in ("naive", "blend")):
             return None
