@@ -212,9 +212,9 @@ class Caches:
             seq.cache.fidelity = self.fidelity(key, ratio, 0) if spans else self.read(seq)
             return done.logits
         rest = plan.after(head)
-        if seq.cache.matched > head:  # documents the prefix blocks held in place, cut off by the grid: computed
-            ends = itertools.accumulate((len(p) for p in rest.pieces), initial=head)
-            documents = [d and end > seq.cache.matched for d, end in zip(rest.documents, list(ends)[1:])]
+        if seq.cache.matched > head:  # documents wholly inside what the blocks matched (cut by the grid): computed
+            ends = (head + n for n in itertools.accumulate(len(p) for p in rest.pieces))
+            documents = [d and end > seq.cache.matched for d, end in zip(rest.documents, ends)]
             rest = replace(rest, documents=documents)
         reuse, why = self.choose(seq, rest) if any(rest.documents) else (Reuse("full"), "")
         done = yield from self.reuser.prefilling(
