@@ -29,7 +29,7 @@ from kvgate.runtime.engine import Engine
 from kvgate.runtime.report import table
 from kvgate.runtime.sampling import SamplingParams
 from kvgate.runtime.scheduler import Scheduler
-from kvgate.runtime.sequence import Request, Status
+from kvgate.runtime.sequence import Request, Status, run_end
 
 TEMPLATE_TOKENS = 12  # chat template tokens around each turn's new messages
 SCOPE = "sim"
@@ -130,10 +130,7 @@ class SimSeq:
     def next_run(self, budget: int, grid: int = 1) -> range:
         if not self.prefilling:
             return range(1)
-        stop = min(self.computed + budget, len(self.prompt_ids))
-        if stop < len(self.prompt_ids):  # as Sequence.next_run: a partial chunk ends on the grid
-            stop = max(self.computed, stop - stop % grid)
-        return self.prompt_ids[self.computed : stop]
+        return self.prompt_ids[self.computed : run_end(self.computed, budget, len(self.prompt_ids), grid)]
 
 
 class SimCosts:

@@ -162,16 +162,13 @@ class Setup:
         return ["taskset", "-c", self.pinned, *argv] if self.cores else argv
 
     def kvgate(self, model_dir: Path, name: str, env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
-        argv = [sys.executable, "-m", "kvgate.gateway.cli", "serve", "--model", str(model_dir)]
         env = {**env, "KVGATE_SEMANTIC_CACHE": "false"}
         env |= {"KVGATE_THREADS": str(self.cores)} if self.cores else {}
         env |= {"KVGATE_DTYPE": self.dtype} if self.dtype != "auto" else {}
-        return self.argv([*argv, "--served-model-name", name]), env
+        return self.argv(kvgate_argv(model_dir, name)), env
 
     def vllm(self, python: Path, model_dir: Path, name: str, env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
-        entry = "vllm.entrypoints.openai.api_server"  # `vllm serve` fails on the package's name
-        argv = [str(python), "-m", entry, "--model", str(model_dir), "--served-model-name", name]
-        argv += ["--dtype", self.dtype] if self.dtype != "auto" else []
+        argv = vllm_argv(python, model_dir, name) + (["--dtype", self.dtype] if self.dtype != "auto" else [])
         env = {**env, "VLLM_CPU_KVCACHE_SPACE": "2", "LMCACHE_TRACK_USAGE": "false"}
         env |= {"VLLM_CPU_OMP_THREADS_BIND": self.pinned} if self.cores else {}
         return self.argv(argv), env

@@ -151,6 +151,13 @@ class CacheState:
     fidelity: str = ""  # how far that moves the first token, as last measured (x-kvgate-fidelity)
 
 
+def run_end(computed: int, budget: int, length: int, grid: int = 1) -> int:
+    """Where a prompt chunk starting at `computed` ends within `budget`: the prompt's end, or else the last
+    multiple of `grid` (`computed` itself when none fits: an empty chunk)."""
+    stop = min(computed + budget, length)
+    return stop if stop == length else max(computed, stop - stop % grid)
+
+
 @dataclass
 class Sequence:
     prompt_ids: list[int]
@@ -214,10 +221,7 @@ class Sequence:
         KV is the same however it is chunked (runtime/model.py)."""
         if not self.prefilling:
             return self.output_ids[-1:]
-        stop = min(self.computed + budget, len(self.prompt_ids))
-        if stop < len(self.prompt_ids):
-            stop = max(self.computed, stop - stop % grid)
-        return self.prompt_ids[self.computed : stop]
+        return self.prompt_ids[self.computed : run_end(self.computed, budget, len(self.prompt_ids), grid)]
 
     def add(self, token_id: int, logprob: TokenLogprob | None, tokenizer: PreTrainedTokenizerBase) -> None:
         self.output_ids.append(token_id)

@@ -34,7 +34,7 @@ def make_caches(
     if config.content_chunks:
         chunks = Chunks(store, reuser.model, model_fp, reuser.key, cost, config.chunks, Breaks.of(reuser.tokenizer))
         if config.prefix_caching:
-            blended = Blocks(store, model_fp, reuser.tokenizer_fp, cost, config.prefix_block, namespace="blended")
+            blended = Blocks(store, model_fp, fp, cost, config.prefix_block, namespace="blended")
     calibrated = calibration if config.recompute_ratio is None else None
     if calibrated is None and config.recompute_ratio is None:  # no ratio measured: blends calibrated online
         gate.uncalibrated("blend")
