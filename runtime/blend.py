@@ -20,8 +20,9 @@ from transformers import PreTrainedModel
 
 from kvgate.runtime.kernels import gather_rows, rope_shift, scatter_rows, token_deviation
 from kvgate.runtime.kv import KVCache
-from kvgate.runtime.model import attend, finish_layer, logits_of, project, project_keys
+from kvgate.runtime.model import attend, finish_layer, logits_of, project
 from kvgate.runtime.rope import token_angles
+from kvgate.runtime.weights import Layer, decoder_of
 
 
 @dataclass(frozen=True)
@@ -127,12 +128,12 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: to
 
 
 def attend_part(
-    layer: torch.nn.Module, kv: KVCache, i: int, q: torch.Tensor, rows: torch.Tensor, contiguous: bool
+    layer: Layer, kv: KVCache, i: int, q: torch.Tensor, rows: torch.Tensor, contiguous: bool
 ) -> torch.Tensor:
     """Attention of queries `q` [n, heads, d] at sorted positions `rows` over layer i's KV up to the
     last of them; `contiguous`: the rows are every position up to there (a plain causal block)."""
     end = int(rows[-1]) + 1
-    keys, values, scale = kv.keys[i][:, :end], kv.values[i][:, :end], layer.self_attn.scaling
+    keys, values, scale = kv.keys[i][:, :end], kv.values[i][:, :end], layer.scale
     if contiguous:
         return attend(q.transpose(0, 1), keys, values, scale).transpose(0, 1)
     return attend_rows(q.transpose(0, 1), keys, values, rows, scale).transpose(0, 1)
@@ -156,7 +157,7 @@ def choose(
 
 
 def question_attention(
-    layer: torch.nn.Module,
+    layer: Layer,
     h: torch.Tensor,
     keys: torch.Tensor,
     cos: torch.Tensor,
@@ -170,7 +171,7 @@ def question_attention(
     t = max(1, n - 1 - last)
     q = project(layer, h[-t:], cos[-t:], sin[-t:])[0].transpose(0, 1)  # [heads, t, d]
     k = keys.repeat_interleave(q.shape[0] // keys.shape[0], 0).to(q.dtype)
-    scores = (q @ k.transpose(1, 2)) * layer.self_attn.scaling  # [heads, t, n]
+    scores = (q @ k.transpose(1, 2)) * layer.scale  # [heads, t, n]
     future = torch.arange(n, device=q.device)[None, :] > torch.arange(n - t, n, device=q.device)[:, None]
     return scores.masked_fill(future, float("-inf")).softmax(-1).float().mean((0, 1))
 
@@ -238,8 +239,9 @@ def blend(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: Blen
     checks = sorted(config.check_layers) if n_reused else []
     deviation = 0.0
 
-    last = len(inner.layers) - 1
-    for i, layer in enumerate(inner.layers):
+    layers = decoder_of(model).layers
+    last = len(layers) - 1
+    for i, layer in enumerate(layers):
         place(kv, i, pieces, start, shift)
         cos, sin = cos_all[sel], sin_all[sel]
         if i in checks:
@@ -248,7 +250,7 @@ def blend(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: Blen
             reused = reused_all[sel]
             score = torch.zeros(len(sel), device=device)
             if keep > 0 and config.select != "random":
-                fresh = project_keys(layer, h, cos, sin).transpose(0, 1)  # [kv_heads, n, d]
+                fresh = project(layer, h, cos, sin)[1].transpose(0, 1)  # [kv_heads, n, d]
                 cached = gather_rows(kv.keys[i], sel + start)
                 score = token_deviation(fresh, cached)
                 if j == 0:
@@ -274,7 +276,7 @@ def blend(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: Blen
         for part in parts:
             out[part] = finish_layer(layer, h[part], attend_part(layer, kv, i, q[part], rows[part], len(sel) == n))
             if i < last or part is not parts[-1]:  # never after the end: a whole KV has its logits
-                yield len(part) / len(inner.layers)
+                yield len(part) / len(layers)
         h = out
         kv.lengths[i] = total  # the last layer's length is the KV's: whole only once the blend is
 

@@ -14,24 +14,26 @@ import hashlib
 import json
 import os
 import platform
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
 
+from kvgate.runtime.weights import Linear, decoder_of
+
 MOST = 64  # rows probed; a floor above it means the device's GEMMs are not row-invariant at any size tried
 _floors: dict[str, int] = {}
 
 
-def probe_floor(linears: list[torch.nn.Module], most: int = MOST) -> int:
+def probe_floor(linears: Sequence[Linear], most: int = MOST) -> int:
     """The fewest rows from which each linear's rows equal, bit for bit, the same rows computed among 4 x `most`
     (most + 1: not even at `most`). Several windows of few rows are compared, since a bf16 output hides most
     differences in its rounding."""
     floor = 1
     generator = torch.Generator().manual_seed(0)
     for linear in linears:
-        weight = linear.weight
-        x = torch.randn(4 * most, weight.shape[1], generator=generator).to(weight)
+        x = torch.randn(4 * most, linear.in_features, generator=generator).to(linear.dtype).to(linear.device)
         whole = linear(x)
         for m in [n for n in (most, 48, 32, 24, *range(16, 0, -1)) if floor <= n <= most]:
             starts = range(0, len(x) - m + 1, m)[: max(2, 32 // m)]
@@ -64,7 +66,8 @@ def key_of(model: PreTrainedModel) -> str:
     config = model.config
     sizes = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
     shapes = "|".join(str(getattr(config, name, "")) for name in sizes)
-    return _key(model.dtype, model.device.type, torch.get_num_threads(), shapes)
+    kernels = "onednn" if decoder_of(model).head.packed else "torch"
+    return _key(model.dtype, model.device.type, torch.get_num_threads(), f"{shapes}|{kernels}")
 
 
 def row_floor(model: PreTrainedModel, cache_dir: Path | None = None) -> int:
@@ -79,9 +82,9 @@ def row_floor(model: PreTrainedModel, cache_dir: Path | None = None) -> int:
             return _floors[key]
         except (OSError, ValueError, KeyError, TypeError):
             pass  # damaged: measured again
-    linears = [m for m in model.model.layers[0].modules() if isinstance(m, torch.nn.Linear)]
+    decoder = decoder_of(model)
     with torch.inference_mode():
-        _floors[key] = probe_floor(linears)
+        _floors[key] = probe_floor([*decoder.layers[0].linears, decoder.head])
     if where is not None:
         try:
             where.parent.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 
 from kvgate.runtime.invariance import row_floor
 from kvgate.runtime.kv import KVCache
+from kvgate.runtime.weights import Layer, decoder_of
 
 
 @dataclass
@@ -128,42 +129,24 @@ def attend_grid(
     return torch.cat(parts, 1)
 
 
-def window_of(layer: torch.nn.Module) -> int | None:
-    """A layer's sliding attention window, or None for full attention."""
-    attn = layer.self_attn
-    # Qwen2/3 set it per layer (None on their full-attention layers); Mistral's config holds one for all.
-    return attn.sliding_window if hasattr(attn, "sliding_window") else getattr(attn.config, "sliding_window", None)
-
-
-def project(layer: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def project(layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """A decoder layer's q, k, v for hidden states h [n, hidden]: [n, heads, head_dim], RoPE applied."""
-    attn = layer.self_attn
-    x = layer.input_layernorm(h)
-    q = attn.q_proj(x).view(len(h), -1, attn.head_dim)
-    k = attn.k_proj(x).view(len(h), -1, attn.head_dim)
-    v = attn.v_proj(x).view(len(h), -1, attn.head_dim)
-    if hasattr(attn, "q_norm"):  # Qwen3
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    n, d = len(h), layer.head_dim
+    q, k, v = layer.qkv(layer.input_norm(h)).view(n, -1, d).split((layer.heads, layer.kv_heads, layer.kv_heads), 1)
+    if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3
+        return apply_rope(layer.q_norm(q), cos, sin), apply_rope(layer.k_norm(k), cos, sin), v
+    qk = apply_rope(torch.cat((q, k), 1), cos, sin)  # one rotation for both
+    return qk[:, : layer.heads], qk[:, layer.heads :], v
 
 
-def project_keys(layer: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Only the keys of `project`: what a deviation check needs."""
-    attn = layer.self_attn
-    k = attn.k_proj(layer.input_layernorm(h)).view(len(h), -1, attn.head_dim)
-    if hasattr(attn, "k_norm"):
-        k = attn.k_norm(k)
-    return apply_rope(k, cos, sin)
-
-
-def finish_layer(layer: torch.nn.Module, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+def finish_layer(layer: Layer, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
     """The rest of a decoder layer after attention: output projection, residuals, MLP."""
-    h = h + layer.self_attn.o_proj(attn_out.reshape(len(h), -1))
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    h = h + layer.o(attn_out.reshape(len(h), -1))
+    return h + layer.mlp(layer.post_norm(h))
 
 
 def logits_of(model: PreTrainedModel, h: torch.Tensor) -> torch.Tensor:
-    return model.lm_head(model.model.norm(h)).float()
+    return decoder_of(model).head(model.model.norm(h)).float()
 
 
 @torch.inference_mode()
@@ -191,13 +174,13 @@ def forward(model: PreTrainedModel, runs: list[Run], every: bool = False, pad: b
     cos, sin = cos[0], sin[0]
     bounds = torch.tensor([0, *lengths]).cumsum(0).tolist()
 
-    for i, layer in enumerate(inner.layers):
+    for i, layer in enumerate(decoder_of(model).layers):
         q, k, v = project(layer, h, cos, sin)
         out = torch.zeros_like(q) if extra else torch.empty_like(q)
-        scale, window = layer.self_attn.scaling, window_of(layer)
         for r, a, b in zip(runs, bounds, bounds[1:]):
             keys, values = r.kv.append(i, k[a:b].transpose(0, 1), v[a:b].transpose(0, 1))
-            out[a:b] = attend_grid(q[a:b].transpose(0, 1), keys, values, r.start, scale, window).transpose(0, 1)
+            rows = attend_grid(q[a:b].transpose(0, 1), keys, values, r.start, layer.scale, layer.window)
+            out[a:b] = rows.transpose(0, 1)
         h = finish_layer(layer, h, out)
 
     if every:

@@ -14,6 +14,7 @@ from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.model import project
 from kvgate.runtime.rope import angles
+from kvgate.runtime.weights import Layer, decoder_of
 
 T, F = True, False
 
@@ -104,14 +105,14 @@ def test_place_moves_a_tier_s_keys_to_the_cache_s_device_before_shifting_them(lo
     assert kv.keys[0].device == meta
 
 
-def reference_attention(layer: torch.nn.Module, h, cos, sin, rows: list[int]) -> torch.Tensor:
+def reference_attention(layer: Layer, h, cos, sin, rows: list[int]) -> torch.Tensor:
     """Softmax attention of each question row over the tokens up to it, per head, averaged: written out."""
     q, k, _ = project(layer, h, cos, sin)  # [n, heads, d], [n, kv_heads, d]
     group = q.shape[1] // k.shape[1]
     total = torch.zeros(len(h))
     for r in rows:
         for head in range(q.shape[1]):
-            scores = (k[: r + 1, head // group] @ q[r, head]) * layer.self_attn.scaling
+            scores = (k[: r + 1, head // group] @ q[r, head]) * layer.scale
             total[: r + 1] += scores.float().softmax(0)
     return total / (len(rows) * q.shape[1])
 
@@ -129,7 +130,7 @@ def test_question_attention_is_what_the_question_pays_each_token(
     loaded: LoadedModel, reused: list[bool], question: list[int]
 ) -> None:
     inner = loaded.model.model
-    layer = inner.layers[1]
+    layer = decoder_of(loaded.model).layers[1]
     text = "Where does the ferry from Vellmoor stop at night?"
     ids = torch.tensor(loaded.tokenizer(text)["input_ids"][: len(reused)])
     with torch.inference_mode():

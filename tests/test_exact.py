@@ -23,6 +23,7 @@ from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.reuse import Reuse
 from kvgate.runtime.sampling import SamplingParams
 from kvgate.runtime.sequence import Plan, Request, Result
+from kvgate.runtime.weights import Linear
 
 
 def tiny_engine(loaded: LoadedModel, where: Path, dtype: torch.dtype, deterministic: bool = False) -> Engine:
@@ -128,7 +129,8 @@ def test_an_entry_says_which_rows_are_full_prefill_and_a_lossy_read_back_has_non
 
 
 def test_the_row_floor_is_where_a_linear_computes_each_row_as_among_many() -> None:
-    linear = torch.nn.Linear(64, 48).eval()
+    dense = torch.nn.Linear(64, 48)
+    linear = Linear(dense.weight, dense.bias)  # as the engine computes it (oneDNN's, prepacked, on CPU)
     with torch.inference_mode():
         floor = probe_floor([linear])
         x = torch.randn(256, 64)

@@ -17,7 +17,7 @@ from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import load
-from kvgate.runtime.model import Run, forward, project, project_keys
+from kvgate.runtime.model import Run, forward
 from kvgate.runtime.reuse import Reuse, Reuser
 from kvgate.runtime.rope import angles, can_shift, rope_type, shift
 from kvgate.runtime.sampling import SamplingParams
@@ -119,15 +119,6 @@ def test_chunks_decode_steps_and_a_ragged_batch_equal_one_pass(model: PreTrained
     forward(model, [Run(kv_a, a[:10], 0)])
     both = forward(model, [Run(kv_a, a[10:], 10), Run(kv_b, b, 0)], every=True)
     assert torch.allclose(both, torch.cat([whole_a[10:], whole_b]), atol=ATOL)
-
-
-def test_project_keys_are_the_keys_of_project(model: PreTrainedModel) -> None:
-    """Blend's deviation check compares these keys with cached ones computed by `project`."""
-    h = torch.randn(11, model.config.hidden_size)
-    cos, sin = (t[0] for t in model.model.rotary_emb(h[None], torch.arange(5, 16)[None]))
-    with torch.inference_mode():
-        for layer in model.model.layers:
-            assert torch.equal(project_keys(layer, h, cos, sin), project(layer, h, cos, sin)[1])
 
 
 def layer0_keys(model: PreTrainedModel, prefix: list[int], doc: list[int]) -> torch.Tensor:
