@@ -31,6 +31,7 @@ from kvgate.runtime.scheduler import Scheduler
 from kvgate.runtime.sequence import Output, Plan, Request, Result, Sequence
 from kvgate.runtime.shadow import Shadow
 from kvgate.runtime.shared import Spans
+from kvgate.runtime.threads import claim, hand_over
 from kvgate.runtime.timing import StepTimes
 from kvgate.runtime.wiring import make_caches
 
@@ -42,9 +43,27 @@ Callback = Callable[[Output | BaseException], None]
 
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
-        if config.threads:
-            torch.set_num_threads(config.threads)
+        """Load (unless `loaded`) and measure on the engine's own thread, the one that computes from then on on
+        `config.threads` cores; the calling thread computes on one from now on (runtime/threads.py)."""
         self.config = config
+        hand_over()
+        ready: Future = Future()
+        self.thread = threading.Thread(target=self.run, args=(loaded, ready), name="kvgate-engine", daemon=True)
+        self.thread.start()
+        ready.result()
+
+    def run(self, loaded: LoadedModel | None, ready: Future) -> None:
+        try:
+            claim(self.config.threads)
+            self.setup(loaded)
+        except BaseException as exc:
+            ready.set_exception(exc)
+            return
+        ready.set_result(None)
+        self.loop()
+
+    def setup(self, loaded: LoadedModel | None) -> None:
+        config = self.config
         self.loaded = loaded or load(config)
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         mc = self.model.config
@@ -85,8 +104,6 @@ class Engine:
         self.stopped = False
         self.steps = 0
         self.grammar_s = 0.0  # spent computing grammar masks (the benchmark weighs it against steps)
-        self.thread = threading.Thread(target=self.loop, name="kvgate-engine", daemon=True)
-        self.thread.start()
 
     def make_reuser(self, calibration: Calibration | None) -> Reuser:
         c = self.config

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from kvgate.runtime.threads import CORES
+
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")  # what decides bf16's speed on a CPU
 
 
@@ -27,7 +29,7 @@ def cpu() -> str:
 
 def machine() -> str:
     flags = cpu().partition("; ")[2]
-    return f"{platform.machine()} ({flags}), {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    return f"{platform.machine()} ({flags}), {CORES} cores for torch, torch {torch.__version__}"
 
 
 def write_section(path: Path, name: str, title: str, command: str, body: str) -> None:

@@ -6,6 +6,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.engine import Engine
@@ -57,6 +58,20 @@ def test_blend_selects_as_configured(loaded: LoadedModel) -> None:
         assert attention.reuser.blend.select == "attention" and attention.reuser.blend.ratio == 0.2
     finally:
         attention.shutdown()
+
+
+def test_the_engine_thread_alone_computes_on_its_cores(loaded: LoadedModel) -> None:
+    """Two OpenMP teams on the same cores make libgomp sleep between parallel regions (runtime/threads.py)."""
+    torch.set_num_threads(2)
+    two = Engine(EngineConfig(threads=2, prefix_caching=False, content_chunks=False), loaded)
+    try:
+        assert two.call(torch.get_num_threads).result() == 2
+        assert torch.get_num_threads() == 1  # the thread that built it
+        with ThreadPoolExecutor(1) as pool:  # and a thread that computes from now on
+            assert pool.submit(torch.get_num_threads).result() == 1
+    finally:
+        two.shutdown()
+        torch.set_num_threads(1)
 
 
 def test_max_tokens_and_eos(engine: Engine, chat_ids) -> None:
