@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from kvgate.runtime.decode import DecodeBatch
 from kvgate.runtime.invariance import row_floor
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.weights import Layer, decoder_of
@@ -174,14 +175,22 @@ def forward(model: PreTrainedModel, runs: list[Run], every: bool = False, pad: b
     cos, sin = cos[0], sin[0]
     bounds = torch.tensor([0, *lengths]).cumsum(0).tolist()
 
-    for i, layer in enumerate(decoder_of(model).layers):
+    layers = decoder_of(model).layers
+    # Unpadded, every run one token: a decode step, its attention batched (runtime/decode.py).
+    batch = DecodeBatch([r.kv for r in runs], {x.window for x in layers}) if not pad and len(ids) == len(runs) else None
+    for i, layer in enumerate(layers):
         q, k, v = project(layer, h, cos, sin)
+        if batch is not None:
+            h = finish_layer(layer, h, batch.attend(i, q, k, v, layer.scale, layer.window))
+            continue
         out = torch.zeros_like(q) if extra else torch.empty_like(q)
         for r, a, b in zip(runs, bounds, bounds[1:]):
             keys, values = r.kv.append(i, k[a:b].transpose(0, 1), v[a:b].transpose(0, 1))
             rows = attend_grid(q[a:b].transpose(0, 1), keys, values, r.start, layer.scale, layer.window)
             out[a:b] = rows.transpose(0, 1)
         h = finish_layer(layer, h, out)
+    if batch is not None:
+        batch.commit()
 
     if every:
         return logits_of(model, h)[: bounds[-1]]

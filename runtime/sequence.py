@@ -170,6 +170,8 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     sent: int = 0  # characters of text already handed out
+    decoded_from: int = 0  # the output tokens `detokenize` decodes beside the new ones: decoded_from..decoded_to
+    decoded_to: int = 0
     pending_ids: list[int] = field(default_factory=list)  # tokens not yet handed out
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
@@ -232,14 +234,28 @@ class Sequence:
         if token_id in p.stop_token_ids or (token_id in self.eos_ids and not p.ignore_eos):
             self.finish_reason = "stop"
             self.stop_reason = token_id if token_id in p.stop_token_ids else None
-        else:
-            self.text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
-            self.check_stop_strings()
-            self.check_repeated_call()
-        if self.finish_reason is None and (
-            len(self.output_ids) >= p.max_tokens or len(self.prompt_ids) + len(self.output_ids) >= self.max_len
-        ):
+            self.detokenize(tokenizer, len(self.output_ids) - 1, whole=True)  # the text before the stop token
+            return
+        full = len(self.output_ids) >= p.max_tokens or len(self.prompt_ids) + len(self.output_ids) >= self.max_len
+        self.detokenize(tokenizer, len(self.output_ids), whole=full)
+        self.check_stop_strings()
+        self.check_repeated_call()
+        if self.finish_reason is None and full:
             self.finish_reason = "length"
+
+    def detokenize(self, tokenizer: PreTrainedTokenizerBase, end: int, whole: bool) -> None:
+        """Append the text output tokens ..end complete (`whole`: all of it, half a character too), decoding the
+        new ones beside those of the text before (as vLLM does): a token's text can depend on the one before it
+        (a leading space, a character split over byte tokens). Each token costs the same however long the
+        output is."""
+        if end <= self.decoded_to:
+            return
+        ids = self.output_ids[self.decoded_from : end]
+        before = tokenizer.decode(ids[: self.decoded_to - self.decoded_from], skip_special_tokens=True)
+        now = tokenizer.decode(ids, skip_special_tokens=True)
+        if len(now) > len(before) and (whole or not now.endswith("\ufffd")):  # else wait for the character's rest
+            self.text += now[len(before) :]
+            self.decoded_from, self.decoded_to = self.decoded_to, end
 
     def check_stop_strings(self) -> None:
         if not self.params.stop:

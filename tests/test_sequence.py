@@ -36,6 +36,31 @@ def test_multibyte_characters_arrive_whole(loaded: LoadedModel) -> None:
     assert not any("\ufffd" in p for p in pieces)
 
 
+class Counting:
+    """The tokenizer, counting the tokens each decode is given."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.longest = tokenizer, 0
+
+    def decode(self, ids, **kwargs) -> str:
+        self.longest = max(self.longest, len(ids))
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+def test_text_is_decoded_incrementally_and_equals_the_whole_decode(loaded: LoadedModel) -> None:
+    ids = loaded.tokenizer.encode("Once upon a time, 日本語 and 😀 emoji, " * 30, add_special_tokens=False)
+    counting = Counting(loaded.tokenizer)
+    seq = Sequence(
+        [1], SamplingParams(max_tokens=len(ids) - 3), KVCache(1, 1, 1, torch.float32, "cpu"), frozenset(), 10_000
+    )
+    for token in ids:
+        seq.add(token, None, counting)  # type: ignore[arg-type]
+        if seq.finish_reason:
+            break
+    assert seq.text == loaded.tokenizer.decode(ids[: len(ids) - 3])
+    assert counting.longest <= 8  # a few tokens a step, not the whole output
+
+
 def test_length_limit(loaded: LoadedModel) -> None:
     pieces, seq = feed(loaded, "one two three four five six", SamplingParams(max_tokens=3))
     assert seq.finish_reason == "length" and len(seq.output_ids) == 3
