@@ -32,6 +32,7 @@ MODULES = {
     "shapes": "shapes",
     "embedders": "embedders",
     "exact": "exactness",
+    "decode": "decode_step",
 }
 
 

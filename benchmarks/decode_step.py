@@ -1,0 +1,160 @@
+"""`kvgate bench decode`: what a decode step costs.
+
+1. The model's decode step (runtime/model.py `forward`, one token per sequence), its attention batched
+   (runtime/decode.py) against per sequence, in one process, the two interleaved step by step: 1 and 8
+   sequences with 100 and 1000 cached tokens each.
+2. The engine's own work per decode step: a whole step of the engine (schedule, forward, sample, detokenize,
+   deliver) with a 2-layer random-weight Llama of hidden size 64, whose arithmetic is negligible, at 1, 8 and
+   64 sequences.
+
+python -m kvgate.bench.decode_step [--dtype auto,float32] [--steps 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kvgate.runtime import model as model_module
+from kvgate.runtime.config import EngineConfig
+from kvgate.runtime.engine import Engine
+from kvgate.runtime.invariance import row_floor
+from kvgate.runtime.kv import KVCache
+from kvgate.runtime.loader import LoadedModel, load
+from kvgate.runtime.model import Run, forward
+from kvgate.runtime.report import cpu, write_section
+from kvgate.runtime.sampling import SamplingParams
+from kvgate.runtime.sequence import Request
+from kvgate.runtime.threads import claim
+
+OUTPUT = Path(__file__).with_name("BENCHMARKS.md")
+SHAPES = ((1, 100), (1, 1000), (8, 100), (8, 1000))
+
+
+def caches(loaded: LoadedModel, sequences: int, tokens: int) -> list[KVCache]:
+    c = loaded.model.config
+    out = []
+    for b in range(sequences):
+        kv = KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, loaded.model.dtype, "cpu", 8192)
+        forward(loaded.model, [Run(kv, [(7 * b + j) % 1000 + 5 for j in range(tokens)], 0)])
+        out.append(kv)
+    return out
+
+
+def steps(loaded: LoadedModel, sequences: int, tokens: int, count: int) -> tuple[float, float]:
+    """Median ms of a decode step: attention per sequence, batched."""
+    sets = [caches(loaded, sequences, tokens) for _ in range(2)]
+    batched, times = model_module.DecodeBatch, ([], [])
+    try:
+        for _ in range(count + 4):
+            for which, kvs in enumerate(sets):
+                model_module.DecodeBatch = batched if which else (lambda *_: None)  # type: ignore[assignment, misc]
+                start = time.perf_counter()
+                forward(loaded.model, [Run(kv, [5], len(kv)) for kv in kvs], pad=False)
+                times[which].append(time.perf_counter() - start)
+    finally:
+        model_module.DecodeBatch = batched  # type: ignore[misc]
+    alone, together = (statistics.median(t[4:]) * 1e3 for t in times)
+    return alone, together
+
+
+def engine_ms(tiny: Engine, sequences: int, tokens: int = 64) -> float:
+    """ms per engine step, the sequences' 4-token prompts and their decode steps together."""
+
+    async def run() -> float:
+        params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+
+        async def one(i: int) -> None:
+            async for _ in tiny.generate(Request([5 + i, 6, 7, 8], params)):
+                pass
+
+        steps, start = tiny.steps, time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(sequences)))
+        return (time.perf_counter() - start) / (tiny.steps - steps) * 1e3
+
+    return statistics.median(asyncio.run(run()) for _ in range(3))
+
+
+def tiny_engine(loaded: LoadedModel, where: Path) -> Engine:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=len(loaded.tokenizer), max_position_embeddings=1024, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).to(loaded.model.dtype).eval()
+    model.save_pretrained(where)
+    tiny = LoadedModel(model, loaded.tokenizer, "tiny", where, loaded.eos_token_ids)
+    return Engine(EngineConfig(dtype=loaded.dtype, cache_dir=where / "cache", max_num_seqs=64), tiny)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvgate bench decode", description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", default="auto", help="comma-separated: auto, float32, bfloat16")
+    p.add_argument("--steps", type=int, default=24, help="decode steps timed per shape and path")
+    p.add_argument("--output", type=Path, default=OUTPUT)
+    return p
+
+
+def on_its_own_thread(fn, *args):  # type: ignore[no-untyped-def]
+    """fn(*args) on a thread that claims the cores and ends, its OpenMP team with it (runtime/threads.py)."""
+    out: list = []
+    worker = threading.Thread(target=lambda: (claim(), out.append(fn(*args))))
+    worker.start()
+    worker.join()
+    if not out:
+        raise RuntimeError("the measurement failed (its traceback is above)")
+    return out[0]
+
+
+def model_rows(dtype: str, count: int) -> tuple[LoadedModel, list[str], int]:
+    config = EngineConfig(dtype=dtype)
+    loaded = load(config)
+    row_floor(loaded.model, config.cache_dir)
+    rows = []
+    for sequences, tokens in SHAPES:
+        alone, together = steps(loaded, sequences, tokens, count)
+        rows.append(f"| {loaded.dtype} | {sequences} x {tokens} | {alone:.1f} | {together:.1f} | "
+                    f"{alone / together:.2f}x |")  # fmt: skip
+        print(rows[-1], flush=True)
+    return loaded, rows, torch.get_num_threads()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    rows, engine_rows = [], []
+    for dtype in args.dtype.split(","):
+        loaded, more, threads = on_its_own_thread(model_rows, dtype, args.steps)
+        rows += more
+        with tempfile.TemporaryDirectory() as where:
+            tiny = tiny_engine(loaded, Path(where))
+            try:
+                cells = [f"{engine_ms(tiny, n):.2f}" for n in (1, 8, 64)]
+            finally:
+                tiny.shutdown()
+        engine_rows.append(f"| {loaded.dtype} | {' | '.join(cells)} |")
+        print(engine_rows[-1], flush=True)
+    body = "\n".join([
+        f"The model's decode step ({loaded.name}, {threads} threads), median ms of "
+        f"{args.steps} steps, the two paths interleaved:", "",
+        "| dtype | sequences x cached tokens | attention per sequence | batched | gain |", "|---|---|---|---|---|",
+        *rows, "",
+        "The engine's own work per decode step, ms (a 2-layer random Llama, hidden 64: schedule, forward, "
+        "sample, detokenize, deliver; median of 3 runs):", "",
+        "| dtype | 1 sequence | 8 | 64 |", "|---|---|---|---|", *engine_rows, "", cpu() + ".",
+    ])  # fmt: skip
+    command = "kvgate bench decode " + " ".join(argv if argv is not None else sys.argv[1:])
+    write_section(args.output, "decode", "What a decode step costs", command.strip(), body)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
