@@ -1,8 +1,8 @@
 """`kvgate bench decode`: what a decode step costs.
 
 1. The model's decode step (runtime/model.py `forward`, one token per sequence), its attention batched
-   (runtime/decode.py) against per sequence, in one process, the two interleaved step by step: 1 and 8
-   sequences with 100 and 1000 cached tokens each.
+   (runtime/decode.py, the batch kept from step to step) against per sequence, in one process, the two
+   interleaved step by step: 1 and 8 sequences with 100 and 1000 cached tokens each.
 2. The engine's own work per decode step: a whole step of the engine (schedule, forward, sample, detokenize,
    deliver) with a 2-layer random-weight Llama of hidden size 64, whose arithmetic is negligible, at 1, 8 and
    64 sequences.
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvgate.runtime import model as model_module
 from kvgate.runtime.config import EngineConfig
+from kvgate.runtime.decode import Batches, DecodeBatch
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.invariance import row_floor
 from kvgate.runtime.kv import KVCache
@@ -50,19 +50,20 @@ def caches(loaded: LoadedModel, sequences: int, tokens: int) -> list[KVCache]:
     return out
 
 
+class PerSequence(Batches):
+    def of(self, caches: list[KVCache], windows: set[int | None]) -> DecodeBatch | None:
+        return None
+
+
 def steps(loaded: LoadedModel, sequences: int, tokens: int, count: int) -> tuple[float, float]:
     """Median ms of a decode step: attention per sequence, batched."""
     sets = [caches(loaded, sequences, tokens) for _ in range(2)]
-    batched, times = model_module.DecodeBatch, ([], [])
-    try:
-        for _ in range(count + 4):
-            for which, kvs in enumerate(sets):
-                model_module.DecodeBatch = batched if which else (lambda *_: None)  # type: ignore[assignment, misc]
-                start = time.perf_counter()
-                forward(loaded.model, [Run(kv, [5], len(kv)) for kv in kvs], pad=False)
-                times[which].append(time.perf_counter() - start)
-    finally:
-        model_module.DecodeBatch = batched  # type: ignore[misc]
+    ways, times = (PerSequence(), Batches()), ([], [])  # type: ignore[var-annotated]
+    for _ in range(count + 4):
+        for kvs, batches, spent in zip(sets, ways, times):
+            start = time.perf_counter()
+            forward(loaded.model, [Run(kv, [5], len(kv)) for kv in kvs], pad=False, batches=batches)
+            spent.append(time.perf_counter() - start)
     alone, together = (statistics.median(t[4:]) * 1e3 for t in times)
     return alone, together
 

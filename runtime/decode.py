@@ -1,13 +1,12 @@
-"""Attention for a decode step: every sequence's one new token, all sequences in one call per layer.
+"""Attention for decode steps: every sequence's one new token, all sequences in one call per layer.
 
 Per sequence and layer, attention over the sequence's own cache took some twenty small ops (write the new K and
-V, convert K and V to float32, two matmuls, softmax, copy out). Here each layer copies every sequence's cached
-K and V into one zero-padded float32 tensor ([sequences, kv_heads, longest + 1, head_dim], the last column the
-new token's), attends for the whole batch in a few ops, and the new rows reach the caches once, after the last
-layer (measured, 2 cores, bf16, 30 layers: 8 sequences of 100 tokens 50.7 against 44.3 ms a step, of 1000
-tokens 68.4 against 64.2; one sequence the same). The padding is masked; the sums run over other lengths than
-one sequence's alone, so a token's logits may differ in their last bits with the batch (decode steps that must
-not: `deterministic`, runtime/model.py).
+V, convert K and V to float32, two matmuls, softmax, copy out). A `DecodeBatch` holds a float32 copy of the
+batch's K and V, every layer ([layers, sequences, kv_heads, room, head_dim], zero past each sequence's rows),
+kept from step to step while the same sequences decode: a step writes each layer's new row into it and attends
+for the whole batch in a few ops, and the caches get the new rows once, after the last layer. The padding is
+masked; the sums run over other lengths than one sequence's alone, so a token's logits may differ in their
+last bits with the batch (decode steps that must not: `deterministic`, runtime/model.py).
 """
 
 from __future__ import annotations
@@ -16,29 +15,56 @@ import torch
 
 from kvgate.runtime.kv import KVCache
 
+# Steps a batch's copy has room for before it is made again, larger.
+ROOM = 64
+# A batch whose copy would take more is not batched (its sequences attend one by one).
+MOST_BYTES = 1 << 29
+
 
 class DecodeBatch:
     def __init__(self, caches: list[KVCache], windows: set[int | None]) -> None:
-        self.caches = caches
-        self.lengths = lengths = [len(kv) for kv in caches]
         first = caches[0]
-        longest = max(lengths)
-        # One layer's K and V at a time, each sequence's cached rows and then the new one; what pads a shorter
-        # sequence stays zero (masked, but a 0 weight times uninitialised memory could be NaN).
-        shape = (len(caches), first.kv_heads, longest + 1, first.head_dim)
+        self.caches, self.windows = caches, windows
+        self.lengths = [len(kv) for kv in caches]
+        shape = (first.num_layers, len(caches), first.kv_heads, max(self.lengths) + ROOM, first.head_dim)
         self.keys = torch.zeros(shape, dtype=torch.float32, device=first.device)
         self.values = torch.zeros(shape, dtype=torch.float32, device=first.device)
+        for b, (kv, n) in enumerate(zip(caches, self.lengths)):
+            keys, values = kv.rows(0, n)
+            self.keys[:, b, :, :n] = keys
+            self.values[:, b, :, :n] = values
+        self.begin()
+
+    @staticmethod
+    def bytes_for(caches: list[KVCache]) -> int:
+        first = caches[0]
+        rows = len(caches) * (max(len(kv) for kv in caches) + ROOM)
+        return 2 * 4 * first.num_layers * first.kv_heads * first.head_dim * rows
+
+    def holds(self, caches: list[KVCache]) -> bool:
+        """The same caches, nothing written to them since but by this batch, and room for a row more."""
+        return (
+            len(caches) == len(self.caches)
+            and all(a is b for a, b in zip(caches, self.caches))
+            and [len(kv) for kv in caches] == self.lengths
+            and max(self.lengths) < self.keys.shape[3]
+        )
+
+    def begin(self) -> None:
+        """Ready a step: where each new row goes, and per window what each new token may not see."""
+        device = self.keys.device
+        self.width = max(self.lengths) + 1
+        self.rows = torch.arange(len(self.caches), device=device)
+        self.ends = torch.tensor(self.lengths, device=device)
+        cols = torch.arange(self.width, device=device)[None, :]
+        ends = self.ends[:, None]
+        self.masks = {}
+        for window in self.windows:
+            allowed = cols <= ends if window is None else (cols <= ends) & (cols > ends - window)
+            mask = torch.zeros(allowed.shape, dtype=torch.float32, device=device)
+            self.masks[window] = mask.masked_fill_(~allowed, float("-inf"))[:, None, None, :]
         self.new_keys: list[torch.Tensor] = []
         self.new_values: list[torch.Tensor] = []
-        # Per window, what each sequence's new token may not see: the padding, and keys out of its window.
-        cols = torch.arange(longest + 1, device=first.device)[None, :]
-        ends = torch.tensor(lengths, device=first.device)[:, None]
-        seen = (cols < ends) | (cols == longest)
-        self.masks = {}
-        for window in windows:
-            allowed = seen if window is None else seen & ((cols >= ends - window + 1) | (cols == longest))
-            mask = torch.zeros(allowed.shape, dtype=torch.float32, device=first.device)
-            self.masks[window] = mask.masked_fill_(~allowed, float("-inf"))[:, None, None, :]
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None
@@ -47,12 +73,10 @@ class DecodeBatch:
         heads, d], in q's dtype."""
         self.new_keys.append(k)
         self.new_values.append(v)
-        keys, values = self.keys, self.values
-        for b, (kv, n) in enumerate(zip(self.caches, self.lengths)):
-            keys[b, :, :n] = kv.keys[layer][:, :n]
-            values[b, :, :n] = kv.values[layer][:, :n]
-        keys[:, :, -1] = k
-        values[:, :, -1] = v
+        keys, values = self.keys[layer], self.values[layer]
+        keys[self.rows, :, self.ends] = k.float()
+        values[self.rows, :, self.ends] = v.float()
+        keys, values = keys[:, :, : self.width], values[:, :, : self.width]
         batch, heads, d = q.shape
         grouped = q.float().view(batch, keys.shape[1], heads // keys.shape[1], d)  # head h reads KV head h // group
         scores = torch.matmul(grouped, keys.transpose(2, 3)).mul_(scale).add_(self.masks[window])
@@ -63,3 +87,25 @@ class DecodeBatch:
         keys, values = torch.stack(self.new_keys), torch.stack(self.new_values)  # [layers, sequences, kv_heads, d]
         for b, kv in enumerate(self.caches):
             kv.extend(keys[:, b, :, None], values[:, b, :, None])
+        self.lengths = [n + 1 for n in self.lengths]
+
+
+class Batches:
+    """A decode step's batch, the last one kept for the next step (one owner: the engine's thread)."""
+
+    def __init__(self) -> None:
+        self.last: DecodeBatch | None = None
+
+    def of(self, caches: list[KVCache], windows: set[int | None]) -> DecodeBatch | None:
+        """The batch of these caches: the last one where it holds them as they are, else a new one (None: too
+        large to batch)."""
+        if self.last is not None and self.last.holds(caches):
+            self.last.begin()
+            return self.last
+        self.last = None  # its memory, before a new one's
+        if DecodeBatch.bytes_for(caches) <= MOST_BYTES:
+            self.last = DecodeBatch(caches, windows)
+        return self.last
+
+    def clear(self) -> None:
+        self.last = None

@@ -18,7 +18,8 @@ from kvgate.runtime.blend import BlendConfig
 from kvgate.runtime.calibration import Calibration, model_fingerprint
 from kvgate.runtime.calibration import find as find_calibration
 from kvgate.runtime.config import EngineConfig
-from kvgate.runtime.errors import EngineError, GrammarError, InvalidPrompt, PromptTooLong
+from kvgate.runtime.decode import Batches
+from kvgate.runtime.errors import EngineError, GrammarError
 from kvgate.runtime.grammar import Grammars
 from kvgate.runtime.invariance import invariant, row_floor
 from kvgate.runtime.kv import KVCache, Pool
@@ -26,13 +27,14 @@ from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.model import GRID, Run, forward
 from kvgate.runtime.quality import Gate
 from kvgate.runtime.reuse import Reuser
-from kvgate.runtime.sampling import GREEDY_BELOW, SamplingParams, choose, logprob_of, penalise
+from kvgate.runtime.sampling import SamplingParams, choose, logprob_of, penalise
 from kvgate.runtime.scheduler import Scheduler
-from kvgate.runtime.sequence import Output, Plan, Request, Result, Sequence
+from kvgate.runtime.sequence import Output, Plan, Request, Result, Sequence, check_fits
 from kvgate.runtime.shadow import Shadow
 from kvgate.runtime.shared import Spans
 from kvgate.runtime.threads import claim, hand_over
 from kvgate.runtime.timing import StepTimes
+from kvgate.runtime.weights import decoder_of
 from kvgate.runtime.wiring import make_caches
 
 log = logging.getLogger("kvgate.engine")
@@ -68,11 +70,8 @@ class Engine:
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         mc = self.model.config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        self.kv_shape = (
-            mc.num_hidden_layers,
-            mc.num_key_value_heads,
-            getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads,
-        )
+        first = decoder_of(self.model).layers[0]
+        self.kv_shape = (mc.num_hidden_layers, first.kv_heads, first.head_dim)
         self.model_fp = model_fingerprint(self.loaded)
         c = config
         row_floor(self.model, c.cache_dir)  # measured once per machine; every step is padded to it
@@ -89,14 +88,13 @@ class Engine:
         self.spans = Spans(self.reuser, self.anchors, cost=self.prefill_s)
         self.gate = Gate(config.quality, {"blend": self.reuser.blend.ratio, "kvcomm": config.kvcomm_ratio})
         self.shadow = Shadow(self.gate, self.reuser, self.spans)
-        self.caches = make_caches(
-            config, self.reuser, self.spans, self.gate, self.calibration, self.prefill_s, self.exact
-        )
+        self.caches = make_caches(c, self.reuser, self.spans, self.gate, self.calibration, self.prefill_s, self.exact)
         # Programs in flight: counted by the gateway's agent programs, held at the scheduler's door when on.
         self.flight = Flight(self.reuser.store.memory_bytes, c.in_flight, c.in_flight_linger_s)
         gate = self.flight if c.in_flight > 0 else None
-        self.scheduler = Scheduler(config.max_num_seqs, budget, config.queue_order, gate=gate, grid=grid)
+        self.scheduler = Scheduler(c.max_num_seqs, budget, c.queue_order, gate=gate, grid=grid)
         self.pool = Pool()  # finished sequences' KV storage, for new ones (used only on the engine thread)
+        self.batches = Batches()  # the last decode step's batch, kept for the next
         self.callbacks: dict[int, Callback] = {}
         self.inbox: list[tuple[Sequence | int | Future, Callback | None]] = []
         self.lock = threading.Lock()
@@ -117,18 +115,7 @@ class Engine:
 
     def check(self, prompt_tokens: int, max_tokens: int | None) -> None:
         """Raise InvalidPrompt for a prompt the engine cannot take (PromptTooLong for the context window)."""
-        if prompt_tokens == 0:
-            raise InvalidPrompt("the prompt is empty")
-        if prompt_tokens >= self.max_model_len:
-            raise PromptTooLong(
-                f"the prompt has {prompt_tokens} tokens; this model's context window is "
-                f"{self.max_model_len} tokens, including the completion"
-            )
-        if max_tokens is not None and prompt_tokens + max_tokens > self.max_model_len:
-            raise PromptTooLong(
-                f"max_tokens={max_tokens} plus the prompt's {prompt_tokens} tokens exceed this "
-                f"model's context window of {self.max_model_len} tokens"
-            )
+        check_fits(prompt_tokens, max_tokens, self.max_model_len)
 
     def submit(self, request: Request, callback: Callback) -> int:
         params = request.params
@@ -181,9 +168,8 @@ class Engine:
         sequences' steps; the tokens found already stored (0: computed now)."""
         plan = Plan([list(token_ids)], [True], scope=scope)
         cached = 0
-        async for out in self.generate(
-            Request(token_ids, SamplingParams(max_tokens=1), plan, tenant=tenant, ingest=True)
-        ):
+        request = Request(token_ids, SamplingParams(max_tokens=1), plan, tenant=tenant, ingest=True)
+        async for out in self.generate(request):
             cached = out.cached_tokens
         return cached
 
@@ -206,8 +192,8 @@ class Engine:
 
     @property
     def load_stats(self) -> dict[str, int]:
-        scheduler = self.scheduler
-        return {"waiting": len(scheduler.waiting) + len(scheduler.held), "running": len(scheduler.running)}
+        s = self.scheduler
+        return {"waiting": len(s.waiting) + len(s.held), "running": len(s.running)}
 
     def prefill_s(self, tokens: int) -> float:
         """Seconds to prefill `tokens`, as measured so far."""
@@ -228,6 +214,7 @@ class Engine:
                 if self.shadow.busy:  # spare capacity: one part of a quality check, then look again
                     self.shadow.step()
                 else:
+                    self.batches.clear()
                     self.wake.wait()
                 continue
             start = time.perf_counter()
@@ -275,7 +262,7 @@ class Engine:
         start = time.perf_counter()
         try:
             prompts = any(seq.prefilling for seq, _ in batch) or rider is not None
-            logits = forward(self.model, runs, pad=prompts or self.config.deterministic)
+            logits = forward(self.model, runs, pad=prompts or self.config.deterministic, batches=self.batches)
         except Exception as exc:  # a failed step ends its requests, never the engine
             for seq, _ in batch:
                 self.fail(seq, exc)
@@ -371,10 +358,7 @@ class Engine:
             start = time.perf_counter()
             chosen = chosen.masked_fill(~allowed, float("-inf"))
             self.grammar_s += time.perf_counter() - start
-        if best is not None and chosen is logits and params.temperature < GREEDY_BELOW:  # nothing moved the logits
-            token = best
-        else:
-            token = choose(chosen, params, seq.generator)
+        token = choose(chosen, params, seq.generator, best if chosen is logits else None)  # unless moved
         if seq.matcher is not None and token not in seq.eos_ids:
             start = time.perf_counter()
             consumed = seq.matcher.consume_token(token)

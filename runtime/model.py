@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from kvgate.runtime.decode import DecodeBatch
+from kvgate.runtime.decode import Batches
 from kvgate.runtime.invariance import row_floor
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.weights import Layer, decoder_of
@@ -151,11 +151,14 @@ def logits_of(model: PreTrainedModel, h: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def forward(model: PreTrainedModel, runs: list[Run], every: bool = False, pad: bool = True) -> torch.Tensor:
+def forward(
+    model: PreTrainedModel, runs: list[Run], every: bool = False, pad: bool = True, batches: Batches | None = None
+) -> torch.Tensor:
     """Compute the runs' tokens through every layer, appending their K/V to each run's cache.
 
     Returns the logits of each run's last token, [len(runs), vocab]; with `every`, of every
-    token, [tokens, vocab]. `pad`: to the row floor (False: a decode step whose rows may depend on the batch).
+    token, [tokens, vocab]. `pad`: to the row floor (False: a decode step whose rows may depend on the batch,
+    its attention batched; `batches` keeps the batch from one such step to the next).
     """
     device = model.device
     lengths = [len(r.token_ids) for r in runs]
@@ -177,7 +180,8 @@ def forward(model: PreTrainedModel, runs: list[Run], every: bool = False, pad: b
 
     layers = decoder_of(model).layers
     # Unpadded, every run one token: a decode step, its attention batched (runtime/decode.py).
-    batch = DecodeBatch([r.kv for r in runs], {x.window for x in layers}) if not pad and len(ids) == len(runs) else None
+    decode = not pad and len(ids) == len(runs)
+    batch = (batches or Batches()).of([r.kv for r in runs], {x.window for x in layers}) if decode else None
     for i, layer in enumerate(layers):
         q, k, v = project(layer, h, cos, sin)
         if batch is not None:

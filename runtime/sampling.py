@@ -48,10 +48,12 @@ def penalise(logits: torch.Tensor, params: SamplingParams, output_ids: list[int]
     return logits
 
 
-def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Pick a token from one row of (penalised) logits."""
+def choose(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, best: int | None = None
+) -> int:
+    """Pick a token from one row of (penalised) logits; `best`: their argmax, where known."""
     if params.temperature < GREEDY_BELOW:  # max's index is argmax's (the first of equals), at a third of its time
-        return int(logits.max(-1).indices)
+        return int(logits.max(-1).indices) if best is None else best
     logits = logits / params.temperature
     if 0 < params.top_k < logits.shape[0]:
         kth = torch.topk(logits, params.top_k).values[-1]

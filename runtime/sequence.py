@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from kvgate.agents.programs import Turn
 from kvgate.chunk_cache import ChunkKV
 from kvgate.runtime.blend import Steps
+from kvgate.runtime.errors import InvalidPrompt, PromptTooLong
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.reuse import Reuse
 from kvgate.runtime.sampling import SamplingParams, TokenLogprob
@@ -149,6 +150,22 @@ class CacheState:
     recomputed_tokens: int = 0  # cached prompt tokens computed again (blend)
     reuse: str = ""  # how the prompt's KV was made (x-kvgate-reuse)
     fidelity: str = ""  # how far that moves the first token, as last measured (x-kvgate-fidelity)
+
+
+def check_fits(prompt_tokens: int, max_tokens: int | None, window: int) -> None:
+    """Raise InvalidPrompt for a prompt no sequence can take (PromptTooLong: past the context `window`)."""
+    if prompt_tokens == 0:
+        raise InvalidPrompt("the prompt is empty")
+    if prompt_tokens >= window:
+        raise PromptTooLong(
+            f"the prompt has {prompt_tokens} tokens; this model's context window is {window} tokens, "
+            "including the completion"
+        )
+    if max_tokens is not None and prompt_tokens + max_tokens > window:
+        raise PromptTooLong(
+            f"max_tokens={max_tokens} plus the prompt's {prompt_tokens} tokens exceed this model's context "
+            f"window of {window} tokens"
+        )
 
 
 def run_end(computed: int, budget: int, length: int, grid: int = 1) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvgate.runtime.decode import DecodeBatch
+from kvgate.runtime.decode import Batches
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.model import attend
 
@@ -24,16 +24,14 @@ def cache(length: int, dtype: torch.dtype) -> KVCache:
     return kv
 
 
-@pytest.mark.parametrize("window", [None, 4])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_each_sequence_attends_over_its_own_rows(window: int | None, dtype: torch.dtype) -> None:
-    torch.manual_seed(0)
-    lengths = [3, 17, 1, 9]
-    caches = [cache(n, dtype) for n in lengths]
-    batch = DecodeBatch(caches, {window})
+def step(batches: Batches, caches: list[KVCache], window: int | None, dtype: torch.dtype) -> None:
+    """One decode step of every layer through `batches`, each sequence's output checked against its own attention."""
+    lengths = [len(kv) for kv in caches]
+    batch = batches.of(caches, {window})
+    assert batch is not None
     for layer in range(LAYERS):
-        q = torch.randn(len(lengths), HEADS, D, dtype=dtype)
-        k, v = torch.randn(len(lengths), KV_HEADS, D, dtype=dtype), torch.randn(len(lengths), KV_HEADS, D, dtype=dtype)
+        q = torch.randn(len(caches), HEADS, D, dtype=dtype)
+        k, v = torch.randn(len(caches), KV_HEADS, D, dtype=dtype), torch.randn(len(caches), KV_HEADS, D, dtype=dtype)
         together = batch.attend(layer, q, k, v, 0.3, window)
         for b, kv in enumerate(caches):
             keys = torch.cat((kv.keys[layer][:, : lengths[b]], k[b][:, None]), 1)
@@ -43,3 +41,26 @@ def test_each_sequence_attends_over_its_own_rows(window: int | None, dtype: torc
     batch.commit()
     assert [len(kv) for kv in caches] == [n + 1 for n in lengths]  # the new rows, of every layer, in each cache
     assert not any(kv.all_keys[:, :, : len(kv)].isnan().any() for kv in caches)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_sequence_attends_over_its_own_rows_step_after_step(window: int | None, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    caches, batches = [cache(n, dtype) for n in (3, 17, 1, 9)], Batches()
+    step(batches, caches, window, dtype)
+    kept = batches.last
+    step(batches, caches, window, dtype)
+    assert batches.last is kept  # the same sequences, as it left them: its copy of their K and V goes on
+
+
+def test_a_cache_written_by_another_is_copied_again() -> None:
+    torch.manual_seed(0)
+    caches, batches = [cache(n, torch.float32) for n in (5, 8)], Batches()
+    step(batches, caches, None, torch.float32)
+    kept = batches.last
+    caches[1].truncate(4)  # e.g. rows given back: its copy in the batch is stale
+    step(batches, caches, None, torch.float32)
+    assert batches.last is not kept
+    step(batches, caches[:1], None, torch.float32)  # another set of sequences
+    assert batches.last is not kept
