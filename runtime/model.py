@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from kvgate.runtime.decode import Batches
-from kvgate.runtime.invariance import row_floor
+from kvgate.runtime.invariance import MOST, row_floor
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.weights import Layer, decoder_of
 
@@ -157,12 +157,17 @@ def forward(
     """Compute the runs' tokens through every layer, appending their K/V to each run's cache.
 
     Returns the logits of each run's last token, [len(runs), vocab]; with `every`, of every
-    token, [tokens, vocab]. `pad`: to the row floor (False: a decode step whose rows may depend on the batch,
-    its attention batched; `batches` keeps the batch from one such step to the next).
+    token, [tokens, vocab]. `pad`: to the row floor, prompt rows attended on the grid (False, or where no floor
+    exists: rows that may depend on the step's other rows; a decode step's attention batched, `batches` keeping
+    the batch from one such step to the next).
     """
     device = model.device
     lengths = [len(r.token_ids) for r in runs]
     floor = row_floor(model) if pad else 1
+    # Where the kernels are not row-invariant at any size tried (runtime/invariance.py: AMX's bf16 GEMMs), neither
+    # padding nor the grid makes a prompt's rows the same however it is split: neither is paid for.
+    keep = pad and floor <= MOST
+    floor = floor if keep else 1
     extra = max(0, floor - sum(lengths))  # rows of nothing, so that every linear sees at least `floor`
     ids = torch.tensor([t for r in runs for t in r.token_ids] + [0] * extra, device=device)
     positions = torch.cat(
@@ -180,7 +185,7 @@ def forward(
 
     layers = decoder_of(model).layers
     # Unpadded, every run one token: a decode step, its attention batched (runtime/decode.py).
-    decode = not pad and len(ids) == len(runs)
+    decode = not keep and len(ids) == len(runs)
     batch = (batches or Batches()).of([r.kv for r in runs], {x.window for x in layers}) if decode else None
     for i, layer in enumerate(layers):
         q, k, v = project(layer, h, cos, sin)
@@ -190,7 +195,11 @@ def forward(
         out = torch.zeros_like(q) if extra else torch.empty_like(q)
         for r, a, b in zip(runs, bounds, bounds[1:]):
             keys, values = r.kv.append(i, k[a:b].transpose(0, 1), v[a:b].transpose(0, 1))
-            rows = attend_grid(q[a:b].transpose(0, 1), keys, values, r.start, layer.scale, layer.window)
+            rows = (
+                attend_grid(q[a:b].transpose(0, 1), keys, values, r.start, layer.scale, layer.window)
+                if keep
+                else attend(q[a:b].transpose(0, 1), keys, values, layer.scale, layer.window)
+            )
             out[a:b] = rows.transpose(0, 1)
         h = finish_layer(layer, h, out)
     if batch is not None:
