@@ -17,18 +17,19 @@ from kvgate.runtime.kv import KVCache
 
 # Steps a batch's copy has room for before it is made again, larger.
 ROOM = 64
-# A batch whose copy would take more is not batched (its sequences attend one by one).
+# A batch whose copy would take more is not batched (its sequences attend one by one); the most the copy holds.
 MOST_BYTES = 1 << 29
 
 
 class DecodeBatch:
-    def __init__(self, caches: list[KVCache], windows: set[int | None]) -> None:
+    def __init__(self, caches: list[KVCache], windows: set[int | None], storage: torch.Tensor) -> None:
+        """`storage`: float32, at least `elements(caches)` long (what the batch's copy is carved from)."""
         first = caches[0]
         self.caches, self.windows = caches, windows
         self.lengths = [len(kv) for kv in caches]
         shape = (first.num_layers, len(caches), first.kv_heads, max(self.lengths) + ROOM, first.head_dim)
-        self.keys = torch.zeros(shape, dtype=torch.float32, device=first.device)
-        self.values = torch.zeros(shape, dtype=torch.float32, device=first.device)
+        half = storage[: 2 * shape[0] * shape[1] * shape[2] * shape[3] * shape[4]].zero_().view(2, *shape)
+        self.keys, self.values = half[0], half[1]
         for b, (kv, n) in enumerate(zip(caches, self.lengths)):
             keys, values = kv.rows(0, n)
             self.keys[:, b, :, :n] = keys
@@ -36,10 +37,10 @@ class DecodeBatch:
         self.begin()
 
     @staticmethod
-    def bytes_for(caches: list[KVCache]) -> int:
+    def elements(caches: list[KVCache]) -> int:
         first = caches[0]
         rows = len(caches) * (max(len(kv) for kv in caches) + ROOM)
-        return 2 * 4 * first.num_layers * first.kv_heads * first.head_dim * rows
+        return 2 * first.num_layers * first.kv_heads * first.head_dim * rows
 
     def holds(self, caches: list[KVCache]) -> bool:
         """The same caches, nothing written to them since but by this batch, and room for a row more."""
@@ -91,10 +92,13 @@ class DecodeBatch:
 
 
 class Batches:
-    """A decode step's batch, the last one kept for the next step (one owner: the engine's thread)."""
+    """A decode step's batch, the last one kept for the next step, and the storage batches are carved from: kept
+    and reused, so that memory stays at its peak instead of being allocated again at each new batch (one owner:
+    the engine's thread)."""
 
     def __init__(self) -> None:
         self.last: DecodeBatch | None = None
+        self.storage: torch.Tensor | None = None
 
     def of(self, caches: list[KVCache], windows: set[int | None]) -> DecodeBatch | None:
         """The batch of these caches: the last one where it holds them as they are, else a new one (None: too
@@ -102,10 +106,12 @@ class Batches:
         if self.last is not None and self.last.holds(caches):
             self.last.begin()
             return self.last
-        self.last = None  # its memory, before a new one's
-        if DecodeBatch.bytes_for(caches) <= MOST_BYTES:
-            self.last = DecodeBatch(caches, windows)
-        return self.last
-
-    def clear(self) -> None:
         self.last = None
+        needed = DecodeBatch.elements(caches)
+        if needed * 4 > MOST_BYTES:
+            return None
+        if self.storage is None or len(self.storage) < needed:
+            self.storage = None  # its memory, before the new one's
+            self.storage = torch.empty(min(2 * needed, MOST_BYTES // 4), dtype=torch.float32, device=caches[0].device)
+        self.last = DecodeBatch(caches, windows, self.storage)
+        return self.last

@@ -214,7 +214,6 @@ class Engine:
                 if self.shadow.busy:  # spare capacity: one part of a quality check, then look again
                     self.shadow.step()
                 else:
-                    self.batches.clear()
                     self.wake.wait()
                 continue
             start = time.perf_counter()
