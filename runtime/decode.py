@@ -28,8 +28,8 @@ class DecodeBatch:
         self.caches, self.windows = caches, windows
         self.lengths = [len(kv) for kv in caches]
         shape = (first.num_layers, len(caches), first.kv_heads, max(self.lengths) + ROOM, first.head_dim)
-        half = storage[: 2 * shape[0] * shape[1] * shape[2] * shape[3] * shape[4]].zero_().view(2, *shape)
-        self.keys, self.values = half[0], half[1]
+        both = storage[: 2 * shape[0] * shape[1] * shape[2] * shape[3] * shape[4]].zero_().view(2, *shape)
+        self.keys, self.values = both[0], both[1]
         for b, (kv, n) in enumerate(zip(caches, self.lengths)):
             keys, values = kv.rows(0, n)
             self.keys[:, b, :, :n] = keys

@@ -64,3 +64,13 @@ def test_a_cache_written_by_another_is_copied_again() -> None:
     assert batches.last is not kept
     step(batches, caches[:1], None, torch.float32)  # another set of sequences
     assert batches.last is not kept
+
+
+def test_a_new_batch_that_fits_reuses_the_storage() -> None:
+    """Memory stays at its peak under load rather than being allocated again at each new batch."""
+    torch.manual_seed(0)
+    batches = Batches()
+    step(batches, [cache(n, torch.float32) for n in (30, 20)], None, torch.float32)
+    storage = batches.storage
+    step(batches, [cache(n, torch.float32) for n in (7, 9, 11)], None, torch.float32)  # fewer rows in all
+    assert batches.storage is storage
