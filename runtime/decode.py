@@ -30,6 +30,7 @@ class DecodeBatch:
         shape = (first.num_layers, len(caches), first.kv_heads, max(self.lengths) + ROOM, first.head_dim)
         both = storage[: 2 * shape[0] * shape[1] * shape[2] * shape[3] * shape[4]].zero_().view(2, *shape)
         self.keys, self.values = both[0], both[1]
+        self.rows = torch.arange(len(caches), device=first.device)  # each sequence's row of the batch
         for b, (kv, n) in enumerate(zip(caches, self.lengths)):
             keys, values = kv.rows(0, n)
             self.keys[:, b, :, :n] = keys
@@ -55,7 +56,6 @@ class DecodeBatch:
         """Ready a step: where each new row goes, and per window what each new token may not see."""
         device = self.keys.device
         self.width = max(self.lengths) + 1
-        self.rows = torch.arange(len(self.caches), device=device)
         self.ends = torch.tensor(self.lengths, device=device)
         cols = torch.arange(self.width, device=device)[None, :]
         ends = self.ends[:, None]
