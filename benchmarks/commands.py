@@ -33,6 +33,7 @@ MODULES = {
     "embedders": "embedders",
     "exact": "exactness",
     "decode": "decode_step",
+    "gpu": "gpu",
 }
 
 

@@ -1,47 +1,90 @@
 """Attention for decode steps: every sequence's one new token, all sequences in one call per layer.
 
 Per sequence and layer, attention over the sequence's own cache took some twenty small ops (write the new K and
-V, convert K and V to float32, two matmuls, softmax, copy out). A `DecodeBatch` holds a float32 copy of the
-batch's K and V, every layer ([layers, sequences, kv_heads, room, head_dim], zero past each sequence's rows),
-kept from step to step while the same sequences decode: a step writes each layer's new row into it and attends
-for the whole batch in a few ops, and the caches get the new rows once, after the last layer. The padding is
-masked; the sums run over other lengths than one sequence's alone, so a token's logits may differ in their
-last bits with the batch (decode steps that must not: `deterministic`, runtime/model.py).
+V, convert K and V to float32, two matmuls, softmax, copy out). A `DecodeBatch` holds a copy of the batch's K and
+V, every layer ([layers, sequences, kv_heads, room, head_dim], zero past each sequence's rows), kept from step to
+step while the same sequences decode: a step writes each layer's new row into it and attends for the whole batch
+in a few ops, and the caches get the new rows once, after the last layer. The padding is masked; the sums run
+over other lengths than one sequence's alone, so a token's logits may differ in their last bits with the batch
+(decode steps that must not: `deterministic`, runtime/model.py).
+
+Two ways to hold it:
+- on a CPU, in float32 over the rows in use (half-precision batched matmuls are slow on CPUs), by two matmuls;
+- `native` (any other device): in the caches' dtype, by SDPA's fused kernel over the whole room, every shape and
+  address fixed while the batch lives and the same for any batch of as many sequences in as much room, so that a
+  CUDA graph captured for one replays for the next (runtime/graphs.py).
 """
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
 
+import torch
+import torch.nn.functional as F
+
+from kvgate.runtime.graphs import Graphs
 from kvgate.runtime.kv import KVCache
 
 # Steps a batch's copy has room for before it is made again, larger.
 ROOM = 64
-# A batch whose copy would take more is not batched (its sequences attend one by one); the most the copy holds.
+# A native batch's room is a multiple of this, so that batches of similar lengths share shapes (and graphs).
+ROOM_STEP = 128
+# On a CPU, a batch whose copy would take more is not batched (its sequences attend one by one); the most the
+# copy holds. Elsewhere the bound is half the device's free memory.
 MOST_BYTES = 1 << 29
 
 
+class Slots:
+    """What every batch of one shape reads and writes besides the copy: where each new row goes (`ends`, also
+    the new tokens' positions) and the new rows of every layer. Kept per shape, so that a graph captured for a
+    batch reads the same tensors when a later batch of that shape replays it."""
+
+    def __init__(self, layers: int, sequences: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:  # fmt: skip
+        self.ends = torch.zeros(sequences, dtype=torch.long, device=device)
+        self.new_keys = torch.zeros(layers, sequences, kv_heads, head_dim, dtype=dtype, device=device)
+        self.new_values = torch.zeros_like(self.new_keys)
+        self.rows = torch.arange(sequences, device=device)  # each sequence's row of the batch
+
+
 class DecodeBatch:
-    def __init__(self, caches: list[KVCache], windows: set[int | None], storage: torch.Tensor) -> None:
-        """`storage`: float32, at least `elements(caches)` long (what the batch's copy is carved from)."""
+    def __init__(self, caches: list[KVCache], windows: set[int | None], storage: torch.Tensor, native: bool,
+                 slots: Slots) -> None:  # fmt: skip
+        """`storage`: at least `elements(caches, native)` long, of `dtype_of(caches, native)` (what the batch's
+        copy is carved from); `slots` of the batch's shape."""
         first = caches[0]
-        self.caches, self.windows = caches, windows
+        self.caches, self.windows, self.native, self.slots = caches, windows, native, slots
         self.lengths = [len(kv) for kv in caches]
-        shape = (first.num_layers, len(caches), first.kv_heads, max(self.lengths) + ROOM, first.head_dim)
-        both = storage[: 2 * shape[0] * shape[1] * shape[2] * shape[3] * shape[4]].zero_().view(2, *shape)
+        both = storage[: self.elements(caches, native)].zero_().view(2, *self.shape(caches, native))
         self.keys, self.values = both[0], both[1]
-        self.rows = torch.arange(len(caches), device=first.device)  # each sequence's row of the batch
         for b, (kv, n) in enumerate(zip(caches, self.lengths)):
             keys, values = kv.rows(0, n)
             self.keys[:, b, :, :n] = keys
             self.values[:, b, :, :n] = values
+        slots.ends.copy_(torch.tensor(self.lengths), non_blocking=True)
+        self.dtype = first.dtype
         self.begin()
 
     @staticmethod
-    def elements(caches: list[KVCache]) -> int:
-        first = caches[0]
-        rows = len(caches) * (max(len(kv) for kv in caches) + ROOM)
-        return 2 * first.num_layers * first.kv_heads * first.head_dim * rows
+    def shape(caches: list[KVCache], native: bool) -> tuple[int, int, int, int, int]:
+        first, room = caches[0], max(len(kv) for kv in caches) + ROOM
+        if native:
+            room = -(-room // ROOM_STEP) * ROOM_STEP
+        return first.num_layers, len(caches), first.kv_heads, room, first.head_dim
+
+    @classmethod
+    def elements(cls, caches: list[KVCache], native: bool) -> int:
+        layers, sequences, kv_heads, room, head_dim = cls.shape(caches, native)
+        return 2 * layers * sequences * kv_heads * room * head_dim
+
+    @staticmethod
+    def dtype_of(caches: list[KVCache], native: bool) -> torch.dtype:
+        return caches[0].dtype if native else torch.float32
+
+    @property
+    def key(self) -> tuple[int, ...]:
+        """What a captured step depends on: the copy's address and shape (the slots follow from the shape)."""
+        return (self.keys.data_ptr(), *self.keys.shape)
 
     def holds(self, caches: list[KVCache]) -> bool:
         """The same caches, nothing written to them since but by this batch, and room for a row more."""
@@ -53,52 +96,65 @@ class DecodeBatch:
         )
 
     def begin(self) -> None:
-        """Ready a step: where each new row goes, and per window what each new token may not see."""
-        device = self.keys.device
-        self.width = max(self.lengths) + 1
-        self.ends = torch.tensor(self.lengths, device=device)
-        cols = torch.arange(self.width, device=device)[None, :]
-        ends = self.ends[:, None]
-        self.masks = {}
+        """Ready a step (host side): how many columns attention reads."""
+        self.width = self.keys.shape[3] if self.native else max(self.lengths) + 1
+
+    def masks(self) -> None:
+        """Per window, what each new token may not see (device ops on `ends`: a captured step recomputes them)."""
+        cols = torch.arange(self.width, device=self.keys.device)[None, :]
+        ends = self.slots.ends[:, None]
+        self.mask: dict[int | None, torch.Tensor] = {}
         for window in self.windows:
             allowed = cols <= ends if window is None else (cols <= ends) & (cols > ends - window)
-            mask = torch.zeros(allowed.shape, dtype=torch.float32, device=device)
-            self.masks[window] = mask.masked_fill_(~allowed, float("-inf"))[:, None, None, :]
-        self.new_keys: list[torch.Tensor] = []
-        self.new_values: list[torch.Tensor] = []
+            if self.native:
+                self.mask[window] = allowed[:, None, None, :]
+            else:
+                mask = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
+                self.mask[window] = mask.masked_fill_(~allowed, float("-inf"))[:, None, None, :]
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None
     ) -> torch.Tensor:
         """q [sequences, heads, d], the new k, v [sequences, kv_heads, d]: the attention output [sequences,
-        heads, d], in q's dtype."""
-        self.new_keys.append(k)
-        self.new_values.append(v)
+        heads, d], in q's dtype. `masks()` first, once a step."""
+        slots = self.slots
+        slots.new_keys[layer].copy_(k)
+        slots.new_values[layer].copy_(v)
         keys, values = self.keys[layer], self.values[layer]
-        keys[self.rows, :, self.ends] = k.float()
-        values[self.rows, :, self.ends] = v.float()
+        keys[slots.rows, :, slots.ends] = k.to(keys.dtype)
+        values[slots.rows, :, slots.ends] = v.to(values.dtype)
         keys, values = keys[:, :, : self.width], values[:, :, : self.width]
         batch, heads, d = q.shape
-        grouped = q.float().view(batch, keys.shape[1], heads // keys.shape[1], d)  # head h reads KV head h // group
-        scores = torch.matmul(grouped, keys.transpose(2, 3)).mul_(scale).add_(self.masks[window])
-        return torch.matmul(scores.softmax(-1), values).view(batch, heads, d).to(q.dtype)
+        grouped = q.to(keys.dtype).view(batch, keys.shape[1], heads // keys.shape[1], d)  # head h: KV head h // group
+        if self.native:
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=self.mask[window], scale=scale)
+        else:
+            scores = torch.matmul(grouped, keys.transpose(2, 3)).mul_(scale).add_(self.mask[window])
+            out = torch.matmul(scores.softmax(-1), values)
+        return out.reshape(batch, heads, d).to(q.dtype)
 
     def commit(self) -> None:
         """Write each sequence's new K and V, of every layer, to its cache."""
-        keys, values = torch.stack(self.new_keys), torch.stack(self.new_values)  # [layers, sequences, kv_heads, d]
+        keys, values = self.slots.new_keys, self.slots.new_values  # [layers, sequences, kv_heads, d]
         for b, kv in enumerate(self.caches):
             kv.extend(keys[:, b, :, None], values[:, b, :, None])
+        self.slots.ends.add_(1)
         self.lengths = [n + 1 for n in self.lengths]
 
 
 class Batches:
     """A decode step's batch, the last one kept for the next step, and the storage batches are carved from: kept
     and reused, so that memory stays at its peak instead of being allocated again at each new batch (one owner:
-    the engine's thread)."""
+    the engine's thread). `native`: batches held as runtime/decode.py's docstring says (None: where the device
+    is not a CPU); `graphs`: native steps on CUDA replayed from CUDA graphs (None: so where CUDA runs them).
+    """
 
-    def __init__(self) -> None:
+    def __init__(self, native: bool | None = None, graphs: bool | None = None) -> None:
+        self.native, self.graphs = native, graphs
+        self.captured = Graphs()
         self.last: DecodeBatch | None = None
         self.storage: torch.Tensor | None = None
+        self.slots: dict[tuple, Slots] = {}
 
     def of(self, caches: list[KVCache], windows: set[int | None]) -> DecodeBatch | None:
         """The batch of these caches: the last one where it holds them as they are, else a new one (None: too
@@ -107,11 +163,43 @@ class Batches:
             self.last.begin()
             return self.last
         self.last = None
-        needed = DecodeBatch.elements(caches)
-        if needed * 4 > MOST_BYTES:
+        first = caches[0]
+        native = torch.device(first.device).type != "cpu" if self.native is None else self.native
+        needed, dtype = DecodeBatch.elements(caches, native), DecodeBatch.dtype_of(caches, native)
+        size = torch.empty((), dtype=dtype).element_size()
+        held = 0 if self.storage is None or self.storage.dtype != dtype else len(self.storage)
+        if needed * size > self.most_bytes(first.device, held * size):
             return None
-        if self.storage is None or len(self.storage) < needed:
+        if held < needed:
             self.storage = None  # its memory, before the new one's
-            self.storage = torch.empty(min(2 * needed, MOST_BYTES // 4), dtype=torch.float32, device=caches[0].device)
-        self.last = DecodeBatch(caches, windows, self.storage)
+            self.captured.clear()  # their addresses with it
+            most = self.most_bytes(first.device, 0) // size
+            self.storage = torch.empty(max(needed, min(2 * needed, most)), dtype=dtype, device=first.device)
+        assert self.storage is not None
+        shape = DecodeBatch.shape(caches, native)
+        key = (shape[:3], shape[4], dtype, str(first.device))
+        slots = self.slots.get(key)
+        if slots is None:
+            slots = self.slots[key] = Slots(shape[0], shape[1], shape[2], shape[4], first.dtype, self.storage.device)
+        self.last = DecodeBatch(caches, windows, self.storage, native, slots)
         return self.last
+
+    def step(self, model: object, batch: DecodeBatch, tokens: list[int],
+             layers: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:  # fmt: skip
+        """`layers(ids)` for the step's tokens: from a graph of the batch's shape where native steps run as
+        graphs, else eagerly."""
+        device = batch.keys.device
+        graphs = device.type == "cuda" and batch.native if self.graphs is None else self.graphs
+        if not graphs:
+            return layers(torch.tensor(tokens, device=device))
+        return self.captured.run((id(model), *batch.key), tokens, layers)
+
+    @staticmethod
+    def most_bytes(device: str | torch.device, held: int) -> int:
+        """The most a batch's copy may take: MOST_BYTES on a CPU, else half of what the device has free (counting
+        the storage held now, `held` bytes, as free)."""
+        device = torch.device(device)
+        if device.type != "cuda":
+            return MOST_BYTES
+        free, _ = torch.cuda.mem_get_info(device)
+        return (free + held) // 2

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from kvgate.runtime.decode import Batches
+from kvgate.runtime.decode import Batches, DecodeBatch
 from kvgate.runtime.invariance import MOST, row_floor
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.weights import Layer, decoder_of
@@ -101,7 +101,7 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
     for this shape (its blocking is for long queries), which was most of a decode step."""
     heads, _, d = q.shape
     kv_heads, dtype = k.shape[0], q.dtype
-    if dtype != torch.float32:  # half-precision batched matmuls are slow on CPUs without native support
+    if dtype != torch.float32 and q.device.type == "cpu":  # half-precision batched matmuls are slow on CPUs
         q, k, v = q.float(), k.float(), v.float()
     grouped = q.reshape(kv_heads, heads // kv_heads, d)  # query head h reads KV head h // group
     scores = torch.bmm(grouped, k.transpose(1, 2)).mul_(scale)
@@ -150,6 +150,19 @@ def logits_of(model: PreTrainedModel, h: torch.Tensor) -> torch.Tensor:
     return decoder_of(model).head(model.model.norm(h)).float()
 
 
+def decode_layers(model: PreTrainedModel, ids: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+    """A decode step of a batch, one new token per sequence ([sequences] ids, each at its sequence's end): the
+    logits [sequences, vocab]. Device ops alone, nothing read back: what a CUDA graph captures."""
+    inner = model.model
+    h = inner.embed_tokens(ids)
+    cos, sin = inner.rotary_emb(h[None], batch.slots.ends[None])
+    batch.masks()
+    for i, layer in enumerate(decoder_of(model).layers):
+        q, k, v = project(layer, h, cos[0], sin[0])
+        h = finish_layer(layer, h, batch.attend(i, q, k, v, layer.scale, layer.window))
+    return logits_of(model, h)
+
+
 @torch.inference_mode()
 def forward(
     model: PreTrainedModel, runs: list[Run], every: bool = False, pad: bool = True, batches: Batches | None = None
@@ -168,30 +181,31 @@ def forward(
     # padding nor the grid makes a prompt's rows the same however it is split: neither is paid for.
     keep = pad and floor <= MOST
     floor = floor if keep else 1
+    for r, n in zip(runs, lengths):
+        r.kv.reserve(r.start + n)
+    layers = decoder_of(model).layers
+    if not keep and sum(lengths) == len(runs):  # unpadded, one token a run: a decode step, batched (runtime/decode.py)
+        batches = batches or Batches()
+        batch = batches.of([r.kv for r in runs], {x.window for x in layers})
+        if batch is not None:
+            tokens = [r.token_ids[0] for r in runs]
+            logits = batches.step(model, batch, tokens, lambda ids: decode_layers(model, ids, batch))
+            batch.commit()
+            return logits
+
     extra = max(0, floor - sum(lengths))  # rows of nothing, so that every linear sees at least `floor`
     ids = torch.tensor([t for r in runs for t in r.token_ids] + [0] * extra, device=device)
     positions = torch.cat(
         [torch.arange(r.start, r.start + n, device=device) for r, n in zip(runs, lengths)]
         + [torch.zeros(extra, dtype=torch.long, device=device)]
     )
-    for r, n in zip(runs, lengths):
-        r.kv.reserve(r.start + n)
-
     inner = model.model
     h = inner.embed_tokens(ids)  # [N, hidden]
     cos, sin = inner.rotary_emb(h[None], positions[None])
     cos, sin = cos[0], sin[0]
     bounds = torch.tensor([0, *lengths]).cumsum(0).tolist()
-
-    layers = decoder_of(model).layers
-    # Unpadded, every run one token: a decode step, its attention batched (runtime/decode.py).
-    decode = not keep and len(ids) == len(runs)
-    batch = (batches or Batches()).of([r.kv for r in runs], {x.window for x in layers}) if decode else None
     for i, layer in enumerate(layers):
         q, k, v = project(layer, h, cos, sin)
-        if batch is not None:
-            h = finish_layer(layer, h, batch.attend(i, q, k, v, layer.scale, layer.window))
-            continue
         out = torch.zeros_like(q) if extra else torch.empty_like(q)
         for r, a, b in zip(runs, bounds, bounds[1:]):
             keys, values = r.kv.append(i, k[a:b].transpose(0, 1), v[a:b].transpose(0, 1))
@@ -202,8 +216,6 @@ def forward(
             )
             out[a:b] = rows.transpose(0, 1)
         h = finish_layer(layer, h, out)
-    if batch is not None:
-        batch.commit()
 
     if every:
         return logits_of(model, h)[: bounds[-1]]

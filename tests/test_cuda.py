@@ -14,6 +14,7 @@ from kvgate.agents.anchors import AnchorConfig, AnchorPool
 from kvgate.chunk_cache import ChunkStore, DiskTier, MemoryTier, fingerprint
 from kvgate.runtime.blend import BlendConfig
 from kvgate.runtime.config import EngineConfig
+from kvgate.runtime.decode import Batches
 from kvgate.runtime.documents import message_pieces
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import load
@@ -46,6 +47,26 @@ def test_prefill_decode_and_a_ragged_batch_on_cuda_equal_the_cpu(name: str) -> N
     assert got[0].device.type == "cuda"
     for g, w in zip(got, want):
         torch.testing.assert_close(g.cpu(), w, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_steps_replayed_from_cuda_graphs_equal_eager_ones_across_batches(dtype: torch.dtype) -> None:
+    """A batch's step is captured once and replayed, also for a later batch of the same shape (other sequences,
+    other lengths); another shape is captured anew."""
+    model = build(FAMILIES["llama"]).to("cuda", dtype)
+    seen = {}
+    for graphs in (False, True):
+        batches, logits = Batches(graphs=graphs), []
+        kvs = [new_kv(model) for _ in range(4)]
+        for kv, n in zip(kvs, (30, 12, 45, 7)):
+            forward(model, [Run(kv, prompt(n, seed=n), 0)])
+        for group in (kvs[:2], kvs[2:], kvs[:3]):  # the second batch has the first's shape; the third its own
+            for t in range(3):
+                logits.append(forward(model, [Run(kv, [t + 5], len(kv)) for kv in group], pad=False, batches=batches))
+        seen[graphs] = torch.cat(logits).float().cpu()
+        if graphs:
+            assert len(batches.captured.captured) == 2
+    torch.testing.assert_close(seen[True], seen[False], rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

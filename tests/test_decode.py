@@ -29,6 +29,7 @@ def step(batches: Batches, caches: list[KVCache], window: int | None, dtype: tor
     lengths = [len(kv) for kv in caches]
     batch = batches.of(caches, {window})
     assert batch is not None
+    batch.masks()
     for layer in range(LAYERS):
         q = torch.randn(len(caches), HEADS, D, dtype=dtype)
         k, v = torch.randn(len(caches), KV_HEADS, D, dtype=dtype), torch.randn(len(caches), KV_HEADS, D, dtype=dtype)
@@ -43,11 +44,16 @@ def step(batches: Batches, caches: list[KVCache], window: int | None, dtype: tor
     assert not any(kv.all_keys[:, :, : len(kv)].isnan().any() for kv in caches)  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("window", [None, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_each_sequence_attends_over_its_own_rows_step_after_step(window: int | None, dtype: torch.dtype) -> None:
+def test_each_sequence_attends_over_its_own_rows_step_after_step(
+    window: int | None, dtype: torch.dtype, native: bool
+) -> None:
+    """Either way a batch is held: in float32 over the rows in use, or native (the caches' dtype, SDPA over the
+    whole room, as on a GPU)."""
     torch.manual_seed(0)
-    caches, batches = [cache(n, dtype) for n in (3, 17, 1, 9)], Batches()
+    caches, batches = [cache(n, dtype) for n in (3, 17, 1, 9)], Batches(native=native)
     step(batches, caches, window, dtype)
     kept = batches.last
     step(batches, caches, window, dtype)
@@ -74,3 +80,18 @@ def test_a_new_batch_that_fits_reuses_the_storage() -> None:
     storage = batches.storage
     step(batches, [cache(n, torch.float32) for n in (7, 9, 11)], None, torch.float32)  # fewer rows in all
     assert batches.storage is storage
+
+
+def test_native_batches_of_one_shape_share_their_addresses() -> None:
+    """What lets a CUDA graph captured for one batch replay for the next (runtime/graphs.py): another set of as
+    many sequences, of lengths in the same room, is carved at the same address with the same slots."""
+    torch.manual_seed(0)
+    batches = Batches(native=True)
+    step(batches, [cache(n, torch.bfloat16) for n in (30, 20)], None, torch.bfloat16)
+    first = batches.last
+    step(batches, [cache(n, torch.bfloat16) for n in (7, 41)], None, torch.bfloat16)
+    second = batches.last
+    assert first is not None and second is not None and first is not second
+    assert first.key == second.key and first.slots is second.slots
+    step(batches, [cache(n, torch.bfloat16) for n in (7, 41, 3)], None, torch.bfloat16)
+    assert batches.last is not None and batches.last.key != first.key  # another shape: another graph
