@@ -2,8 +2,19 @@
 # What a session lent a GPU runs there, in one call (the device tool): the CUDA tests, then `kvgate bench gpu`.
 # The machine has torch, triton and transformers but not kvgate's other needs: .gpu/ (ignored, carried) holds the
 # wheels missing there (llguidance) and the default model's tokenizer (the tests' tiny models use its vocabulary).
-# Usage there: bash benchmarks/gpu_check.sh [bench args]; logs and BENCHMARKS.md land in $OUT.
+# Here, first: bash benchmarks/gpu_check.sh --prepare (makes .gpu/; ignore it in .git/info/exclude). There, through
+# the device tool with carry [".gpu"]: bash benchmarks/gpu_check.sh [bench args]; logs and BENCHMARKS.md land in $OUT.
 set -u
+if [ "${1:-}" = "--prepare" ]; then
+    mkdir -p .gpu/models
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi abi3 \
+        --platform manylinux_2_31_x86_64 -d .gpu "llguidance==$(.venv/bin/pip show llguidance | sed -n 's/^Version: //p')"
+    src=$(ls -d ~/.cache/kvgate/models/SmolLM2-135M-Instruct.Q4_1-* | head -1)  # made by `kvgate convert`
+    mkdir -p ".gpu/models/$(basename "$src")"
+    cp "$src"/{tokenizer.json,tokenizer_config.json,chat_template.jinja,config.json,generation_config.json} \
+        ".gpu/models/$(basename "$src")/"
+    exit
+fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/*.whl || exit 1
