@@ -85,11 +85,12 @@ def engine_ms(tiny: Engine, sequences: int, tokens: int = 64) -> float:
     return statistics.median(asyncio.run(run()) for _ in range(3))
 
 
-def tiny_engine(loaded: LoadedModel, where: Path) -> Engine:
+def tiny_engine(loaded: LoadedModel, where: Path, vocab: int | None = None) -> Engine:
+    """A 2-layer random Llama of hidden size 64 over the default tokenizer (`vocab`: its first tokens only)."""
     torch.manual_seed(0)
     config = LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, vocab_size=len(loaded.tokenizer), max_position_embeddings=1024, tie_word_embeddings=True,
+        head_dim=16, vocab_size=vocab or len(loaded.tokenizer), max_position_embeddings=1024, tie_word_embeddings=True,
     )  # fmt: skip
     model = LlamaForCausalLM(config).to(loaded.model.dtype).eval()
     model.save_pretrained(where)

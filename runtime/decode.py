@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kvgate.runtime.graphs import Graphs
-from kvgate.runtime.kv import KVCache
+from kvgate.runtime.kv import KVCache, extend_each
 
 # Steps a batch's copy has room for before it is made again, larger.
 ROOM = 64
@@ -135,9 +135,7 @@ class DecodeBatch:
 
     def commit(self) -> None:
         """Write each sequence's new K and V, of every layer, to its cache."""
-        keys, values = self.slots.new_keys, self.slots.new_values  # [layers, sequences, kv_heads, d]
-        for b, kv in enumerate(self.caches):
-            kv.extend(keys[:, b, :, None], values[:, b, :, None])
+        extend_each(self.caches, self.slots.new_keys, self.slots.new_values)
         self.slots.ends.add_(1)
         self.lengths = [n + 1 for n in self.lengths]
 

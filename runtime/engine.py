@@ -25,6 +25,7 @@ from kvgate.runtime.invariance import invariant, row_floor
 from kvgate.runtime.kv import KVCache, Pool
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.model import GRID, Run, forward
+from kvgate.runtime.outbox import Outbox
 from kvgate.runtime.quality import Gate
 from kvgate.runtime.reuse import Reuser
 from kvgate.runtime.sampling import SamplingParams, choose, logprob_of, penalise
@@ -95,12 +96,11 @@ class Engine:
         self.scheduler = Scheduler(c.max_num_seqs, budget, c.queue_order, gate=gate, grid=grid)
         self.pool = Pool()  # finished sequences' KV storage, for new ones (used only on the engine thread)
         self.batches = Batches()  # the last decode step's batch, kept for the next
+        self.outbox = Outbox()  # outputs to clients, handed over once a step
         self.callbacks: dict[int, Callback] = {}
         self.inbox: list[tuple[Sequence | int | Future, Callback | None]] = []
-        self.lock = threading.Lock()
-        self.wake = threading.Event()
-        self.stopped = False
-        self.steps = 0
+        self.lock, self.wake = threading.Lock(), threading.Event()
+        self.stopped, self.steps = False, 0
         self.grammar_s = 0.0  # spent computing grammar masks (the benchmark weighs it against steps)
 
     def make_reuser(self, calibration: Calibration | None) -> Reuser:
@@ -146,8 +146,8 @@ class Engine:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[Output | BaseException] = asyncio.Queue()
 
-        def put(item: Output | BaseException) -> None:
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
+        def put(item: Output | BaseException) -> None:  # on the engine's thread
+            self.outbox.post(loop, outputs.put_nowait, item)
 
         seq_id = self.submit(request, put)
         done = False
@@ -210,15 +210,16 @@ class Engine:
         while not self.stopped:
             self.wake.clear()
             self.drain_inbox()
-            if not self.scheduler:
-                if self.shadow.busy:  # spare capacity: one part of a quality check, then look again
-                    self.shadow.step()
-                else:
-                    self.wake.wait()
-                continue
-            start = time.perf_counter()
-            self.step()
-            self.shadow.busy_for(time.perf_counter() - start)  # a part of a check, on its share of the time
+            if self.scheduler:
+                start = time.perf_counter()
+                self.step()
+                self.shadow.busy_for(time.perf_counter() - start)  # a part of a check, on its share of the time
+            elif self.shadow.busy:  # spare capacity: one part of a quality check, then look again
+                self.shadow.step()
+            else:
+                self.outbox.flush()
+                self.wake.wait()
+            self.outbox.flush()
 
     def drain_inbox(self) -> None:
         with self.lock:

@@ -181,8 +181,6 @@ def forward(
     # padding nor the grid makes a prompt's rows the same however it is split: neither is paid for.
     keep = pad and floor <= MOST
     floor = floor if keep else 1
-    for r, n in zip(runs, lengths):
-        r.kv.reserve(r.start + n)
     layers = decoder_of(model).layers
     if not keep and sum(lengths) == len(runs):  # unpadded, one token a run: a decode step, batched (runtime/decode.py)
         batches = batches or Batches()
@@ -192,6 +190,8 @@ def forward(
             logits = batches.step(model, batch, tokens, lambda ids: decode_layers(model, ids, batch))
             batch.commit()
             return logits
+    for r, n in zip(runs, lengths):
+        r.kv.reserve(r.start + n)
 
     extra = max(0, floor - sum(lengths))  # rows of nothing, so that every linear sees at least `floor`
     ids = torch.tensor([t for r in runs for t in r.token_ids] + [0] * extra, device=device)

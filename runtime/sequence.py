@@ -19,6 +19,7 @@ from kvgate.runtime.kv import KVCache
 from kvgate.runtime.reuse import Reuse
 from kvgate.runtime.sampling import SamplingParams, TokenLogprob
 from kvgate.runtime.shared import Shared
+from kvgate.runtime.tokens import decoder
 from kvgate.runtime.tools import partial_suffix
 
 _ids = itertools.count()
@@ -267,9 +268,8 @@ class Sequence:
         output is."""
         if end <= self.decoded_to:
             return
-        ids = self.output_ids[self.decoded_from : end]
-        before = tokenizer.decode(ids[: self.decoded_to - self.decoded_from], skip_special_tokens=True)
-        now = tokenizer.decode(ids, skip_special_tokens=True)
+        ids, decode = self.output_ids[self.decoded_from : end], decoder(tokenizer)
+        before, now = decode(ids[: self.decoded_to - self.decoded_from]), decode(ids)
         if len(now) > len(before) and (whole or not now.endswith("\ufffd")):  # else wait for the character's rest
             self.text += now[len(before) :]
             self.decoded_from, self.decoded_to = self.decoded_to, end
