@@ -339,7 +339,7 @@ class Engine:
         if not held:
             return {}
         start = time.perf_counter()
-        masks = self.grammars.masks([seq.matcher for seq in held], width)
+        masks = self.grammars.masks([seq.matcher for seq in held], width, self.model.device)
         self.grammar_s += time.perf_counter() - start
         return {seq.id: mask for seq, mask in zip(held, masks)}
 

@@ -112,16 +112,20 @@ class Grammars:
             raise GrammarError(matcher.get_error())
         return matcher
 
-    def masks(self, matchers: list[llguidance.LLMatcher], width: int) -> torch.Tensor:
-        """[len(matchers), width] booleans: the tokens each matcher allows next (filled in
-        parallel); tokens past the tokenizer's vocabulary (a padded lm_head) are never allowed."""
+    def masks(
+        self, matchers: list[llguidance.LLMatcher], width: int, device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
+        """[len(matchers), width] booleans on `device` (the logits'): the tokens each matcher allows next (filled
+        in parallel; the bitmask, 32 tokens a word, is what crosses to the device); tokens past the tokenizer's
+        vocabulary (a padded lm_head) are never allowed."""
         lltok = self.lltok
         bits = llguidance.torch.allocate_token_bitmask(len(matchers), lltok.vocab_size)
         if len(matchers) == 1:
             llguidance.torch.fill_next_token_bitmask(matchers[0], bits, 0)
         else:
             llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bits)
-        shifts = torch.arange(32, dtype=torch.int32)
+        bits = bits.to(device)
+        shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
         allowed = ((bits[:, :, None] >> shifts) & 1).bool().flatten(1)[:, : min(width, lltok.vocab_size)]
         if allowed.shape[1] < width:
             allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[1]))

@@ -17,6 +17,7 @@ from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.decode import Batches
 from kvgate.runtime.documents import message_pieces
 from kvgate.runtime.engine import Engine
+from kvgate.runtime.grammar import json_grammar
 from kvgate.runtime.loader import load
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.quality import QualityConfig
@@ -87,6 +88,24 @@ def test_the_engine_on_cuda_decodes_like_generate_on_the_cpu(name: str, tmp_path
         engine.shutdown()
     assert len(ids) > 128 and first.token_ids == ref == again.token_ids
     assert first.cached_tokens == 0 and again.cached_tokens >= 128
+
+
+def test_a_grammar_masks_cuda_logits_on_their_device_as_on_the_cpu(tmp_path: Path) -> None:
+    saved(FAMILIES["llama"], tmp_path / "model")
+    answer = {"answer": {"enum": ["yes", "no"]}}
+    schema = {"type": "object", "properties": answer, "required": ["answer"], "additionalProperties": False}
+    seen = {}
+    for device in ("cpu", "cuda"):
+        engine = Engine(EngineConfig(model=str(tmp_path / "model"), cache_dir=tmp_path / device, device=device,
+                                     dtype="float32"))  # fmt: skip
+        try:
+            ids = chat_prompt(engine.tokenizer, [{"role": "user", "content": "Is Paris in France?"}])
+            grammar = engine.grammars.compile(json_grammar(schema))
+            seen[device] = engine.generate_sync(ids, SamplingParams(max_tokens=24, temperature=0, grammar=grammar))
+        finally:
+            engine.shutdown()
+    assert seen["cuda"].token_ids == seen["cpu"].token_ids
+    assert seen["cuda"].text.replace(" ", "") in ('{"answer":"yes"}', '{"answer":"no"}')
 
 
 def test_blend_on_cuda_over_kv_read_from_disk_equals_the_cpu(tmp_path: Path) -> None:
