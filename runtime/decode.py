@@ -10,9 +10,10 @@ over other lengths than one sequence's alone, so a token's logits may differ in 
 
 Two ways to hold it:
 - on a CPU, in float32 over the rows in use (half-precision batched matmuls are slow on CPUs), by two matmuls;
-- `native` (any other device): in the caches' dtype, by SDPA's fused kernel over the whole room, every shape and
-  address fixed while the batch lives and the same for any batch of as many sequences in as much room, so that a
-  CUDA graph captured for one replays for the next (runtime/graphs.py).
+- `native` (any other device): in the caches' dtype, by a split kernel over the whole room (runtime/decode_kernel.py;
+  SDPA where Triton does not run), every shape and address fixed while the batch lives and the same for any batch
+  of as many sequences in as much room, so that a CUDA graph captured for one replays for the next
+  (runtime/graphs.py).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
+from kvgate.runtime.decode_kernel import decode_attention, decode_mask
 from kvgate.runtime.graphs import Graphs
 from kvgate.runtime.kv import KVCache, extend_each
 
@@ -52,7 +53,6 @@ class DecodeBatch:
                  slots: Slots) -> None:  # fmt: skip
         """`storage`: at least `elements(caches, native)` long, of `dtype_of(caches, native)` (what the batch's
         copy is carved from); `slots` of the batch's shape."""
-        first = caches[0]
         self.caches, self.windows, self.native, self.slots = caches, windows, native, slots
         self.lengths = [len(kv) for kv in caches]
         both = storage[: self.elements(caches, native)].zero_().view(2, *self.shape(caches, native))
@@ -62,7 +62,6 @@ class DecodeBatch:
             self.keys[:, b, :, :n] = keys
             self.values[:, b, :, :n] = values
         slots.ends.copy_(torch.tensor(self.lengths), non_blocking=True)
-        self.dtype = first.dtype
         self.begin()
 
     @staticmethod
@@ -101,16 +100,14 @@ class DecodeBatch:
 
     def masks(self) -> None:
         """Per window, what each new token may not see (device ops on `ends`: a captured step recomputes them)."""
-        cols = torch.arange(self.width, device=self.keys.device)[None, :]
-        ends = self.slots.ends[:, None]
         self.mask: dict[int | None, torch.Tensor] = {}
         for window in self.windows:
-            allowed = cols <= ends if window is None else (cols <= ends) & (cols > ends - window)
+            allowed = decode_mask(self.slots.ends, self.width, window)
             if self.native:
-                self.mask[window] = allowed[:, None, None, :]
+                self.mask[window] = allowed
             else:
                 mask = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
-                self.mask[window] = mask.masked_fill_(~allowed, float("-inf"))[:, None, None, :]
+                self.mask[window] = mask.masked_fill_(~allowed, float("-inf"))
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None
@@ -124,14 +121,12 @@ class DecodeBatch:
         keys[slots.rows, :, slots.ends] = k.to(keys.dtype)
         values[slots.rows, :, slots.ends] = v.to(values.dtype)
         keys, values = keys[:, :, : self.width], values[:, :, : self.width]
+        if self.native:  # on CUDA the split kernel (runtime/decode_kernel.py), else SDPA
+            return decode_attention(q, keys, values, slots.ends, self.mask[window], scale, window)
         batch, heads, d = q.shape
-        grouped = q.to(keys.dtype).view(batch, keys.shape[1], heads // keys.shape[1], d)  # head h: KV head h // group
-        if self.native:
-            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=self.mask[window], scale=scale)
-        else:
-            scores = torch.matmul(grouped, keys.transpose(2, 3)).mul_(scale).add_(self.mask[window])
-            out = torch.matmul(scores.softmax(-1), values)
-        return out.reshape(batch, heads, d).to(q.dtype)
+        grouped = q.float().view(batch, keys.shape[1], heads // keys.shape[1], d)  # head h reads KV head h // group
+        scores = torch.matmul(grouped, keys.transpose(2, 3)).mul_(scale).add_(self.mask[window])
+        return torch.matmul(scores.softmax(-1), values).reshape(batch, heads, d).to(q.dtype)
 
     def commit(self) -> None:
         """Write each sequence's new K and V, of every layer, to its cache."""

@@ -19,13 +19,15 @@ class Pool:
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The smallest free storage of this dtype, device and layout holding at least shape[2] tokens."""
+        where = torch.device(device)  # "cuda" is whichever CUDA device is current: its storage says "cuda:0"
         fits = [
             (k.shape[2], i)
             for i, (k, _) in enumerate(self.free)
             if k.shape[2] >= shape[2]
             and k.shape[:2] + k.shape[3:] == shape[:2] + shape[3:]
             and k.dtype == dtype
-            and k.device == torch.device(device)
+            and k.device.type == where.type
+            and (where.index is None or k.device.index == where.index)
         ]
         if not fits:
             return None

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
 
-from kvgate.runtime import kernels  # noqa: E402
+from kvgate.runtime import decode_kernel, kernels  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 T = 37  # not a multiple of any block size
@@ -92,6 +92,22 @@ def check_token_deviation(device: str, dtype: torch.dtype, D: int) -> None:
     assert torch.equal(kernels.token_deviation_triton(a, a), torch.zeros(T, device=device))
 
 
+def check_decode_attention(device: str, dtype: torch.dtype, D: int) -> None:
+    """Each sequence's query over its own keys, split across programs and merged: a sequence at its first key, one
+    whose keys end inside a split and one at the room's last; GQA groups of 3; with and without a window."""
+    batch, kv_heads, group, room = 3, 2, 3, 200  # a room not a multiple of the kernel's blocks
+    keys, values = (torch.randn(batch, kv_heads, room, D, device=device).to(dtype) for _ in "kv")
+    q = torch.randn(batch, kv_heads * group, D, device=device).to(dtype)
+    ends = torch.tensor([0, 77, room - 1], device=device)
+    for window in (None, 5):
+        mask = decode_kernel.decode_mask(ends, room, window)
+        want = decode_kernel.decode_attention_torch(q.float(), keys.float(), values.float(), mask, 0.3)
+        got = decode_kernel.decode_attention_triton(q, keys, values, ends, 0.3, window)
+        assert got.dtype == dtype and got.shape == q.shape
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want, rtol=0, atol=tolerance)
+
+
 def check_dispatch(device: str, dtype: torch.dtype, D: int) -> None:
     x = torch.randn(H, T, D, device=device).to(dtype)
     assert kernels.use_triton(x)
@@ -107,6 +123,7 @@ CHECKS: dict[str, Callable[[str, torch.dtype, int], None]] = {
     "gather_rows": check_gather_rows,
     "scatter_rows": check_scatter_rows,
     "token_deviation": check_token_deviation,
+    "decode_attention": check_decode_attention,
     "dispatch": check_dispatch,
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
