@@ -63,10 +63,23 @@ def model_fingerprint(loaded: LoadedModel) -> str:
     those of the safetensors it was converted to, which are what is loaded), its tokenizer, chat
     template and end-of-sequence ids, and the dtype it runs in. New weights at an old path are a
     new model: they never meet the old one's document KV, semantic answers or calibration."""
-    files = [part for f in weight_files(loaded.path) for part in (f.name, file_digest(f, loaded.cache_dir))]
+    files = [
+        part
+        for f in weight_files(loaded.path)
+        for part in (f.name, config_digest(f) if f.name == "config.json" else file_digest(f, loaded.cache_dir))
+    ]
     template = json.dumps([loaded.tokenizer.chat_template, sorted(loaded.eos_token_ids)], sort_keys=True)
     dtype = str(loaded.model.dtype)
-    return fingerprint("kvgate.model.v2", *files, tokenizer_fingerprint(loaded.tokenizer), template, dtype)
+    return fingerprint("kvgate.model.v3", *files, tokenizer_fingerprint(loaded.tokenizer), template, dtype)
+
+
+def config_digest(path: Path) -> str:
+    """The config's content without the version of transformers that wrote it: each release writes its own into the
+    same model's config (transformers 5.24 and 5.25 converted the default GGUF to byte-identical weights and configs
+    differing in that field alone), which would make a new model of it, and miss every calibration shipped."""
+    config = json.loads(path.read_text())
+    config.pop("transformers_version", None)
+    return fingerprint(json.dumps(config, sort_keys=True))
 
 
 def name(model_fp: str, select: str = "deviation") -> str:

@@ -113,6 +113,19 @@ def test_the_model_fingerprint_is_its_content_not_its_path(tmp_path: Path) -> No
     assert model_fingerprint(a) != fp  # so do the prompts the template makes
 
 
+def test_the_model_fingerprint_is_not_the_transformers_version_that_wrote_its_config(tmp_path: Path) -> None:
+    """A new transformers release converts the default model to the same weights and writes its own version into
+    the config: still the same model, its shipped calibration still its own. Any other field is another model."""
+    a = tiny(tmp_path / "a", dtype="float32")
+    fp = model_fingerprint(a)
+    config = tmp_path / "a" / "config.json"
+    written = json.loads(config.read_text())
+    config.write_text(json.dumps({**written, "transformers_version": "9.99.0"}, indent=1))
+    assert model_fingerprint(a) == fp
+    config.write_text(json.dumps({**written, "rms_norm_eps": 1e-3}))
+    assert model_fingerprint(a) != fp
+
+
 def test_weights_are_hashed_once_and_again_when_their_file_changes(tmp_path: Path) -> None:
     loaded = tiny(tmp_path / "m")
     fp = model_fingerprint(loaded)
