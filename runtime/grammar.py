@@ -16,7 +16,6 @@ from typing import Any
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -119,11 +118,15 @@ class Grammars:
         in parallel; the bitmask, 32 tokens a word, is what crosses to the device); tokens past the tokenizer's
         vocabulary (a padded lm_head) are never allowed."""
         lltok = self.lltok
-        bits = llguidance.torch.allocate_token_bitmask(len(matchers), lltok.vocab_size)
+        # llguidance.torch's helpers, inlined: importing that module runs torch.compile (2.1 s at every start).
+        bits = torch.full((len(matchers), (lltok.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        row = bits.shape[1] * bits.element_size()
         if len(matchers) == 1:
-            llguidance.torch.fill_next_token_bitmask(matchers[0], bits, 0)
+            matchers[0].unsafe_compute_mask_ptr(bits.data_ptr(), row)
         else:
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bits)
+            assert self._executor is not None
+            self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bits.data_ptr(), row,
+                                                   len(matchers))  # fmt: skip
         bits = bits.to(device)
         shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
         allowed = ((bits[:, :, None] >> shifts) & 1).bool().flatten(1)[:, : min(width, lltok.vocab_size)]
