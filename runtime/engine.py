@@ -28,7 +28,7 @@ from kvgate.runtime.model import GRID, Run, forward
 from kvgate.runtime.outbox import Outbox
 from kvgate.runtime.quality import Gate
 from kvgate.runtime.reuse import Reuser
-from kvgate.runtime.sampling import SamplingParams, choose, logprob_of, penalise
+from kvgate.runtime.sampling import SamplingParams, choose, logprob_of, penalise, preselect
 from kvgate.runtime.scheduler import Scheduler
 from kvgate.runtime.sequence import Output, Plan, Request, Result, Sequence, check_fits
 from kvgate.runtime.shadow import Shadow
@@ -274,7 +274,8 @@ class Engine:
         if rider:
             self.shadow.rode(logits[-1], self.times.added_s(len(rider.token_ids)))
         allowed = self.allowed([seq for seq, run in batch if run.kv is seq.kv and not seq.prefilling], logits.shape[-1])
-        best = logits.max(-1).indices.tolist()  # every greedy choice at once (sampling.py: why not argmax)
+        free = [(seq.params, seq.matcher is None and seq.generator is None) for seq, _ in batch]
+        best = preselect(logits, free)  # what can be chosen together: greedy rows, unseeded draws (sampling.py)
         for (seq, run), row, top in zip(batch, logits, best):
             if run.kv is not seq.kv:  # a chunk of a document the prompt lacks
                 try:
