@@ -269,7 +269,7 @@ class Report:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvgate bench gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
-    p.add_argument("--budget", type=float, default=420.0, help="seconds; groups that would start later are not run")
+    p.add_argument("--budget", type=int, default=420, help="seconds; groups that would start later are not run")
     p.add_argument("--small", action="store_true", help="tiny shapes and contexts: a try on the CPU")
     p.add_argument("--compile", default="1,64", help="batch sizes for transformers under torch.compile ('' none)")
     p.add_argument("--output", type=Path, default=OUTPUT)
