@@ -184,8 +184,8 @@ def attempt(fn: Callable[..., float], *args: object, **kwargs: object) -> float 
         return f"failed: {type(exc).__name__}"
 
 
-def ms(x: float | str, digits: int = 2) -> str:
-    return f"{x * 1e3:.{digits}f}" if isinstance(x, float) else x
+def ms(x: float | str) -> str:
+    return f"{x * 1e3:.2f}" if isinstance(x, float) else x
 
 
 def synthetic_tokenizer(vocab: int) -> PreTrainedTokenizerFast:
@@ -238,8 +238,8 @@ def blend_ttft(model: PreTrainedModel, clock: Clock, docs: int, tokens: int) -> 
 class Report:
     """Rows as they come, the section rewritten after each group; a group past the budget is marked not run."""
 
-    def __init__(self, args: argparse.Namespace, device: torch.device, clock: Clock) -> None:
-        self.args, self.device, self.clock = args, device, clock
+    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
+        self.args, self.device = args, device
         self.start = time.perf_counter()
         self.parts: list[str] = []
 
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv if argv is not None else sys.argv[1:]
     device, small = torch.device(args.device), args.small
     clock = Clock(device)
-    report = Report(args, device, clock)
+    report = Report(args, device)
     shapes = SMALL if small else SHAPES
     context, prompt, batches_at = (64, 128, (1, 4)) if small else (2048, 4096, (1, 16, 64))
     steps = 4 if small else 32

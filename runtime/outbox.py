@@ -8,8 +8,11 @@ step's outputs here and flushes once: one wake-up of each loop a step.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
+
+log = logging.getLogger("kvgate.engine")
 
 
 def _run(items: list[tuple[Callable[[Any], None], Any]]) -> None:
@@ -34,5 +37,8 @@ class Outbox:
         for loop, items in pending.items():
             try:
                 loop.call_soon_threadsafe(_run, items)
-            except RuntimeError:  # closed since the post: its clients are gone, and abort their sequences
-                pass
+            except RuntimeError:
+                # Closed since the post: its clients are gone. Their sequences end when the loop's async generators
+                # are shut down (asyncio.run does, and each generate() aborts its sequence); a loop closed without
+                # that leaves them to run to max_tokens, as a client that stops reading does.
+                log.debug("an event loop closed with %d outputs for it", len(items))
