@@ -10,7 +10,8 @@ prefill, other sequences in the step), so that reuse called exact is exact in ev
   `row_floor` (measured per model, dtype and thread count: CPU GEMMs take other paths for a few rows), so a
   step's rows are padded to it;
 - attention of prompt rows runs in chunks that start at multiples of GRID, each by the same kernels whatever
-  came before (`attend_grid`); the engine cuts prefill runs and rounds prefix hits to GRID.
+  came before (`attend_grid`); the engine cuts prefill runs and rounds prefix hits to GRID. In bf16 on a CPU
+  with AVX512-BF16 one kernel of kvgate's own computes every row alike whatever its call (runtime/cpu_attention.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from kvgate.runtime import cpu_attention
 from kvgate.runtime.decode import Batches, DecodeBatch
 from kvgate.runtime.invariance import MOST, row_floor
 from kvgate.runtime.kv import KVCache
@@ -62,6 +64,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wind
         k, v = k[:, first:], v[:, first:]
     if q.shape[1] == 1:
         return attend_one(q, k, v, scale)
+    kernel = cpu_attention.usable(q, window)
+    if kernel is not None:
+        return kernel(q, k, v, k.shape[1] - q.shape[1], scale)
     # A batch dimension matters: on CPU, 3-D inputs fall back to SDPA's slow math kernel.
     q, k, v = q[None], k[None], v[None]
     n, total = q.shape[2], k.shape[2]
@@ -115,6 +120,9 @@ def attend_grid(
     time, cut at multiples of GRID: a chunk's kernels and shapes depend only on where it begins and ends, so a
     prompt continued from cached KV at a multiple of GRID runs exactly the calls its whole prefill runs. One row
     (a decode step, or a prompt's last row alone in its chunk) is `attend_one` either way."""
+    kernel = cpu_attention.usable(q, window)
+    if kernel is not None:  # every row the same whatever its call: no grid needed
+        return kernel(q, k, v, start, scale)
     n = q.shape[1]
     if n == 1:
         return attend(q, k, v, scale, window)

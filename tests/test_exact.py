@@ -31,7 +31,7 @@ def tiny_engine(loaded: LoadedModel, where: Path, dtype: torch.dtype, determinis
     vocab = len(loaded.tokenizer)
     config = LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, vocab_size=vocab, max_position_embeddings=1024, tie_word_embeddings=True,
+        head_dim=64, vocab_size=vocab, max_position_embeddings=1024, tie_word_embeddings=True,
     )  # fmt: skip
     model = LlamaForCausalLM(config).to(dtype).eval()
     model.save_pretrained(where)

@@ -1,0 +1,88 @@
+"""The CPU prompt-attention kernel (runtime/cpu_attention.py): causal attention of a prompt's rows over bf16 KV,
+every row computed alike whatever its call, so that a prefill split anywhere is the whole prefill bit for bit.
+
+Both builds are checked: the plain-C one on any CPU with a C compiler (the method: blocks, masks, the online
+softmax, GQA groups), the one for this CPU's own instructions where it has AVX512-BF16 (what the engine runs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvgate.runtime import cpu_attention
+from kvgate.runtime.cpu_attention import Kernel
+
+builds = [pytest.param(False, id="plain"), pytest.param(True, id="native")]
+
+
+def kernel(fast: bool) -> Kernel:
+    built = cpu_attention.load(fast)
+    if built is None:
+        pytest.skip("no C compiler here")
+    if fast and not built.fast:
+        pytest.skip("this CPU (or its compiler) has no AVX512-BF16")
+    return built
+
+
+def qkv(total: int, heads: int = 6, kv_heads: int = 2, d: int = 64, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(
+        torch.randn(h, total, d, generator=g).to(torch.bfloat16) for h in (heads, kv_heads, kv_heads)
+    )  # fmt: skip
+
+
+def truth(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """float32 masked attention of q's rows at start.. over every key up to each."""
+    n, total = q.shape[1], k.shape[1]
+    mask = torch.arange(total)[None, :] <= torch.arange(start, start + n)[:, None]
+    out = F.scaled_dot_product_attention(
+        q.float()[None], k.float()[None], v.float()[None], attn_mask=mask, scale=scale, enable_gqa=True
+    )  # fmt: skip
+    return out[0]
+
+
+@pytest.mark.parametrize("fast", builds)
+@pytest.mark.parametrize("heads,kv_heads,d", [(6, 2, 64), (4, 4, 64), (4, 1, 128)])
+def test_rows_after_cached_keys_equal_masked_attention(fast: bool, heads: int, kv_heads: int, d: int) -> None:
+    q, k, v = qkv(200, heads, kv_heads, d)
+    for start, n in [(0, 200), (0, 1), (0, 70), (63, 1), (64, 65), (130, 70), (199, 1)]:
+        rows = q[:, start : start + n]
+        out = kernel(fast)(rows, k[:, : start + n], v[:, : start + n], start, d**-0.5)
+        assert out.shape == rows.shape and out.dtype == torch.bfloat16
+        # bf16 inputs, float32 sums, weights rounded to bf16 before the values' sum: SDPA's own bf16 error
+        torch.testing.assert_close(out.float(), truth(rows, k, v, start, d**-0.5), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("fast", builds)
+def test_a_prefill_split_anywhere_is_the_whole_prefill_bit_for_bit(fast: bool) -> None:
+    q, k, v = qkv(300)
+    attend = kernel(fast)
+    whole = attend(q, k, v, 0, 0.125)
+    for cuts in [(1,), (63,), (64,), (100, 101), (37, 128, 250)]:
+        parts, a = [], 0
+        for b in (*cuts, 300):
+            parts.append(attend(q[:, a:b], k[:, :b], v[:, :b], a, 0.125))
+            a = b
+        assert torch.equal(torch.cat(parts, 1), whole), cuts
+
+
+@pytest.mark.parametrize("fast", builds)
+def test_keys_past_the_rows_and_strided_inputs_change_nothing(fast: bool) -> None:
+    q, k, v = qkv(150)
+    attend = kernel(fast)
+    whole = attend(q[:, 20:100], k[:, :100], v[:, :100], 20, 0.125)
+    # a cache's storage: longer than the prompt, rows of q from a [n, heads, d] projection's transpose
+    wider = torch.cat((k, torch.full_like(k, float("nan"))), 1), torch.cat((v, torch.full_like(v, float("nan"))), 1)
+    rows = q.transpose(0, 1).contiguous().transpose(0, 1)[:, 20:100]
+    assert torch.equal(attend(rows, wider[0][:, :100], wider[1][:, :100], 20, 0.125), whole)
+
+
+def test_the_fast_kernel_serves_only_what_it_computes() -> None:
+    q = torch.zeros(4, 8, 64, dtype=torch.bfloat16)
+    built = cpu_attention.load()
+    expected = built if built is not None and built.fast else None
+    assert cpu_attention.usable(q, None) is expected
+    assert cpu_attention.usable(q.float(), None) is None
+    assert cpu_attention.usable(q, 16) is None  # a sliding window
+    assert cpu_attention.usable(q[..., :32], None) is None
