@@ -29,10 +29,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+SIZES = {torch.bfloat16: 2, torch.float32: 4}
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_attention.c")
-FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_decode.c"))
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
 
 class Kernel:
@@ -42,6 +43,26 @@ class Kernel:
         self._attend.restype = ctypes.c_int
         i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         self._attend.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i32, i32, i32, i32, i32, ctypes.c_float, i32]
+        self.decodes = bool(library.decode_fast())
+        self._decode = library.decode
+        self._decode.restype = ctypes.c_int
+        self._decode.argtypes = [
+            i32,
+            ptr,
+            i64,
+            ptr,
+            i64,
+            ptr,
+            i64,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            *[i32] * 5,
+            ctypes.c_float,
+            i32,
+            i32,
+        ]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
         """Rows start..start+n of q [heads, n, d] over k, v [kv_heads, >= start + n, d], causal: [heads, n, d]."""
@@ -62,13 +83,31 @@ class Kernel:
             raise MemoryError("cpu attention: out of memory for its buffers")
         return out
 
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               ends: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:  # fmt: skip
+        """A decode step of a batch: the new rows k, v [sequences, kv_heads, d] written into keys, values (float32
+        [sequences, kv_heads, room, d], each sequence's rows before ends[b] filled) at ends, then q [sequences,
+        heads, d] attended over each sequence's rows 0..ends[b] (the last `window`): [sequences, heads, d]."""
+        batch, heads, d = q.shape
+        q, k, v = (x if x.stride(2) == 1 and x.stride(1) == d else x.contiguous() for x in (q, k, v))
+        out = torch.empty(batch, heads, d, dtype=q.dtype)
+        failed = self._decode(
+            q.dtype == torch.bfloat16, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
+            v.stride(0), keys.data_ptr(), values.data_ptr(), ends.data_ptr(), out.data_ptr(), batch, heads,
+            keys.shape[1], keys.shape[2], d, scale, window or 0, torch.get_num_threads(),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("cpu decode attention: out of memory for its buffers")
+        return out
+
 
 def machine_key() -> str:
     """What a build depends on: the source and the CPU's instruction sets."""
     cpu = Path("/proc/cpuinfo")
     lines = cpu.read_text().splitlines() if cpu.is_file() else []
     flags = next((line for line in lines if line.startswith("flags")), os.uname().machine)
-    return hashlib.sha256(SOURCE.read_bytes() + flags.encode()).hexdigest()[:16]
+    code = b"".join(path.read_bytes() for path in SOURCES) + " ".join(FLAGS).encode()
+    return hashlib.sha256(code + flags.encode()).hexdigest()[:16]
 
 
 def private(where: Path) -> Path:
@@ -93,7 +132,7 @@ def load(fast: bool = True) -> Kernel | None:
     if not target.is_file():
         temp = target.with_suffix(f".{os.getpid()}.tmp")
         march = ["-march=native"] if fast else ["-march=x86-64-v2"] if os.uname().machine == "x86_64" else []
-        argv = [compiler, *FLAGS, *march, str(SOURCE), "-o", str(temp)]
+        argv = [compiler, *FLAGS, *march, *map(str, SOURCES), "-o", str(temp)]
         done = subprocess.run(argv, capture_output=True, text=True)
         if done.returncode != 0:
             log.warning("cpu attention kernel not built (%s): %s", compiler, done.stderr[-400:])
@@ -129,6 +168,19 @@ def serving() -> Kernel | None:
     here (measured once a process, ~0.1 s); else None."""
     kernel = load()
     return kernel if kernel is not None and kernel.fast and faster(kernel) else None
+
+
+def decoding(q: torch.Tensor, keys: torch.Tensor) -> Kernel | None:
+    """The kernel for a CPU decode batch's attention (runtime/decode.py), where it was built for vector
+    instructions: q float32 or bf16, the batch's copy float32 and contiguous, head sizes a multiple of 16 up to 256,
+    at most 16 query heads a KV head."""
+    if q.device.type != "cpu" or q.dtype not in SIZES or keys.dtype != torch.float32 or not keys.is_contiguous():
+        return None
+    d, group = q.shape[-1], q.shape[1] // keys.shape[1]
+    if d % 16 or d > 256 or group > 16:
+        return None
+    kernel = load()
+    return kernel if kernel is not None and kernel.decodes else None
 
 
 def usable(q: torch.Tensor, window: int | None) -> Kernel | None:

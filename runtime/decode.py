@@ -9,7 +9,8 @@ over other lengths than one sequence's alone, so a token's logits may differ in 
 (decode steps that must not: `deterministic`, runtime/model.py).
 
 Two ways to hold it:
-- on a CPU, in float32 over the rows in use (half-precision batched matmuls are slow on CPUs), by two matmuls;
+- on a CPU, in float32 over the rows in use (half-precision batched matmuls are slow on CPUs): the new rows written
+  and attended by one call a layer (runtime/cpu_decode.c) where it is built, else by two matmuls;
 - `native` (any other device): in the caches' dtype, by a split kernel over the whole room (runtime/decode_kernel.py;
   SDPA where Triton does not run), every shape and address fixed while the batch lives and the same for any batch
   of as many sequences in as much room, so that a CUDA graph captured for one replays for the next
@@ -22,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvgate.runtime import cpu_attention
 from kvgate.runtime.decode_kernel import decode_attention, decode_mask
 from kvgate.runtime.graphs import Graphs
 from kvgate.runtime.kv import KVCache, extend_each
@@ -118,6 +120,9 @@ class DecodeBatch:
         slots.new_keys[layer].copy_(k)
         slots.new_values[layer].copy_(v)
         keys, values = self.keys[layer], self.values[layer]
+        kernel = None if self.native else cpu_attention.decoding(q, keys)
+        if kernel is not None:  # the rows written and attended in one call (runtime/cpu_decode.c)
+            return kernel.decode(q, k, v, keys, values, slots.ends, scale, window)
         keys[slots.rows, :, slots.ends] = k.to(keys.dtype)
         values[slots.rows, :, slots.ends] = v.to(values.dtype)
         keys, values = keys[:, :, : self.width], values[:, :, : self.width]

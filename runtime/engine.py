@@ -13,10 +13,8 @@ import torch
 
 from kvgate.agents.anchors import AnchorPool
 from kvgate.agents.flight import Flight
-from kvgate.chunk_cache import ChunkStore
-from kvgate.runtime.blend import BlendConfig
-from kvgate.runtime.calibration import Calibration, model_fingerprint
 from kvgate.runtime.calibration import find as find_calibration
+from kvgate.runtime.calibration import model_fingerprint
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.decode import Batches
 from kvgate.runtime.errors import EngineError, GrammarError
@@ -27,7 +25,6 @@ from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.model import GRID, Run, forward
 from kvgate.runtime.outbox import Outbox
 from kvgate.runtime.quality import Gate
-from kvgate.runtime.reuse import Reuser
 from kvgate.runtime.sampling import SamplingParams, choose, logprob_of, penalise, preselect
 from kvgate.runtime.scheduler import Scheduler
 from kvgate.runtime.sequence import Output, Plan, Request, Result, Sequence, check_fits
@@ -36,7 +33,7 @@ from kvgate.runtime.shared import Spans
 from kvgate.runtime.threads import claim, hand_over
 from kvgate.runtime.timing import StepTimes
 from kvgate.runtime.weights import decoder_of
-from kvgate.runtime.wiring import make_caches
+from kvgate.runtime.wiring import make_caches, make_reuser
 
 log = logging.getLogger("kvgate.engine")
 
@@ -82,7 +79,7 @@ class Engine:
         grid = GRID if budget >= GRID else 1
         self.exact = grid == GRID and invariant(self.model)
         self.calibration = find_calibration(c.cache_dir, self.model_fp, c.shipped_calibration, c.blend_select)
-        self.reuser = self.make_reuser(self.calibration)
+        self.reuser = make_reuser(c, self.model, self.tokenizer, self.model_fp, self.calibration)
         self.grammars = Grammars(self.tokenizer, self.loaded.eos_token_ids)
         self.times = StepTimes()
         self.anchors = AnchorPool(c.anchors) if c.anchors is not None else None
@@ -98,18 +95,11 @@ class Engine:
         self.batches = Batches()  # the last decode step's batch, kept for the next
         self.outbox = Outbox()  # outputs to clients, handed over once a step
         self.callbacks: dict[int, Callback] = {}
+        self.settling: list[Sequence] = []  # prompts whose first token this step made: their KV to store
         self.inbox: list[tuple[Sequence | int | Future, Callback | None]] = []
         self.lock, self.wake = threading.Lock(), threading.Event()
         self.stopped, self.steps = False, 0
         self.grammar_s = 0.0  # spent computing grammar masks (the benchmark weighs it against steps)
-
-    def make_reuser(self, calibration: Calibration | None) -> Reuser:
-        c = self.config
-        ratio = c.recompute_ratio if c.recompute_ratio is not None else calibration.ratio if calibration else None
-        blend = BlendConfig(select=c.blend_select) if ratio is None else BlendConfig(ratio=ratio, select=c.blend_select)
-        store = ChunkStore.from_config(c.chunk_cache)
-        limit = calibration.deviation_limit if calibration and c.recompute_ratio is None else None
-        return Reuser(self.model, self.tokenizer, store, self.model_fp, blend, deviation_limit=limit)
 
     # ---- the ways in (any thread) -------------------------------------------------------
 
@@ -220,6 +210,15 @@ class Engine:
                 self.outbox.flush()
                 self.wake.wait()
             self.outbox.flush()
+            self.settle()
+
+    def settle(self) -> None:
+        """Store what the prompts whose first token just went out leave, once the step's outputs are on their way:
+        the copies and write-behind of their KV are not in their time to first token."""
+        settling, self.settling = self.settling, []
+        for seq in settling:
+            if seq.id in self.callbacks:
+                self.caches.settle(seq)
 
     def drain_inbox(self) -> None:
         with self.lock:
@@ -381,7 +380,7 @@ class Engine:
         if out is not None:
             self.deliver(seq, callback, out)
         if first and seq.id in self.callbacks:  # what the prompt leaves: stored once its first token is out
-            self.caches.settle(seq)
+            self.settling.append(seq)
 
     def fail(self, seq: Sequence, exc: Exception) -> None:
         log.exception("request %d failed", seq.id, exc_info=exc)

@@ -1,9 +1,13 @@
-"""The caches an engine's config asks for, wired to the engine's reuser, spans and gate."""
+"""What an engine's config asks for, built: its reuser, and its caches wired to the reuser, spans and gate."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from kvgate.chunk_cache import ChunkStore
+from kvgate.runtime.blend import BlendConfig
 from kvgate.runtime.caching import Caches
 from kvgate.runtime.calibration import Calibration
 from kvgate.runtime.chunks import Breaks, Chunks
@@ -13,6 +17,22 @@ from kvgate.runtime.prefix import Blocks
 from kvgate.runtime.quality import Gate
 from kvgate.runtime.reuse import Reuser
 from kvgate.runtime.shared import Spans
+
+
+def make_reuser(
+    config: EngineConfig,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    model_fp: str,
+    calibration: Calibration | None,
+) -> Reuser:
+    """The reuser over the config's chunk store, blending at the operator's ratio, else the calibrated one."""
+    c = config
+    ratio = c.recompute_ratio if c.recompute_ratio is not None else calibration.ratio if calibration else None
+    blend = BlendConfig(select=c.blend_select) if ratio is None else BlendConfig(ratio=ratio, select=c.blend_select)
+    limit = calibration.deviation_limit if calibration and c.recompute_ratio is None else None
+    store = ChunkStore.from_config(c.chunk_cache)
+    return Reuser(model, tokenizer, store, model_fp, blend, deviation_limit=limit)
 
 
 def make_caches(

@@ -9,30 +9,30 @@ from kvgate.runtime.decode import Batches
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.model import attend
 
-LAYERS, KV_HEADS, HEADS, D = 2, 2, 6, 8
+LAYERS, KV_HEADS, HEADS, D = 2, 2, 6, 8  # head size 8: torch's ops; 64: runtime/cpu_decode.c where it is built
 
 
-def cache(length: int, dtype: torch.dtype) -> KVCache:
-    kv = KVCache(LAYERS, KV_HEADS, D, dtype, "cpu")
+def cache(length: int, dtype: torch.dtype, d: int = D) -> KVCache:
+    kv = KVCache(LAYERS, KV_HEADS, d, dtype, "cpu")
     kv.reserve(length + 1)
     assert kv.all_keys is not None and kv.all_values is not None
     kv.all_keys.fill_(float("nan"))  # storage past a cache's rows is never read
     kv.all_values.fill_(float("nan"))
     kv.extend(
-        torch.randn(LAYERS, KV_HEADS, length, D, dtype=dtype), torch.randn(LAYERS, KV_HEADS, length, D, dtype=dtype)
+        torch.randn(LAYERS, KV_HEADS, length, d, dtype=dtype), torch.randn(LAYERS, KV_HEADS, length, d, dtype=dtype)
     )
     return kv
 
 
 def step(batches: Batches, caches: list[KVCache], window: int | None, dtype: torch.dtype) -> None:
     """One decode step of every layer through `batches`, each sequence's output checked against its own attention."""
-    lengths = [len(kv) for kv in caches]
+    lengths, d = [len(kv) for kv in caches], caches[0].head_dim
     batch = batches.of(caches, {window})
     assert batch is not None
     batch.masks()
     for layer in range(LAYERS):
-        q = torch.randn(len(caches), HEADS, D, dtype=dtype)
-        k, v = torch.randn(len(caches), KV_HEADS, D, dtype=dtype), torch.randn(len(caches), KV_HEADS, D, dtype=dtype)
+        q = torch.randn(len(caches), HEADS, d, dtype=dtype)
+        k, v = torch.randn(len(caches), KV_HEADS, d, dtype=dtype), torch.randn(len(caches), KV_HEADS, d, dtype=dtype)
         together = batch.attend(layer, q, k, v, 0.3, window)
         for b, kv in enumerate(caches):
             keys = torch.cat((kv.keys[layer][:, : lengths[b]], k[b][:, None]), 1)
@@ -44,16 +44,16 @@ def step(batches: Batches, caches: list[KVCache], window: int | None, dtype: tor
     assert not any(kv.all_keys[:, :, : len(kv)].isnan().any() for kv in caches)  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("native,d", [(False, D), (False, 64), (True, D)])
 @pytest.mark.parametrize("window", [None, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_sequence_attends_over_its_own_rows_step_after_step(
-    window: int | None, dtype: torch.dtype, native: bool
+    window: int | None, dtype: torch.dtype, native: bool, d: int
 ) -> None:
-    """Either way a batch is held: in float32 over the rows in use, or native (the caches' dtype, SDPA over the
-    whole room, as on a GPU)."""
+    """Either way a batch is held: in float32 over the rows in use (torch's ops, or one call a layer of
+    runtime/cpu_decode.c), or native (the caches' dtype, SDPA over the whole room, as on a GPU)."""
     torch.manual_seed(0)
-    caches, batches = [cache(n, dtype) for n in (3, 17, 1, 9)], Batches(native=native)
+    caches, batches = [cache(n, dtype, d) for n in (3, 17, 1, 9)], Batches(native=native)
     step(batches, caches, window, dtype)
     kept = batches.last
     step(batches, caches, window, dtype)
