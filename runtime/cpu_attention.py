@@ -5,7 +5,7 @@ linears run at ~420: attention was 60% of a cold 2.6k-token prefill. The C kerne
 AVX512-BF16 instructions, and each row the same way whatever rows share its call, so that a prompt's KV is the
 same bit for bit however its prefill is split without cutting the call into a grid of chunks.
 
-It is compiled for this very CPU (`-march=native`) with the system's C compiler into the temporary directory,
+It is compiled for this very CPU (`-march=native`) with the system's C compiler into the user's kvgate cache,
 once per source and machine, and loaded beside torch's OpenMP runtime (whose threads it shares). Where there is
 no compiler, the CPU lacks AVX512-BF16, or SDPA is faster here (measured once a process, for CPUs with AMX), the
 torch kernels serve. `load(fast=False)` gives the kernel's plain-C build on any CPU, which tests use to check the
@@ -21,13 +21,14 @@ import logging
 import os
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from kvgate.chunk_cache.config import user_cache_dir
 
 SIZES = {torch.bfloat16: 2, torch.float32: 4}
 log = logging.getLogger(__name__)
@@ -110,32 +111,35 @@ def machine_key() -> str:
     return hashlib.sha256(code + flags.encode()).hexdigest()[:16]
 
 
-def private(where: Path) -> Path:
-    """`where`, made if missing, when only this user can write it (a library loaded from it runs as this
-    process); else a fresh directory of its own."""
-    where.mkdir(mode=0o700, exist_ok=True)
-    status = where.lstat()
-    if where.is_symlink() or status.st_uid != os.getuid() or status.st_mode & 0o022:
-        return Path(tempfile.mkdtemp(prefix="kvgate-kernels-"))
-    return where
+def private(where: Path) -> bool:
+    """Whether `where` (made if missing) can be written by this user alone: a library loaded from it runs as
+    this process."""
+    try:
+        where.mkdir(mode=0o700, parents=True, exist_ok=True)
+        status = where.lstat()
+    except OSError:
+        return False
+    return not where.is_symlink() and status.st_uid == os.getuid() and not status.st_mode & 0o022
 
 
 @functools.cache
 def load(fast: bool = True) -> Kernel | None:
     """The kernel built for this CPU (`fast`: for its own instructions; else plain C), or None where no C
-    compiler builds it."""
+    compiler builds it. Built once a machine into the user's kvgate cache (nothing goes to the temporary
+    directory: the compiler's own files are made beside the library)."""
     compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    where = user_cache_dir() / "kernels"
+    if compiler is None or not private(where):
         return None
-    where = private(Path(tempfile.gettempdir()) / f"kvgate-kernels-{os.getuid()}")
     target = where / f"cpu_attention-{machine_key()}-{'native' if fast else 'plain'}.so"
     if not target.is_file():
         temp = target.with_suffix(f".{os.getpid()}.tmp")
         march = ["-march=native"] if fast else ["-march=x86-64-v2"] if os.uname().machine == "x86_64" else []
         argv = [compiler, *FLAGS, *march, *map(str, SOURCES), "-o", str(temp)]
-        done = subprocess.run(argv, capture_output=True, text=True)
+        done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "TMPDIR": str(where)})
         if done.returncode != 0:
             log.warning("cpu attention kernel not built (%s): %s", compiler, done.stderr[-400:])
+            temp.unlink(missing_ok=True)
             return None
         temp.replace(target)
     return Kernel(ctypes.CDLL(str(target)))
