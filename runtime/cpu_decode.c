@@ -15,7 +15,12 @@ int decode_fast(void) { return 1; }
 int decode_fast(void) { return 0; }
 #endif
 
+#if defined(__AVX512F__)
 #define LANES 16
+#else
+#define LANES 8 /* a vector of 16 would be split, and passed between functions in memory */
+#endif
+#define MOST (256 / LANES) /* vectors a row of the widest head */
 typedef float vf __attribute__((vector_size(4 * LANES)));
 typedef int32_t vi __attribute__((vector_size(4 * LANES)));
 
@@ -45,6 +50,18 @@ static inline vf exp_neg(vf x) { /* e^x for x <= 0, ~1 ulp; below -87: ~0 */
     p = p * f + 1.0f;
     vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
     return p * (vf)bits;
+}
+
+static inline float total(vf a) { /* the lanes' sum, halving: no chain of dependent adds */
+#if LANES == 16
+    a = a + __builtin_shuffle(a, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    a = a + __builtin_shuffle(a, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    a = a + __builtin_shuffle(a, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+#else
+    a = a + __builtin_shuffle(a, (vi){4, 5, 6, 7, 0, 1, 2, 3});
+    a = a + __builtin_shuffle(a, (vi){2, 3, 0, 1, 6, 7, 4, 5});
+#endif
+    return a[0] + a[1];
 }
 
 static inline float element(const void *p, int64_t i, int bf16) {
@@ -94,7 +111,7 @@ int decode(int bf16, const void *q, int64_t qs, const void *k, int64_t kstride, 
                 ks[(int64_t)end * d + e] = element(k, b * kstride + (int64_t)h * d + e, bf16);
                 vs[(int64_t)end * d + e] = element(v, b * vstride + (int64_t)h * d + e, bf16);
             }
-            vf qv[16][16]; /* the group's queries (at most 16 heads a group, 256 wide), scaled */
+            vf qv[16][MOST]; /* the group's queries (at most 16 heads a group, 256 wide), scaled */
             for (int g = 0; g < group; g++)
                 for (int c = 0; c < chunks; c++) {
                     float x[LANES];
@@ -107,27 +124,25 @@ int decode(int bf16, const void *q, int64_t qs, const void *k, int64_t kstride, 
                 for (int g = 0; g < group; g++) {
                     vf a = qv[g][0] * load(row);
                     for (int c = 1; c < chunks; c++) a = a + qv[g][c] * load(row + c * LANES);
-                    float dot = 0.0f;
-                    for (int i = 0; i < LANES; i++) dot += a[i];
-                    s[g * room + j] = dot;
+                    s[g * room + j] = total(a);
                 }
             }
             for (int g = 0; g < group; g++) {
                 float *sg = s + g * room, top = -INFINITY, sum = 0.0f;
                 for (int j = 0; j < n; j++) top = fmaxf(top, sg[j]);
                 int j = 0;
-                vf total = {};
+                vf all = {};
                 for (; j + LANES <= n; j += LANES) {
                     vf p = exp_neg(load(sg + j) - top);
                     save(sg + j, p);
-                    total = total + p;
+                    all = all + p;
                 }
-                for (int i = 0; i < LANES; i++) sum += total[i];
+                sum = total(all);
                 for (; j < n; j++) sum += sg[j] = expf(sg[j] - top);
                 float inv = 1.0f / sum;
                 for (j = 0; j < n; j++) sg[j] *= inv;
             }
-            vf acc[16][16];
+            vf acc[16][MOST];
             for (int g = 0; g < group; g++)
                 for (int c = 0; c < chunks; c++) acc[g][c] = (vf){};
             for (int j = 0; j < n; j++) {
