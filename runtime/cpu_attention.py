@@ -15,7 +15,8 @@ against SDPA's 57 on the same CPU, whose float32 kernel runs at ~64% of the FMA 
 
 A decode step's attention in torch is a dozen small ops a layer, each dearer in dispatch than in arithmetic at a few
 hundred keys; the decode kernel writes the step's new rows into the batch's float32 copy and attends for every
-sequence and KV head in one call (vector code for any CPU with AVX2 or NEON).
+sequence and KV head in one call (vector code for any CPU with AVX2 or NEON); its RMSNorms and rotations are one call
+each too (`small_ops`; a prompt's rows keep torch's, whose sums run in another order).
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ class Kernel:
         tensors = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr]  # q, k, v and strides; keys, values, ends, out
         self._decode.argtypes = [i32, *tensors, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32]
 
+        self._norm, self._rope = library.rms_norm, library.rope
+        self._norm.argtypes = [i32, ptr, i64, ptr, ptr, i32, i32, ctypes.c_float]
+        self._rope.argtypes = [i32, ptr, i64, ptr, ptr, ptr, i32, i32, i32]
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
         """Rows start..start+n of q [heads, n, d] over k, v [kv_heads, >= start + n, d], causal: [heads, n, d]."""
         heads, n, d = q.shape
@@ -90,6 +95,28 @@ class Kernel:
         )  # fmt: skip
         if failed:
             raise MemoryError("cpu decode attention: out of memory for its buffers")
+        return out
+
+    def norm(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """An RMSNorm `module` (weight, variance_epsilon) of a decode step's rows x [n, hidden]."""
+        weight = module.weight
+        if x.stride(1) != 1 or weight.dtype != x.dtype or not weight.is_contiguous():
+            return module(x)
+        out = torch.empty(x.shape, dtype=x.dtype)
+        n, d = x.shape
+        self._norm(x.dtype == torch.bfloat16, x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), n, d,
+                   module.variance_epsilon)  # fmt: skip
+        return out
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [n, heads, d] (heads d apart) rotated by cos, sin [n, d], as model.py's apply_rope."""
+        n, heads, d = x.shape
+        if x.stride(2) != 1 or x.stride(1) != d:
+            x = x.contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        out = torch.empty(n, heads, d, dtype=x.dtype)
+        self._rope(x.dtype == torch.bfloat16, x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(),
+                   out.data_ptr(), n, heads, d)  # fmt: skip
         return out
 
 
@@ -173,6 +200,14 @@ def decoding(q: torch.Tensor, keys: torch.Tensor) -> Kernel | None:
         return None
     d, group = q.shape[-1], q.shape[1] // keys.shape[1]
     if d % 16 or d > 256 or group > 16:
+        return None
+    kernel = load()
+    return kernel if kernel is not None and kernel.decodes else None
+
+
+def small_ops(h: torch.Tensor) -> Kernel | None:
+    """The kernel for a decode step's norms and rotations (runtime/model.py decode_layers), where it decodes."""
+    if h.device.type != "cpu" or h.dtype not in SIZES:
         return None
     kernel = load()
     return kernel if kernel is not None and kernel.decodes else None

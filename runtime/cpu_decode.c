@@ -161,3 +161,52 @@ int decode(int bf16, const void *q, int64_t qs, const void *k, int64_t kstride, 
     }
     return failed ? -1 : 0;
 }
+
+/* The rest of a decode step's small ops, for its few rows (a prompt's rows keep torch's, whose sums run in
+   another order: the same rows must compute alike whatever step holds them). */
+
+static inline float rounded(float f, int bf16) { /* f as the element type holds it */
+    if (!bf16) return f;
+    uint16_t h;
+    put(&h, 0, f, 1);
+    return element(&h, 0, 1);
+}
+
+/* out [n, d] = w * x / rms(x) for rows of x [n, d] (`stride` elements apart), as transformers' RMSNorm: in float32,
+   rounded to the element type before the weight multiplies. */
+void rms_norm(int bf16, const void *x, int64_t stride, const void *w, void *out, int n, int d, float eps) {
+    for (int r = 0; r < n; r++) {
+        vf sums = {};
+        int e = 0;
+        for (; e + LANES <= d; e += LANES) {
+            float h[LANES];
+            for (int i = 0; i < LANES; i++) h[i] = element(x, r * stride + e + i, bf16);
+            vf v = load(h);
+            sums = sums + v * v;
+        }
+        float sum = total(sums);
+        for (; e < d; e++) sum += element(x, r * stride + e, bf16) * element(x, r * stride + e, bf16);
+        float inv = 1.0f / sqrtf(sum / d + eps);
+        for (e = 0; e < d; e++) {
+            float y = rounded(element(x, r * stride + e, bf16) * inv, bf16) * element(w, e, bf16);
+            put(out, (int64_t)r * d + e, y, bf16);
+        }
+    }
+}
+
+/* out [n, heads, d] contiguous = x cos + rotate_half(x) sin for x [n, heads, d] (rows `stride` elements apart,
+   heads d apart), cos and sin [n, d] contiguous; each product rounded to the element type, as torch's ops do. */
+void rope(int bf16, const void *x, int64_t stride, const void *cos, const void *sin, void *out, int n, int heads,
+          int d) {
+    int half = d / 2;
+    for (int r = 0; r < n; r++)
+        for (int h = 0; h < heads; h++) {
+            int64_t at = r * stride + (int64_t)h * d, to = ((int64_t)r * heads + h) * d;
+            for (int e = 0; e < d; e++) {
+                float turned = e < half ? -element(x, at + e + half, bf16) : element(x, at + e - half, bf16);
+                float c = element(cos, (int64_t)r * d + e, bf16), s = element(sin, (int64_t)r * d + e, bf16);
+                float a = rounded(element(x, at + e, bf16) * c, bf16), b = rounded(turned * s, bf16);
+                put(out, to + e, a + b, bf16);
+            }
+        }
+}

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from kvgate.runtime import cpu_attention
+from kvgate.runtime.cpu_attention import Kernel
 from kvgate.runtime.decode import Batches, DecodeBatch
 from kvgate.runtime.invariance import MOST, row_floor
 from kvgate.runtime.kv import KVCache
@@ -138,24 +139,35 @@ def attend_grid(
     return torch.cat(parts, 1)
 
 
-def project(layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """A decoder layer's q, k, v for hidden states h [n, hidden]: [n, heads, head_dim], RoPE applied."""
-    n, d = len(h), layer.head_dim
-    q, k, v = layer.qkv(layer.input_norm(h)).view(n, -1, d).split((layer.heads, layer.kv_heads, layer.kv_heads), 1)
+def normed(norm: torch.nn.Module, h: torch.Tensor, small: Kernel | None = None) -> torch.Tensor:
+    return norm(h) if small is None else small.norm(norm, h)
+
+
+def project(
+    layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, small: Kernel | None = None
+) -> tuple[torch.Tensor, ...]:
+    """A decoder layer's q, k, v for hidden states h [n, hidden]: [n, heads, head_dim], RoPE applied. `small`: a
+    decode step's norm and rotation by runtime/cpu_decode.c (one call each, in place of a dozen small ops)."""
+    n, d, heads = len(h), layer.head_dim, layer.heads
+    qkv = layer.qkv(normed(layer.input_norm, h, small)).view(n, -1, d)
+    q, k, v = qkv.split((heads, layer.kv_heads, layer.kv_heads), 1)
     if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3
         return apply_rope(layer.q_norm(q), cos, sin), apply_rope(layer.k_norm(k), cos, sin), v
-    qk = apply_rope(torch.cat((q, k), 1), cos, sin)  # one rotation for both
-    return qk[:, : layer.heads], qk[:, layer.heads :], v
+    if small is not None:
+        qk = small.rope(qkv[:, : heads + layer.kv_heads], cos, sin)
+    else:
+        qk = apply_rope(torch.cat((q, k), 1), cos, sin)  # one rotation for both
+    return qk[:, :heads], qk[:, heads:], v
 
 
-def finish_layer(layer: Layer, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+def finish_layer(layer: Layer, h: torch.Tensor, attn_out: torch.Tensor, small: Kernel | None = None) -> torch.Tensor:
     """The rest of a decoder layer after attention: output projection, residuals, MLP."""
     h = h + layer.o(attn_out.reshape(len(h), -1))
-    return h + layer.mlp(layer.post_norm(h))
+    return h + layer.mlp(normed(layer.post_norm, h, small))
 
 
-def logits_of(model: PreTrainedModel, h: torch.Tensor) -> torch.Tensor:
-    return decoder_of(model).head(model.model.norm(h)).float()
+def logits_of(model: PreTrainedModel, h: torch.Tensor, small: Kernel | None = None) -> torch.Tensor:
+    return decoder_of(model).head(normed(model.model.norm, h, small)).float()
 
 
 def decode_layers(model: PreTrainedModel, ids: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
@@ -165,10 +177,11 @@ def decode_layers(model: PreTrainedModel, ids: torch.Tensor, batch: DecodeBatch)
     h = inner.embed_tokens(ids)
     cos, sin = inner.rotary_emb(h[None], batch.slots.ends[None])
     batch.masks()
+    small = cpu_attention.small_ops(h)
     for i, layer in enumerate(decoder_of(model).layers):
-        q, k, v = project(layer, h, cos[0], sin[0])
-        h = finish_layer(layer, h, batch.attend(i, q, k, v, layer.scale, layer.window))
-    return logits_of(model, h)
+        q, k, v = project(layer, h, cos[0], sin[0], small)
+        h = finish_layer(layer, h, batch.attend(i, q, k, v, layer.scale, layer.window), small)
+    return logits_of(model, h, small)
 
 
 @torch.inference_mode()

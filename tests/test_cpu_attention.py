@@ -86,3 +86,26 @@ def test_the_fast_kernel_serves_only_what_it_computes() -> None:
     assert cpu_attention.usable(q.float(), None) is None
     assert cpu_attention.usable(q, 16) is None  # a sliding window
     assert cpu_attention.usable(q[..., :32], None) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_steps_norm_and_rotation_are_torchs(dtype: torch.dtype) -> None:
+    """runtime/cpu_decode.c's RMSNorm and RoPE for a decode step's rows: transformers' and model.py's, to the last
+    bit or two of the element type (their sums run in another order)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from kvgate.runtime.model import apply_rope
+
+    built = cpu_attention.load()
+    if built is None or not built.decodes:
+        pytest.skip("no C compiler here, or no vector instructions it builds for")
+    g = torch.Generator().manual_seed(0)
+    norm = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    norm.weight.data = torch.randn(96, generator=g).to(dtype)
+    x = (3 * torch.randn(5, 2 * 96, generator=g)).to(dtype)[:, :96]  # rows of a wider tensor
+    tolerance = {"atol": 2e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
+    with torch.inference_mode():
+        torch.testing.assert_close(built.norm(norm, x), norm(x), **tolerance)
+        qkv = torch.randn(5, 7, 64, generator=g).to(dtype)  # 4 query heads and a KV head rotated, 2 value heads not
+        cos, sin = torch.randn(5, 64, generator=g).to(dtype), torch.randn(5, 64, generator=g).to(dtype)
+        torch.testing.assert_close(built.rope(qkv[:, :5], cos, sin), apply_rope(qkv[:, :5], cos, sin), **tolerance)
