@@ -149,7 +149,12 @@ def load(fast: bool = True) -> Kernel | None:
     where = user_cache_dir() / "kernels"
     if compiler is None or not private(where):
         return None
-    target = where / f"cpu_attention-{machine_key()}-{'native' if fast else 'plain'}.so"
+    try:
+        key = machine_key()
+    except OSError as exc:  # an install without the sources
+        log.warning("cpu kernels not built: %s", exc)
+        return None
+    target = where / f"cpu_attention-{key}-{'native' if fast else 'plain'}.so"
     if not target.is_file():
         temp = target.with_suffix(f".{os.getpid()}.tmp")
         march = ["-march=native"] if fast else ["-march=x86-64-v2"] if os.uname().machine == "x86_64" else []
