@@ -99,13 +99,13 @@ class Kernel:
 
     def norm(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """An RMSNorm `module` (weight, variance_epsilon) of a decode step's rows x [n, hidden]."""
-        weight = module.weight
-        if x.stride(1) != 1 or weight.dtype != x.dtype or not weight.is_contiguous():
+        weight, eps = module.weight, getattr(module, "variance_epsilon", None)
+        if eps is None or x.stride(1) != 1 or weight.dtype != x.dtype or not weight.is_contiguous():
             return module(x)
         out = torch.empty(x.shape, dtype=x.dtype)
         n, d = x.shape
         self._norm(x.dtype == torch.bfloat16, x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), n, d,
-                   module.variance_epsilon)  # fmt: skip
+                   eps)  # fmt: skip
         return out
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -113,7 +113,7 @@ class Kernel:
         n, heads, d = x.shape
         if x.stride(2) != 1 or x.stride(1) != d:
             x = x.contiguous()
-        cos, sin = cos.contiguous(), sin.contiguous()
+        cos, sin = cos.to(x.dtype).contiguous(), sin.to(x.dtype).contiguous()
         out = torch.empty(n, heads, d, dtype=x.dtype)
         self._rope(x.dtype == torch.bfloat16, x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(),
                    out.data_ptr(), n, heads, d)  # fmt: skip
