@@ -15,6 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_bf16.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define FAST 1
@@ -25,23 +27,7 @@
 #define BLOCK 64   /* keys a block: positions b*BLOCK .. b*BLOCK+63 */
 #define QROWS 32   /* query positions an item */
 
-typedef uint16_t bf16;
-
 int fast(void) { return FAST; }
-
-static inline float from_bf16(bf16 x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline bf16 to_bf16(float f) { /* round to nearest even; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40);
-    return (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* Keys of head h, block b, as pairs: kp[p * BLOCK + j] = (K[j][2p], K[j][2p+1]); values as vp[jp * d + e] =
    (V[2jp][e], V[2jp+1][e]). Rows past `total` are zeros. */

@@ -41,6 +41,7 @@ SIZES = {torch.bfloat16: 2, torch.float32: 4}
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_decode.c"))
+HEADERS = (Path(__file__).with_name("cpu_bf16.h"),)
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
 
@@ -125,7 +126,7 @@ def machine_key() -> str:
     cpu = Path("/proc/cpuinfo")
     lines = cpu.read_text().splitlines() if cpu.is_file() else []
     flags = next((line for line in lines if line.startswith("flags")), os.uname().machine)
-    code = b"".join(path.read_bytes() for path in SOURCES) + " ".join(FLAGS).encode()
+    code = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS)) + " ".join(FLAGS).encode()
     return hashlib.sha256(code + flags.encode()).hexdigest()[:16]
 
 

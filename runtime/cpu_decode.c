@@ -9,6 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_bf16.h"
+
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__ARM_NEON)
 int decode_fast(void) { return 1; }
 #else
@@ -65,24 +67,14 @@ static inline float total(vf a) { /* the lanes' sum, halving: no chain of depend
 }
 
 static inline float element(const void *p, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)p)[i];
-    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+    return bf16 ? from_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 static inline void put(void *p, int64_t i, float f, int bf16) {
-    if (!bf16) {
-        ((float *)p)[i] = f;
-        return;
-    }
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        ((uint16_t *)p)[i] = (uint16_t)((u >> 16) | 0x40);
+    if (bf16)
+        ((uint16_t *)p)[i] = to_bf16(f);
     else
-        ((uint16_t *)p)[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        ((float *)p)[i] = f;
 }
 
 /* q [batch, heads, d], k and v [batch, kv_heads, d] (the step's new rows; sequences `qs`, `kstride`, `vstride`
