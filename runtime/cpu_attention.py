@@ -1,17 +1,18 @@
-"""Attention on a CPU in C kernels of kvgate's own, compiled here at first use: a prompt's rows over bf16 KV
-(runtime/cpu_attention.c) and a decode batch's step (runtime/cpu_decode.c).
+"""Attention on a CPU in C kernels of kvgate's own, compiled here at first use: a prompt's rows over bf16 or float32
+KV (runtime/cpu_attention.c with its kinds, cpu_attention_bf16.c and cpu_attention_f32.c) and a decode batch's step
+(runtime/cpu_decode.c).
 
 SDPA's CPU flash kernel reached ~130 GFLOP/s in bf16 on a 2-core AVX512-BF16 CPU, where the same CPU's bf16
 linears run at ~420: attention was 60% of a cold 2.6k-token prefill. The C kernel computes its dots with
-AVX512-BF16 instructions, and each row the same way whatever rows share its call, so that a prompt's KV is the
-same bit for bit however its prefill is split without cutting the call into a grid of chunks.
+AVX512-BF16 instructions (float32: AVX512F fused multiply-adds in register tiles of 6 rows), and each row the same
+way whatever rows share its call, so that a prompt's KV is the same bit for bit however its prefill is split
+without cutting the call into a grid of chunks.
 
 It is compiled for this very CPU (`-march=native`) with the system's C compiler into the user's kvgate cache,
 once per source and machine, and loaded beside torch's OpenMP runtime (whose threads it shares). Where there is
-no compiler, the CPU lacks AVX512-BF16, or SDPA is faster here (measured once a process, for CPUs with AMX), the
-torch kernels serve. `load(fast=False)` gives the kernel's plain-C build on any CPU, which tests use to check the
-method where the instructions are missing. (A float32 twin in vector code, tried: 72 ms a layer at 2.6k rows
-against SDPA's 57 on the same CPU, whose float32 kernel runs at ~64% of the FMA peak; not kept.)
+no compiler, the CPU lacks the dtype's instructions, or SDPA is faster here (measured once a process and dtype, for
+CPUs with AMX), the torch kernels serve. `load(fast=False)` gives the kernel's plain-C build on any CPU, which tests
+use to check the method where the instructions are missing.
 
 A decode step's attention in torch is a dozen small ops a layer, each dearer in dispatch than in arithmetic at a few
 hundred keys; the decode kernel writes the step's new rows into the batch's float32 copy and attends for every
@@ -40,18 +41,22 @@ from kvgate.chunk_cache.config import user_cache_dir
 SIZES = {torch.bfloat16: 2, torch.float32: 4}
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_decode.c"))
-HEADERS = (Path(__file__).with_name("cpu_bf16.h"),)
+SOURCES = tuple(
+    Path(__file__).with_name(name)
+    for name in ("cpu_attention.c", "cpu_attention_bf16.c", "cpu_attention_f32.c", "cpu_decode.c")
+)
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_bf16.h", "cpu_flash.h"))
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
 
 class Kernel:
     def __init__(self, library: ctypes.CDLL) -> None:
-        self.fast = bool(library.fast())
+        library.fast.argtypes = [ctypes.c_int]
+        self.fast = {dtype: bool(library.fast(dtype == torch.bfloat16)) for dtype in SIZES}
         self._attend = library.attend
         self._attend.restype = ctypes.c_int
         i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-        self._attend.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i32, i32, i32, i32, i32, ctypes.c_float, i32]
+        self._attend.argtypes = [i32, ptr, i64, i64, ptr, ptr, i64, ptr, i32, i32, i32, i32, i32, ctypes.c_float, i32]
         self.decodes = bool(library.decode_fast())
         self._decode = library.decode
         self._decode.restype = ctypes.c_int
@@ -63,7 +68,10 @@ class Kernel:
         self._rope.argtypes = [i32, ptr, i64, ptr, ptr, ptr, i32, i32, i32]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-        """Rows start..start+n of q [heads, n, d] over k, v [kv_heads, >= start + n, d], causal: [heads, n, d]."""
+        """Rows start..start+n of q [heads, n, d] over k, v [kv_heads, >= start + n, d], causal: [heads, n, d],
+        all bf16 or all float32."""
+        if q.dtype not in SIZES or k.dtype != q.dtype or v.dtype != q.dtype:
+            raise TypeError(f"cpu attention: bf16 or float32 alike, not {q.dtype}, {k.dtype}, {v.dtype}")
         heads, n, d = q.shape
         kv_heads = k.shape[0]
         if q.stride(2) != 1:
@@ -74,8 +82,8 @@ class Kernel:
             v, k = v.contiguous(), k.contiguous()
         out = torch.empty(heads, n, d, dtype=q.dtype)
         failed = self._attend(
-            q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(0), out.data_ptr(),
-            heads, kv_heads, n, start, d, scale, torch.get_num_threads(),
+            q.dtype == torch.bfloat16, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(0),
+            out.data_ptr(), heads, kv_heads, n, start, d, scale, torch.get_num_threads(),
         )  # fmt: skip
         if failed:
             raise MemoryError("cpu attention: out of memory for its buffers")
@@ -169,11 +177,12 @@ def load(fast: bool = True) -> Kernel | None:
     return Kernel(ctypes.CDLL(str(target)))
 
 
-def faster(kernel: Kernel, rows: int = 1024) -> bool:
-    """Whether the kernel attends a prompt faster than SDPA's flash kernel on this CPU (8 heads over 2 KV heads,
-    the best of 3 each): measured rather than assumed, since CPUs with AMX run SDPA's bf16 GEMMs on their tiles."""
+def faster(kernel: Kernel, dtype: torch.dtype, rows: int = 1024) -> bool:
+    """Whether the kernel attends a prompt in `dtype` faster than SDPA's flash kernel on this CPU (8 heads over 2
+    KV heads, the best of 3 each): measured rather than assumed, since CPUs with AMX run SDPA's bf16 GEMMs on their
+    tiles."""
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(h, rows, 64, generator=g).to(torch.bfloat16) for h in (8, 2, 2))
+    q, k, v = (torch.randn(h, rows, 64, generator=g).to(dtype) for h in (8, 2, 2))
 
     def best(attend: Callable[[], object]) -> float:
         attend()
@@ -186,16 +195,16 @@ def faster(kernel: Kernel, rows: int = 1024) -> bool:
 
     ours = best(lambda: kernel(q, k, v, 0, 0.125))
     sdpa = best(lambda: F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=True))
-    log.info("cpu attention: %.1f ms against SDPA's %.1f ms for %d rows", 1e3 * ours, 1e3 * sdpa, rows)
+    log.info("cpu attention: %.1f ms against SDPA's %.1f ms for %d rows in %s", 1e3 * ours, 1e3 * sdpa, rows, dtype)
     return ours < sdpa
 
 
 @functools.cache
-def serving() -> Kernel | None:
-    """The kernel the engine uses for bf16 prompts: built for this CPU's own instructions and faster than SDPA
-    here (measured once a process, ~0.1 s); else None."""
+def serving(dtype: torch.dtype) -> Kernel | None:
+    """The kernel the engine uses for prompts in `dtype` (bf16, float32): built for this CPU's own instructions
+    and faster than SDPA here (measured once a process and dtype, ~0.1 s); else None."""
     kernel = load()
-    return kernel if kernel is not None and kernel.fast and faster(kernel) else None
+    return kernel if kernel is not None and kernel.fast.get(dtype, False) and faster(kernel, dtype) else None
 
 
 def decoding(q: torch.Tensor, keys: torch.Tensor) -> Kernel | None:
@@ -220,8 +229,8 @@ def small_ops(h: torch.Tensor) -> Kernel | None:
 
 
 def usable(q: torch.Tensor, window: int | None) -> Kernel | None:
-    """The serving kernel where it computes these rows: bf16 on a CPU, full attention, head sizes a multiple of
-    64, GQA groups whole."""
-    if q.device.type != "cpu" or q.dtype != torch.bfloat16 or window is not None or q.shape[-1] % 64:
+    """The serving kernel where it computes these rows: bf16 or float32 on a CPU, full attention, head sizes a
+    multiple of 64, GQA groups whole."""
+    if q.device.type != "cpu" or q.dtype not in SIZES or window is not None or q.shape[-1] % 64:
         return None
-    return serving()
+    return serving(q.dtype)

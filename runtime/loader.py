@@ -214,8 +214,8 @@ def load(config: EngineConfig) -> LoadedModel:
         config.device
     )
     model.eval()
-    if model.dtype == torch.bfloat16 and model.device.type == "cpu":
-        cpu_attention.serving()  # built and measured now (~2 s the first time on a machine), not at the first prompt
+    if model.dtype in cpu_attention.SIZES and model.device.type == "cpu":
+        cpu_attention.serving(model.dtype)  # built and measured now (~2 s the first time on a machine), not later
     if getattr(model.config, "head_dim", None) is None:  # Qwen2's config has none: its layers use hidden / heads
         model.config.head_dim = model.model.layers[0].self_attn.head_dim
     tokenizer = AutoTokenizer.from_pretrained(path)

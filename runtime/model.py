@@ -11,7 +11,8 @@ prefill, other sequences in the step), so that reuse called exact is exact in ev
   step's rows are padded to it;
 - attention of prompt rows runs in chunks that start at multiples of GRID, each by the same kernels whatever
   came before (`attend_grid`); the engine cuts prefill runs and rounds prefix hits to GRID. In bf16 on a CPU
-  with AVX512-BF16 a kernel of kvgate's own computes every row alike whatever its call (runtime/cpu_attention.py).
+  with AVX512-BF16, and in float32 on one with AVX512F, a kernel of kvgate's own computes every row alike
+  whatever its call (runtime/cpu_attention.py).
 """
 
 from __future__ import annotations

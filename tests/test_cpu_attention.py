@@ -1,8 +1,10 @@
-"""The CPU prompt-attention kernel (runtime/cpu_attention.py): causal attention of a prompt's rows over bf16 KV,
-every row computed alike whatever its call, so that a prefill split anywhere is the whole prefill bit for bit.
+"""The CPU prompt-attention kernel (runtime/cpu_attention.py): causal attention of a prompt's rows over bf16 or
+float32 KV, every row computed alike whatever its call, so that a prefill split anywhere is the whole prefill bit
+for bit.
 
-Both builds are checked: the plain-C one on any CPU with a C compiler (the method: blocks, masks, the online
-softmax, GQA groups), the one for this CPU's own instructions where it has AVX512-BF16 (what the engine runs)."""
+Both builds are checked in both dtypes: the plain-C one on any CPU with a C compiler (the method: blocks, masks,
+the online softmax, GQA groups), the one for this CPU's own instructions where it has them (AVX512-BF16 for bf16,
+AVX512F for float32: what the engine runs)."""
 
 from __future__ import annotations
 
@@ -14,22 +16,25 @@ from kvgate.runtime import cpu_attention
 from kvgate.runtime.cpu_attention import Kernel
 
 builds = [pytest.param(False, id="plain"), pytest.param(True, id="native")]
+dtypes = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")]
+# bf16 inputs, float32 sums, weights rounded to bf16 before the values' sum: SDPA's own bf16 error
+TOLERANCE = {torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}, torch.float32: {"atol": 2e-6, "rtol": 1e-5}}
 
 
-def kernel(fast: bool) -> Kernel:
+def kernel(fast: bool, dtype: torch.dtype) -> Kernel:
     built = cpu_attention.load(fast)
     if built is None:
         pytest.skip("no C compiler here")
-    if fast and not built.fast:
-        pytest.skip("this CPU (or its compiler) has no AVX512-BF16")
+    if fast and not built.fast[dtype]:
+        pytest.skip(f"this CPU (or its compiler) has no vector instructions for {dtype} (AVX512-BF16, AVX512F)")
     return built
 
 
-def qkv(total: int, heads: int = 6, kv_heads: int = 2, d: int = 64, seed: int = 0) -> tuple[torch.Tensor, ...]:
+def qkv(
+    total: int, heads: int = 6, kv_heads: int = 2, d: int = 64, seed: int = 0, dtype: torch.dtype = torch.bfloat16
+) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
-    return tuple(
-        torch.randn(h, total, d, generator=g).to(torch.bfloat16) for h in (heads, kv_heads, kv_heads)
-    )  # fmt: skip
+    return tuple(torch.randn(h, total, d, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
 
 
 def truth(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
@@ -42,22 +47,25 @@ def truth(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: 
     return out[0]
 
 
+@pytest.mark.parametrize("dtype", dtypes)
 @pytest.mark.parametrize("fast", builds)
 @pytest.mark.parametrize("heads,kv_heads,d", [(6, 2, 64), (4, 4, 64), (4, 1, 128)])
-def test_rows_after_cached_keys_equal_masked_attention(fast: bool, heads: int, kv_heads: int, d: int) -> None:
-    q, k, v = qkv(200, heads, kv_heads, d)
+def test_rows_after_cached_keys_equal_masked_attention(
+    fast: bool, heads: int, kv_heads: int, d: int, dtype: torch.dtype
+) -> None:
+    q, k, v = qkv(200, heads, kv_heads, d, dtype=dtype)
     for start, n in [(0, 200), (0, 1), (0, 70), (63, 1), (64, 65), (130, 70), (199, 1)]:
         rows = q[:, start : start + n]
-        out = kernel(fast)(rows, k[:, : start + n], v[:, : start + n], start, d**-0.5)
-        assert out.shape == rows.shape and out.dtype == torch.bfloat16
-        # bf16 inputs, float32 sums, weights rounded to bf16 before the values' sum: SDPA's own bf16 error
-        torch.testing.assert_close(out.float(), truth(rows, k, v, start, d**-0.5), atol=2e-2, rtol=2e-2)
+        out = kernel(fast, dtype)(rows, k[:, : start + n], v[:, : start + n], start, d**-0.5)
+        assert out.shape == rows.shape and out.dtype == dtype
+        torch.testing.assert_close(out.float(), truth(rows, k, v, start, d**-0.5), **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", dtypes)
 @pytest.mark.parametrize("fast", builds)
-def test_a_prefill_split_anywhere_is_the_whole_prefill_bit_for_bit(fast: bool) -> None:
-    q, k, v = qkv(300)
-    attend = kernel(fast)
+def test_a_prefill_split_anywhere_is_the_whole_prefill_bit_for_bit(fast: bool, dtype: torch.dtype) -> None:
+    q, k, v = qkv(300, dtype=dtype)
+    attend = kernel(fast, dtype)
     whole = attend(q, k, v, 0, 0.125)
     for cuts in [(1,), (63,), (64,), (100, 101), (37, 128, 250)]:
         parts, a = [], 0
@@ -67,10 +75,11 @@ def test_a_prefill_split_anywhere_is_the_whole_prefill_bit_for_bit(fast: bool) -
         assert torch.equal(torch.cat(parts, 1), whole), cuts
 
 
+@pytest.mark.parametrize("dtype", dtypes)
 @pytest.mark.parametrize("fast", builds)
-def test_keys_past_the_rows_and_strided_inputs_change_nothing(fast: bool) -> None:
-    q, k, v = qkv(150)
-    attend = kernel(fast)
+def test_keys_past_the_rows_and_strided_inputs_change_nothing(fast: bool, dtype: torch.dtype) -> None:
+    q, k, v = qkv(150, dtype=dtype)
+    attend = kernel(fast, dtype)
     whole = attend(q[:, 20:100], k[:, :100], v[:, :100], 20, 0.125)
     # a cache's storage: longer than the prompt, rows of q from a [n, heads, d] projection's transpose
     wider = torch.cat((k, torch.full_like(k, float("nan"))), 1), torch.cat((v, torch.full_like(v, float("nan"))), 1)
@@ -78,14 +87,21 @@ def test_keys_past_the_rows_and_strided_inputs_change_nothing(fast: bool) -> Non
     assert torch.equal(attend(rows, wider[0][:, :100], wider[1][:, :100], 20, 0.125), whole)
 
 
-def test_the_fast_kernel_serves_only_what_it_computes() -> None:
-    q = torch.zeros(4, 8, 64, dtype=torch.bfloat16)
-    served = cpu_attention.serving()
-    assert served is None or served.fast  # built for this CPU's own instructions (and faster than SDPA here)
+@pytest.mark.parametrize("dtype", dtypes)
+def test_the_fast_kernel_serves_only_what_it_computes(dtype: torch.dtype) -> None:
+    q = torch.zeros(4, 8, 64, dtype=dtype)
+    served = cpu_attention.serving(dtype)
+    assert served is None or served.fast[dtype]  # built for this CPU's own instructions (and faster than SDPA here)
     assert cpu_attention.usable(q, None) is served
-    assert cpu_attention.usable(q.float(), None) is None
+    assert cpu_attention.usable(q.half(), None) is None
     assert cpu_attention.usable(q, 16) is None  # a sliding window
     assert cpu_attention.usable(q[..., :32], None) is None
+
+
+def test_kv_in_another_dtype_than_the_rows_is_refused_not_misread() -> None:
+    q = torch.zeros(4, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="alike"):
+        kernel(False, torch.bfloat16)(q, q.float(), q.float(), 0, 0.125)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
