@@ -17,11 +17,11 @@ static const struct kind *kind_of(int bf16) { return bf16 ? &BF16 : &F32; }
 int fast(int bf16) { return kind_of(bf16)->fast; }
 
 /* q [heads, n, d] (rows `qrow` elements apart, heads `qhead`), k and v [kv_heads, >= start + n, d] (rows d
-   apart, heads `kvhead`), out [heads, n, d] contiguous, all bf16 (`bf16`) or float32: row i of q is at position
+   apart, heads `kvhead`), out [heads, n, d] (rows `orow` elements apart, heads `ohead`), all bf16 (`bf16`) or float32: row i of q is at position
    start + i and sees keys 0..start + i. d a multiple of 64, heads a multiple of kv_heads. Returns 0, or -1 when
    out of memory. */
 int attend(int bf16, const void *q, int64_t qhead, int64_t qrow, const void *k, const void *v, int64_t kvhead,
-           void *out, int heads, int kv_heads, int n, int start, int d, float scale, int threads) {
+           void *out, int64_t ohead, int64_t orow, int heads, int kv_heads, int n, int start, int d, float scale, int threads) {
     const struct kind *kind = kind_of(bf16);
     const int elem = kind->elem;
     const char *qc = q, *kc = k, *vc = v;
@@ -75,7 +75,7 @@ int attend(int bf16, const void *q, int64_t qhead, int64_t qrow, const void *k, 
                 }
                 for (int r = 0; r < nr; r++) {
                     int pi = r / group, g = r % group;
-                    kind->store(o + r * d, l[r], d, (char *)out + ((int64_t)(h * group + g) * n + p0 + pi) * d * elem);
+                    kind->store(o + r * d, l[r], d, (char *)out + ((h * group + g) * ohead + (p0 + pi) * orow) * elem);
                 }
             }
             free(s), free(o), free(m), free(l), free(w), free(qs);

@@ -16,8 +16,9 @@ use to check the method where the instructions are missing.
 
 A decode step's attention in torch is a dozen small ops a layer, each dearer in dispatch than in arithmetic at a few
 hundred keys; the decode kernel writes the step's new rows into the batch's float32 copy and attends for every
-sequence and KV head in one call (vector code for any CPU with AVX2 or NEON); its RMSNorms and rotations are one call
-each too (`small_ops`; a prompt's rows keep torch's, whose sums run in another order).
+sequence and KV head in one call (vector code for any CPU with AVX2 or NEON). A layer's RMSNorms, rotation and
+SiLU-gated product are one call each too, for a decode step's rows and a prompt's alike (`row_ops`: each torch op is
+a pass over the rows' memory, and a rotation alone was seven).
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("cpu_attention.c", "cpu_attention_bf16.c", "cpu_attention_f32.c", "cpu_decode.c")
+    for name in ("cpu_attention.c", "cpu_attention_bf16.c", "cpu_attention_f32.c", "cpu_decode.c", "cpu_rows.c")
 )
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_bf16.h", "cpu_flash.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_bf16.h", "cpu_flash.h", "cpu_vec.h"))
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
 
@@ -56,20 +57,23 @@ class Kernel:
         self._attend = library.attend
         self._attend.restype = ctypes.c_int
         i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-        self._attend.argtypes = [i32, ptr, i64, i64, ptr, ptr, i64, ptr, i32, i32, i32, i32, i32, ctypes.c_float, i32]
+        tensors = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64]  # q and strides, k, v, head stride, out and strides
+        self._attend.argtypes = [i32, *tensors, i32, i32, i32, i32, i32, ctypes.c_float, i32]
         self.decodes = bool(library.decode_fast())
         self._decode = library.decode
         self._decode.restype = ctypes.c_int
         tensors = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr]  # q, k, v and strides; keys, values, ends, out
         self._decode.argtypes = [i32, *tensors, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32]
 
-        self._norm, self._rope = library.rms_norm, library.rope
-        self._norm.argtypes = [i32, ptr, i64, ptr, ptr, i32, i32, ctypes.c_float]
-        self._rope.argtypes = [i32, ptr, i64, ptr, ptr, ptr, i32, i32, i32]
+        self._norm, self._rope, self._gated = library.rms_norm, library.rope, library.silu_mul
+        self._norm.argtypes = [i32, ptr, i64, ptr, ptr, i32, i32, ctypes.c_float, i32]
+        self._rope.argtypes = [i32, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32]
+        self._gated.argtypes = [i32, ptr, i64, ptr, i32, i32, i32]
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """Rows start..start+n of q [heads, n, d] over k, v [kv_heads, >= start + n, d], causal: [heads, n, d],
-        all bf16 or all float32."""
+        all bf16 or all float32; written into `out` where given (any strides but the last)."""
         if q.dtype not in SIZES or k.dtype != q.dtype or v.dtype != q.dtype:
             raise TypeError(f"cpu attention: bf16 or float32 alike, not {q.dtype}, {k.dtype}, {v.dtype}")
         heads, n, d = q.shape
@@ -80,10 +84,13 @@ class Kernel:
             k = k.contiguous()
         if v.stride(2) != 1 or v.stride(1) != d or v.stride(0) != k.stride(0):
             v, k = v.contiguous(), k.contiguous()
-        out = torch.empty(heads, n, d, dtype=q.dtype)
+        if out is None:
+            out = torch.empty(heads, n, d, dtype=q.dtype)
+        elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
+            raise ValueError(f"cpu attention: out {tuple(out.shape)} {out.dtype} for rows {tuple(q.shape)} {q.dtype}")
         failed = self._attend(
             q.dtype == torch.bfloat16, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(0),
-            out.data_ptr(), heads, kv_heads, n, start, d, scale, torch.get_num_threads(),
+            out.data_ptr(), out.stride(0), out.stride(1), heads, kv_heads, n, start, d, scale, torch.get_num_threads(),
         )  # fmt: skip
         if failed:
             raise MemoryError("cpu attention: out of memory for its buffers")
@@ -107,14 +114,16 @@ class Kernel:
         return out
 
     def norm(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """An RMSNorm `module` (weight, variance_epsilon) of a decode step's rows x [n, hidden]."""
+        """An RMSNorm `module` (weight, variance_epsilon) of rows x [..., hidden]."""
+        if x.dim() != 2:
+            return self.norm(module, x.reshape(-1, x.shape[-1])).view(x.shape)
         weight, eps = module.weight, getattr(module, "variance_epsilon", None)
         if eps is None or x.stride(1) != 1 or weight.dtype != x.dtype or not weight.is_contiguous():
             return module(x)
         out = torch.empty(x.shape, dtype=x.dtype)
         n, d = x.shape
         self._norm(x.dtype == torch.bfloat16, x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), n, d,
-                   eps)  # fmt: skip
+                   eps, torch.get_num_threads())  # fmt: skip
         return out
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -125,7 +134,19 @@ class Kernel:
         cos, sin = cos.to(x.dtype).contiguous(), sin.to(x.dtype).contiguous()
         out = torch.empty(n, heads, d, dtype=x.dtype)
         self._rope(x.dtype == torch.bfloat16, x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(),
-                   out.data_ptr(), n, heads, d)  # fmt: skip
+                   out.data_ptr(), n, heads, d, torch.get_num_threads())  # fmt: skip
+        return out
+
+    def gated(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for rows x [..., 2f] of gate and up side by side: [..., f]."""
+        if x.dim() != 2:
+            return self.gated(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], x.shape[-1] // 2)
+        n, f = x.shape[0], x.shape[1] // 2
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        out = torch.empty(n, f, dtype=x.dtype)
+        self._gated(x.dtype == torch.bfloat16, x.data_ptr(), x.stride(0), out.data_ptr(), n, f,
+                    torch.get_num_threads())  # fmt: skip
         return out
 
 
@@ -220,8 +241,9 @@ def decoding(q: torch.Tensor, keys: torch.Tensor) -> Kernel | None:
     return kernel if kernel is not None and kernel.decodes else None
 
 
-def small_ops(h: torch.Tensor) -> Kernel | None:
-    """The kernel for a decode step's norms and rotations (runtime/model.py decode_layers), where it decodes."""
+def row_ops(h: torch.Tensor) -> Kernel | None:
+    """The kernel for a layer's row-wise ops (runtime/cpu_rows.c: norms, rotations, the MLP's gated product), where
+    it was built for vector instructions."""
     if h.device.type != "cpu" or h.dtype not in SIZES:
         return None
     kernel = load()

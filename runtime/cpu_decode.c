@@ -9,73 +9,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_bf16.h"
+#include "cpu_vec.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__ARM_NEON)
 int decode_fast(void) { return 1; }
 #else
 int decode_fast(void) { return 0; }
 #endif
-
-#if defined(__AVX512F__)
-#define LANES 16
-#else
-#define LANES 8 /* a vector of 16 would be split, and passed between functions in memory */
-#endif
-#define MOST (256 / LANES) /* vectors a row of the widest head */
-typedef float vf __attribute__((vector_size(4 * LANES)));
-typedef int32_t vi __attribute__((vector_size(4 * LANES)));
-
-static inline vf load(const float *p) {
-    vf x;
-    memcpy(&x, p, sizeof x);
-    return x;
-}
-
-static inline void save(float *p, vf x) { memcpy(p, &x, sizeof x); }
-
-static inline vf splat(float x) { return (vf){} + x; }
-
-static inline vf exp_neg(vf x) { /* e^x for x <= 0, ~1 ulp; below -87: ~0 */
-    vi low = x < -87.0f;
-    x = (vf)(((vi)x & ~low) | ((vi)splat(-87.0f) & low));
-    vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
-    vf f = x - n * 0.693145751953125f;
-    f = f - n * 1.428606765330187e-06f;
-    vf p = splat(1.0f / 5040);
-    p = p * f + 1.0f / 720;
-    p = p * f + 1.0f / 120;
-    p = p * f + 1.0f / 24;
-    p = p * f + 1.0f / 6;
-    p = p * f + 0.5f;
-    p = p * f + 1.0f;
-    p = p * f + 1.0f;
-    vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-    return p * (vf)bits;
-}
-
-static inline float total(vf a) { /* the lanes' sum, halving: no chain of dependent adds */
-#if LANES == 16
-    a = a + __builtin_shuffle(a, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    a = a + __builtin_shuffle(a, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    a = a + __builtin_shuffle(a, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-#else
-    a = a + __builtin_shuffle(a, (vi){4, 5, 6, 7, 0, 1, 2, 3});
-    a = a + __builtin_shuffle(a, (vi){2, 3, 0, 1, 6, 7, 4, 5});
-#endif
-    return a[0] + a[1];
-}
-
-static inline float element(const void *p, int64_t i, int bf16) {
-    return bf16 ? from_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline void put(void *p, int64_t i, float f, int bf16) {
-    if (bf16)
-        ((uint16_t *)p)[i] = to_bf16(f);
-    else
-        ((float *)p)[i] = f;
-}
 
 /* q [batch, heads, d], k and v [batch, kv_heads, d] (the step's new rows; sequences `qs`, `kstride`, `vstride`
    elements apart, heads d apart), out [batch, heads, d] contiguous: float32, or bf16 where `bf16`; keys and values
@@ -152,53 +92,4 @@ int decode(int bf16, const void *q, int64_t qs, const void *k, int64_t kstride, 
         free(s);
     }
     return failed ? -1 : 0;
-}
-
-/* The rest of a decode step's small ops, for its few rows (a prompt's rows keep torch's, whose sums run in
-   another order: the same rows must compute alike whatever step holds them). */
-
-static inline float rounded(float f, int bf16) { /* f as the element type holds it */
-    if (!bf16) return f;
-    uint16_t h;
-    put(&h, 0, f, 1);
-    return element(&h, 0, 1);
-}
-
-/* out [n, d] = w * x / rms(x) for rows of x [n, d] (`stride` elements apart), as transformers' RMSNorm: in float32,
-   rounded to the element type before the weight multiplies. */
-void rms_norm(int bf16, const void *x, int64_t stride, const void *w, void *out, int n, int d, float eps) {
-    for (int r = 0; r < n; r++) {
-        vf sums = {};
-        int e = 0;
-        for (; e + LANES <= d; e += LANES) {
-            float h[LANES];
-            for (int i = 0; i < LANES; i++) h[i] = element(x, r * stride + e + i, bf16);
-            vf v = load(h);
-            sums = sums + v * v;
-        }
-        float sum = total(sums);
-        for (; e < d; e++) sum += element(x, r * stride + e, bf16) * element(x, r * stride + e, bf16);
-        float inv = 1.0f / sqrtf(sum / d + eps);
-        for (e = 0; e < d; e++) {
-            float y = rounded(element(x, r * stride + e, bf16) * inv, bf16) * element(w, e, bf16);
-            put(out, (int64_t)r * d + e, y, bf16);
-        }
-    }
-}
-
-/* out [n, heads, d] contiguous = x cos + rotate_half(x) sin for x [n, heads, d] (rows `stride` elements apart,
-   heads d apart), cos and sin [n, d] contiguous; each product rounded to the element type, as torch's ops do. */
-void rope(int bf16, const void *x, int64_t stride, const void *cos, const void *sin, void *out, int n, int heads,
-          int d) {
-    int half = d / 2;
-    for (int r = 0; r < n; r++)
-        for (int h = 0; h < heads; h++) {
-            int64_t at = r * stride + (int64_t)h * d, to = ((int64_t)r * heads + h) * d;
-            for (int e = 0; e < d; e++) {
-                float turned = e < half ? -element(x, at + e + half, bf16) : element(x, at + e - half, bf16);
-                float c = element(cos, (int64_t)r * d + e, bf16), s = element(sin, (int64_t)r * d + e, bf16);
-                float a = rounded(element(x, at + e, bf16) * c, bf16), b = rounded(turned * s, bf16);
-                put(out, to + e, a + b, bf16);
-            }
-        }
 }

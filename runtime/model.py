@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from kvgate.runtime import cpu_attention
-from kvgate.runtime.cpu_attention import Kernel
 from kvgate.runtime.decode import Batches, DecodeBatch
 from kvgate.runtime.invariance import MOST, row_floor
 from kvgate.runtime.kv import KVCache
@@ -116,59 +115,60 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
 
 
 def attend_grid(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float, window: int | None = None
-) -> torch.Tensor:
-    """`attend` of rows start..start+n ([heads, n, d]) over k, v [kv_heads, start+n, d], one chunk of rows at a
-    time, cut at multiples of GRID: a chunk's kernels and shapes depend only on where it begins and ends, so a
-    prompt continued from cached KV at a multiple of GRID runs exactly the calls its whole prefill runs. One row
-    (a decode step, or a prompt's last row alone in its chunk) is `attend_one` either way."""
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float, window: int | None, out: torch.Tensor
+) -> None:
+    """`attend` of rows start..start+n ([heads, n, d]) over k, v [kv_heads, start+n, d] into `out` [heads, n, d],
+    one chunk of rows at a time, cut at multiples of GRID: a chunk's kernels and shapes depend only on where it
+    begins and ends, so a prompt continued from cached KV at a multiple of GRID runs exactly the calls its whole
+    prefill runs. One row (a decode step, or a prompt's last row alone in its chunk) is `attend_one` either way."""
     kernel = cpu_attention.usable(q, window)
     if kernel is not None:  # every row the same whatever its call: no grid needed
-        return kernel(q, k, v, start, scale)
-    n = q.shape[1]
-    if n == 1:
-        return attend(q, k, v, scale, window)
-    parts, a = [], start
+        kernel(q, k, v, start, scale, out)
+        return
+    a, n = start, q.shape[1]
     while a < start + n:
-        e = min(start + n, (a // GRID + 1) * GRID)
+        e = start + n if n == 1 else min(start + n, (a // GRID + 1) * GRID)
         keys, values, rows = k[:, :e], v[:, :e], q[:, a - start : e - start]
         if a == 0 or e - a == 1 or window is not None or q.device.type != "cpu":
-            parts.append(attend(rows, keys, values, scale, window))
+            part = attend(rows, keys, values, scale, window)
         else:  # the merged kernels at every size: one kernel for a chunk, whatever its length
-            parts.append(attend_after(rows[None], keys[None], values[None], scale)[0])
+            part = attend_after(rows[None], keys[None], values[None], scale)[0]
+        out[:, a - start : e - start] = part
         a = e
-    return torch.cat(parts, 1)
 
 
-def normed(norm: torch.nn.Module, h: torch.Tensor, small: Kernel | None = None) -> torch.Tensor:
-    return norm(h) if small is None else small.norm(norm, h)
+def normed(norm: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    rows = cpu_attention.row_ops(h)
+    return norm(h) if rows is None else rows.norm(norm, h)
 
 
-def project(
-    layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, small: Kernel | None = None
-) -> tuple[torch.Tensor, ...]:
-    """A decoder layer's q, k, v for hidden states h [n, hidden]: [n, heads, head_dim], RoPE applied. `small`: a
-    decode step's norm and rotation by runtime/cpu_decode.c (one call each, in place of a dozen small ops)."""
+def project(layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A decoder layer's q, k, v for hidden states h [n, hidden]: [n, heads, head_dim], RoPE applied. Norms and
+    rotations by runtime/cpu_rows.c where it was built, for every row of every path alike (prefill, decode, blend)."""
     n, d, heads = len(h), layer.head_dim, layer.heads
-    qkv = layer.qkv(normed(layer.input_norm, h, small)).view(n, -1, d)
+    qkv = layer.qkv(normed(layer.input_norm, h)).view(n, -1, d)
     q, k, v = qkv.split((heads, layer.kv_heads, layer.kv_heads), 1)
     if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3
         return apply_rope(layer.q_norm(q), cos, sin), apply_rope(layer.k_norm(k), cos, sin), v
-    if small is not None:
-        qk = small.rope(qkv[:, : heads + layer.kv_heads], cos, sin)
+    rows = cpu_attention.row_ops(h)
+    if rows is not None:
+        qk = rows.rope(qkv[:, : heads + layer.kv_heads], cos, sin)
     else:
         qk = apply_rope(torch.cat((q, k), 1), cos, sin)  # one rotation for both
     return qk[:, :heads], qk[:, heads:], v
 
 
-def finish_layer(layer: Layer, h: torch.Tensor, attn_out: torch.Tensor, small: Kernel | None = None) -> torch.Tensor:
+def finish_layer(layer: Layer, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
     """The rest of a decoder layer after attention: output projection, residuals, MLP."""
     h = h + layer.o(attn_out.reshape(len(h), -1))
-    return h + layer.mlp(normed(layer.post_norm, h, small))
+    x, rows = normed(layer.post_norm, h), cpu_attention.row_ops(h)
+    if rows is None or not layer.silu:
+        return h + layer.mlp(x)
+    return h + layer.down(rows.gated(layer.gate_up(x)))
 
 
-def logits_of(model: PreTrainedModel, h: torch.Tensor, small: Kernel | None = None) -> torch.Tensor:
-    return decoder_of(model).head(normed(model.model.norm, h, small)).float()
+def logits_of(model: PreTrainedModel, h: torch.Tensor) -> torch.Tensor:
+    return decoder_of(model).head(normed(model.model.norm, h)).float()
 
 
 def decode_layers(model: PreTrainedModel, ids: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
@@ -178,11 +178,10 @@ def decode_layers(model: PreTrainedModel, ids: torch.Tensor, batch: DecodeBatch)
     h = inner.embed_tokens(ids)
     cos, sin = inner.rotary_emb(h[None], batch.slots.ends[None])
     batch.masks()
-    small = cpu_attention.small_ops(h)
     for i, layer in enumerate(decoder_of(model).layers):
-        q, k, v = project(layer, h, cos[0], sin[0], small)
-        h = finish_layer(layer, h, batch.attend(i, q, k, v, layer.scale, layer.window), small)
-    return logits_of(model, h, small)
+        q, k, v = project(layer, h, cos[0], sin[0])
+        h = finish_layer(layer, h, batch.attend(i, q, k, v, layer.scale, layer.window))
+    return logits_of(model, h)
 
 
 @torch.inference_mode()
@@ -231,12 +230,11 @@ def forward(
         out = torch.zeros_like(q) if extra else torch.empty_like(q)
         for r, a, b in zip(runs, bounds, bounds[1:]):
             keys, values = r.kv.append(i, k[a:b].transpose(0, 1), v[a:b].transpose(0, 1))
-            rows = (
-                attend_grid(q[a:b].transpose(0, 1), keys, values, r.start, layer.scale, layer.window)
-                if keep
-                else attend(q[a:b].transpose(0, 1), keys, values, layer.scale, layer.window)
-            )
-            out[a:b] = rows.transpose(0, 1)
+            rows = q[a:b].transpose(0, 1)
+            if keep:  # written in place: the kernel's rows go straight into the step's output
+                attend_grid(rows, keys, values, r.start, layer.scale, layer.window, out[a:b].transpose(0, 1))
+            else:
+                out[a:b] = attend(rows, keys, values, layer.scale, layer.window).transpose(0, 1)
         h = finish_layer(layer, h, out)
 
     if every:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
+from transformers.activations import SiLUActivation
 
 
 def onednn(dtype: torch.dtype, device: torch.device) -> bool:
@@ -67,6 +68,7 @@ class Layer:
     gate_up: Linear  # gate and up side by side
     down: Linear
     act: torch.nn.Module
+    silu: bool  # act is SiLU: the gated product may be computed in one pass
     heads: int
     kv_heads: int
     head_dim: int
@@ -87,6 +89,7 @@ class Layer:
             gate_up=Linear.joined(mlp.gate_proj, mlp.up_proj),
             down=Linear(mlp.down_proj.weight, mlp.down_proj.bias),
             act=mlp.act_fn,
+            silu=isinstance(mlp.act_fn, (torch.nn.SiLU, SiLUActivation)),
             heads=attn.q_proj.out_features // head_dim,
             kv_heads=attn.k_proj.out_features // head_dim,
             head_dim=head_dim,

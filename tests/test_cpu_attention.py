@@ -104,10 +104,11 @@ def test_kv_in_another_dtype_than_the_rows_is_refused_not_misread() -> None:
         kernel(False, torch.bfloat16)(q, q.float(), q.float(), 0, 0.125)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_decode_steps_norm_and_rotation_are_torchs(dtype: torch.dtype) -> None:
-    """runtime/cpu_decode.c's RMSNorm and RoPE for a decode step's rows: transformers' and model.py's, to the last
-    bit or two of the element type (their sums run in another order)."""
+@pytest.mark.parametrize("dtype", dtypes)
+def test_a_layers_row_ops_are_torchs_and_each_row_alike_in_any_call(dtype: torch.dtype) -> None:
+    """runtime/cpu_rows.c's RMSNorm, RoPE and SiLU-gated product: transformers' and model.py's to the last bit or two
+    of the element type (their sums run in another order), and a row the same bit for bit whatever rows share its
+    call (a decode step's few, a prompt's thousands, split anywhere)."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from kvgate.runtime.model import apply_rope
@@ -118,10 +119,19 @@ def test_a_decode_steps_norm_and_rotation_are_torchs(dtype: torch.dtype) -> None
     g = torch.Generator().manual_seed(0)
     norm = LlamaRMSNorm(96, eps=1e-5).to(dtype)
     norm.weight.data = torch.randn(96, generator=g).to(dtype)
-    x = (3 * torch.randn(5, 2 * 96, generator=g)).to(dtype)[:, :96]  # rows of a wider tensor
+    x = (3 * torch.randn(300, 2 * 96, generator=g)).to(dtype)[:, :96]  # rows of a wider tensor
+    qkv = torch.randn(300, 7, 64, generator=g).to(dtype)  # 4 query heads and a KV head rotated, 2 value heads not
+    cos, sin = torch.randn(300, 64, generator=g).to(dtype), torch.randn(300, 64, generator=g).to(dtype)
+    both = (4 * torch.randn(300, 2 * 200, generator=g)).to(dtype)  # gate and up, 200 wide: a tail past the vectors
+    gate, up = both.chunk(2, dim=-1)
     tolerance = {"atol": 2e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
     with torch.inference_mode():
-        torch.testing.assert_close(built.norm(norm, x), norm(x), **tolerance)
-        qkv = torch.randn(5, 7, 64, generator=g).to(dtype)  # 4 query heads and a KV head rotated, 2 value heads not
-        cos, sin = torch.randn(5, 64, generator=g).to(dtype), torch.randn(5, 64, generator=g).to(dtype)
-        torch.testing.assert_close(built.rope(qkv[:, :5], cos, sin), apply_rope(qkv[:, :5], cos, sin), **tolerance)
+        for ours, theirs in [
+            (lambda a, b: built.norm(norm, x[a:b]), lambda a, b: norm(x[a:b])),
+            (lambda a, b: built.rope(qkv[a:b, :5], cos[a:b], sin[a:b]),
+             lambda a, b: apply_rope(qkv[a:b, :5], cos[a:b], sin[a:b])),
+            (lambda a, b: built.gated(both[a:b]), lambda a, b: F.silu(gate[a:b]) * up[a:b]),
+        ]:  # fmt: skip
+            whole = ours(0, 300)
+            torch.testing.assert_close(whole, theirs(0, 300), **tolerance)
+            assert torch.equal(torch.cat([ours(0, 1), ours(1, 7), ours(7, 300)]), whole)

@@ -1,0 +1,73 @@
+/* Vectors of the CPU's own width by GCC's vector extensions, shared by runtime/cpu_decode.c and cpu_rows.c: the
+   compiler maps them onto AVX512F, AVX2 and FMA, or NEON. */
+
+#ifndef KVGATE_CPU_VEC_H
+#define KVGATE_CPU_VEC_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_bf16.h"
+
+#if defined(__AVX512F__)
+#define LANES 16
+#else
+#define LANES 8 /* a vector of 16 would be split, and passed between functions in memory */
+#endif
+#define MOST (256 / LANES) /* vectors a row of the widest head */
+typedef float vf __attribute__((vector_size(4 * LANES)));
+typedef int32_t vi __attribute__((vector_size(4 * LANES)));
+
+static inline vf load(const float *p) {
+    vf x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+static inline void save(float *p, vf x) { memcpy(p, &x, sizeof x); }
+
+static inline vf splat(float x) { return (vf){} + x; }
+
+static inline vf exp_neg(vf x) { /* e^x for x <= 0, ~1 ulp; below -87: ~0 */
+    vi low = x < -87.0f;
+    x = (vf)(((vi)x & ~low) | ((vi)splat(-87.0f) & low));
+    vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    vf f = x - n * 0.693145751953125f;
+    f = f - n * 1.428606765330187e-06f;
+    vf p = splat(1.0f / 5040);
+    p = p * f + 1.0f / 720;
+    p = p * f + 1.0f / 120;
+    p = p * f + 1.0f / 24;
+    p = p * f + 1.0f / 6;
+    p = p * f + 0.5f;
+    p = p * f + 1.0f;
+    p = p * f + 1.0f;
+    vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+    return p * (vf)bits;
+}
+
+static inline float total(vf a) { /* the lanes' sum, halving: no chain of dependent adds */
+#if LANES == 16
+    a = a + __builtin_shuffle(a, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    a = a + __builtin_shuffle(a, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    a = a + __builtin_shuffle(a, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+#else
+    a = a + __builtin_shuffle(a, (vi){4, 5, 6, 7, 0, 1, 2, 3});
+    a = a + __builtin_shuffle(a, (vi){2, 3, 0, 1, 6, 7, 4, 5});
+#endif
+    return a[0] + a[1];
+}
+
+static inline float element(const void *p, int64_t i, int bf16) {
+    return bf16 ? from_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void put(void *p, int64_t i, float f, int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = to_bf16(f);
+    else
+        ((float *)p)[i] = f;
+}
+
+#endif
