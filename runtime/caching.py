@@ -16,7 +16,6 @@ import torch
 from kvgate.runtime.blend import Steps, cost
 from kvgate.runtime.calibration import Calibration
 from kvgate.runtime.chunks import Chunks
-from kvgate.runtime.model import GRID
 from kvgate.runtime.prefix import Blocks
 from kvgate.runtime.quality import FULL, Gate, Standing, shape_key
 from kvgate.runtime.reuse import Reuse, Reuser
@@ -40,11 +39,12 @@ class Caches:
         chunks: Chunks | None = None,
         blended: Blocks | None = None,
         exact: bool = False,
+        grid: int = 1,
     ) -> None:
         self.reuser, self.spans, self.cost = reuser, spans, cost  # cost: seconds to prefill n tokens
         # Whether the engine computes a prompt's rows the same however its prefill is split (runtime/model.py);
         # if not, no reuse is called exact.
-        self.exact = exact
+        self.exact, self.grid = exact, grid  # its prefill chunks end at multiples of `grid`
         self.blocks = blocks  # None: no automatic prefix caching
         self.chunks = chunks  # None: no content-defined chunks
         # A blended prompt's KV, kept in blocks of a chain of their own, so that the same tokens asked again
@@ -98,8 +98,8 @@ class Caches:
         turn, reuse = seq.turn, seq.cache.reuse
         if turn is not None and turn.resume:
             context = self.reuser.resume(seq.kv, seq.prompt_ids, turn.resume)
-            if self.exact and context.exact == context.tokens and context.tokens % GRID:
-                seq.kv.truncate(context.tokens - context.tokens % GRID)  # the rest from where a prefill would be
+            if self.exact and context.exact == context.tokens and context.tokens % self.grid:
+                seq.kv.truncate(context.tokens - context.tokens % self.grid)  # the rest from where a prefill would be
             seq.cache.cached_tokens = len(seq.kv)
             if context.exact < len(seq.kv):  # it holds decoded rows
                 seq.cache.bitwise = context.exact

@@ -22,7 +22,7 @@ from kvgate.runtime.grammar import Grammars
 from kvgate.runtime.invariance import invariant, row_floor
 from kvgate.runtime.kv import KVCache, Pool
 from kvgate.runtime.loader import LoadedModel, load
-from kvgate.runtime.model import GRID, Run, forward
+from kvgate.runtime.model import Run, forward, grid_of
 from kvgate.runtime.outbox import Outbox
 from kvgate.runtime.quality import Gate
 from kvgate.runtime.sampling import SamplingParams, choose, logprob_of, penalise, preselect
@@ -74,10 +74,11 @@ class Engine:
         c = config
         row_floor(self.model, c.cache_dir)  # measured once per machine; every step is padded to it
         budget = max(config.max_num_batched_tokens, config.max_num_seqs)
-        # Prompt chunks stop at multiples of GRID, so that a prompt's KV is the same however it is split; a
-        # budget below that, or GEMMs that are not row-invariant, leave no reuse exact (runtime/caching.py).
-        grid = GRID if budget >= GRID else 1
-        self.exact = grid == GRID and invariant(self.model)
+        # Prompt chunks stop at multiples of the model's grid, so that a prompt's KV is the same however it is
+        # split; a budget below that, or GEMMs that are not row-invariant, leave no reuse exact (runtime/caching.py).
+        aligned = grid_of(self.model)
+        grid = aligned if budget >= aligned else 1
+        self.exact = grid == aligned and invariant(self.model)
         self.calibration = find_calibration(c.cache_dir, self.model_fp, c.shipped_calibration, c.blend_select)
         self.reuser = make_reuser(c, self.model, self.tokenizer, self.model_fp, self.calibration)
         self.grammars = Grammars(self.tokenizer, self.loaded.eos_token_ids)
@@ -86,7 +87,9 @@ class Engine:
         self.spans = Spans(self.reuser, self.anchors, cost=self.prefill_s)
         self.gate = Gate(config.quality, {"blend": self.reuser.blend.ratio, "kvcomm": config.kvcomm_ratio})
         self.shadow = Shadow(self.gate, self.reuser, self.spans)
-        self.caches = make_caches(c, self.reuser, self.spans, self.gate, self.calibration, self.prefill_s, self.exact)
+        self.caches = make_caches(
+            c, self.reuser, self.spans, self.gate, self.calibration, self.prefill_s, self.exact, grid
+        )
         # Programs in flight: counted by the gateway's agent programs, held at the scheduler's door when on.
         self.flight = Flight(self.reuser.store.memory_bytes, c.in_flight, c.in_flight_linger_s)
         gate = self.flight if c.in_flight > 0 else None

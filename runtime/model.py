@@ -12,7 +12,8 @@ prefill, other sequences in the step), so that reuse called exact is exact in ev
 - attention of prompt rows runs in chunks that start at multiples of GRID, each by the same kernels whatever
   came before (`attend_grid`); the engine cuts prefill runs and rounds prefix hits to GRID. In bf16 on a CPU
   with AVX512-BF16, and in float32 on one with AVX512F, a kernel of kvgate's own computes every row alike
-  whatever its call (runtime/cpu_attention.py).
+  whatever its call (runtime/cpu_attention.py): there the grid is 1 (`grid_of`), and a prompt read from prefix
+  blocks computes only its last token.
 """
 
 from __future__ import annotations
@@ -135,6 +136,14 @@ def attend_grid(
             part = attend_after(rows[None], keys[None], values[None], scale)[0]
         out[:, a - start : e - start] = part
         a = e
+
+
+def grid_of(model: PreTrainedModel) -> int:
+    """The multiple that prompt chunks and prefix reads end at, so that a prompt's rows are the same however its
+    prefill is split: 1 where the CPU kernel attends every layer (each row alike whatever its call), else GRID."""
+    layers = decoder_of(model).layers
+    q = torch.empty(layers[0].heads, 2, layers[0].head_dim, dtype=model.dtype, device=model.device)
+    return 1 if all(cpu_attention.usable(q, layer.window) is not None for layer in layers) else GRID
 
 
 def normed(norm: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,6 @@ from kvgate.runtime.caching import Caches
 from kvgate.runtime.calibration import Calibration
 from kvgate.runtime.chunks import Breaks, Chunks
 from kvgate.runtime.config import EngineConfig
-from kvgate.runtime.model import GRID
 from kvgate.runtime.prefix import Blocks
 from kvgate.runtime.quality import Gate
 from kvgate.runtime.reuse import Reuser
@@ -43,11 +42,12 @@ def make_caches(
     calibration: Calibration | None,
     cost: Callable[[int], float],
     exact: bool = False,
+    grid: int = 1,
 ) -> Caches:
     """The caches an engine's config asks for (cost: seconds to prefill n tokens; exact: whether the engine
-    computes a prompt the same however its prefill is split)."""
+    computes a prompt the same however its prefill is split, its chunks ending at multiples of `grid`)."""
     store, model_fp = reuser.store, reuser.model_fp
-    grid = GRID if exact else 1
+    grid = grid if exact else 1
     fp = reuser.tokenizer_fp
     blocks = Blocks(store, model_fp, fp, cost, config.prefix_block, grid=grid) if config.prefix_caching else None
     chunks = blended = None
@@ -59,4 +59,4 @@ def make_caches(
     if calibrated is None and config.recompute_ratio is None:  # no ratio measured: blends calibrated online
         gate.uncalibrated("blend")
     in_context = config.documents_in_context
-    return Caches(reuser, blocks, spans, cost, gate, calibrated, in_context, chunks, blended, exact)
+    return Caches(reuser, blocks, spans, cost, gate, calibrated, in_context, chunks, blended, exact, grid)

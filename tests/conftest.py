@@ -214,6 +214,13 @@ def model_name(engine: Engine) -> str:
 
 
 @pytest.fixture(scope="session")
+def grid(engine: Engine) -> int:
+    """Where the server's prefix reads end: a multiple of 64, or any token where its CPU kernel attends every
+    layer (runtime/model.py grid_of)."""
+    return engine.scheduler.grid
+
+
+@pytest.fixture(scope="session")
 def chat_ids(loaded: LoadedModel):
     from kvgate.runtime.tokens import chat_prompt
 

@@ -115,15 +115,15 @@ def test_a_stored_document_is_on_disk_when_its_card_says_so(base_url, settings) 
     assert DiskTier(settings.caches.dir, 1 << 30).get(card["id"].removeprefix("doc-")) is not None
 
 
-def test_exact_prefix_reuse_finds_an_earlier_prompt(client, model_name) -> None:
+def test_exact_prefix_reuse_finds_an_earlier_prompt(client, model_name, grid) -> None:
     docs = own("prefix test")
     first = ask(client, model_name, docs, {"reuse": "prefix"})
     again = ask(client, model_name, docs, {"reuse": "prefix"})
     # The first finds what earlier prompts began with (the template's head, the first document but for its tag);
     # the repeat all but its last token, whose logits start the answer.
     assert int(first.headers["x-kvgate-reused-tokens"]) < int(again.headers["x-kvgate-reused-tokens"])
-    read = again.parse().usage.prompt_tokens - 1  # down to a multiple of 64: the rest computed as full prefill does
-    assert int(again.headers["x-kvgate-reused-tokens"]) == read - read % 64
+    read = again.parse().usage.prompt_tokens - 1  # down to the grid: the rest computed as full prefill does
+    assert int(again.headers["x-kvgate-reused-tokens"]) == read - read % grid
     assert again.parse().choices[0].message.content == first.parse().choices[0].message.content
     assert again.headers["x-kvgate-fidelity"] == "exact"  # the very KV full prefill computes
 

@@ -44,12 +44,12 @@ def tokens(reply) -> list[float]:
     return [t.logprob for t in reply.choices[0].logprobs.content]
 
 
-def test_a_repeat_reads_its_blocks_and_answers_as_full_prefill(client, model_name) -> None:
+def test_a_repeat_reads_its_blocks_and_answers_as_full_prefill(client, model_name, grid) -> None:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "When is high tide?"}]
     first, _ = chat(client, model_name, messages)
     again, headers = chat(client, model_name, messages)
-    prompt = again.usage.prompt_tokens  # read down to a multiple of 64: the rest as its whole prefill computes it
-    assert again.usage.prompt_tokens_details.cached_tokens == (prompt - 1) - (prompt - 1) % 64 > 0
+    prompt = again.usage.prompt_tokens  # read down to the grid: the rest as its whole prefill computes it
+    assert again.usage.prompt_tokens_details.cached_tokens == (prompt - 1) - (prompt - 1) % grid > 0
     assert headers["x-kvgate-reuse"] == "prefix" and headers["x-kvgate-fidelity"] == "exact"
     truth, truth_headers = chat(client, model_name, messages, extra_body={"kvgate": {"reuse": "full"}})
     assert truth_headers["x-kvgate-reused-tokens"] == "0"  # full prefill reads no block
@@ -57,14 +57,14 @@ def test_a_repeat_reads_its_blocks_and_answers_as_full_prefill(client, model_nam
     assert tokens(again) == pytest.approx(tokens(truth), abs=1e-3)
 
 
-def test_every_new_question_reads_the_shared_system_prompt(client, model_name, loaded) -> None:
+def test_every_new_question_reads_the_shared_system_prompt(client, model_name, loaded, grid) -> None:
     system_tokens = len(loaded.tokenizer.encode(SYSTEM, add_special_tokens=False))
     for question in ("Who needs a pilot?", "What are the fees?", "Which berths take ferries?"):
         reply, headers = chat(
             client, model_name, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
         )
-        read = reply.usage.prompt_tokens_details.cached_tokens  # down to a multiple of 64
-        assert system_tokens >= 64 and read >= system_tokens - system_tokens % 64 and read % 64 == 0
+        read = reply.usage.prompt_tokens_details.cached_tokens  # down to the grid
+        assert system_tokens >= 64 and read >= system_tokens - system_tokens % grid and read % grid == 0
         assert headers["x-kvgate-fidelity"] == "exact"
 
 
@@ -78,7 +78,7 @@ def test_a_conversations_next_turn_reads_the_last_turns_prompt_and_answer(client
     assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens
 
 
-def test_completions_read_prefix_blocks_too(client, model_name) -> None:
+def test_completions_read_prefix_blocks_too(client, model_name, grid) -> None:
     # A text of its own: the other tests' chat prompts left SYSTEM's lines as content-defined chunks, which a
     # completion beginning with SYSTEM would find and blend, keeping its exact blocks only up to them.
     customs = (
@@ -89,8 +89,8 @@ def test_completions_read_prefix_blocks_too(client, model_name) -> None:
     prompt = f"{customs}\n\nQuestion: what is charged per tonne?\nAnswer:"
     client.completions.create(model=model_name, prompt=prompt, max_tokens=4, temperature=0)
     raw = client.completions.with_raw_response.create(model=model_name, prompt=prompt, max_tokens=4, temperature=0)
-    read = raw.parse().usage.prompt_tokens - 1  # all but the last token, down to a multiple of 64
-    assert int(raw.headers["x-kvgate-reused-tokens"]) == read - read % 64 > 0
+    read = raw.parse().usage.prompt_tokens - 1  # all but the last token, down to the grid
+    assert int(raw.headers["x-kvgate-reused-tokens"]) == read - read % grid > 0
 
 
 def test_a_blend_leaves_blocks_only_up_to_its_first_reused_document(client, model_name, loaded) -> None:
