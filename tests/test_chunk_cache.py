@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 import threading
 from typing import Any
 
@@ -253,6 +255,28 @@ def test_store_writes_lower_tiers_behind_and_demotes_evictions() -> None:
     store.flush()
     assert fast.keys() == ["c"] and sorted(slow.keys()) == ["a", "b", "c"]
     assert store.get("a") is not None and "a" in fast
+
+
+class NiceTier(MemoryTier):
+    """A lower tier that notes the CPU priority its writes run at."""
+
+    def __init__(self) -> None:
+        super().__init__(budget_bytes=1 << 20)
+        self.nice: list[int] = []
+
+    def put(self, entry: ChunkKV) -> bool:
+        self.nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return super().put(entry)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own priority is Linux's")
+def test_writes_behind_run_at_the_lowest_cpu_priority_and_the_caller_keeps_its_own() -> None:
+    below = NiceTier()
+    store = ChunkStore([MemoryTier(budget_bytes=1 << 20), below])
+    store.put(chunk("a"))
+    store.flush()
+    assert below.nice == [19]  # the engine's steps take the cores first
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19
 
 
 class HeldTier(MemoryTier):
