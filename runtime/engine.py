@@ -63,17 +63,16 @@ class Engine:
         self.loop()
 
     def setup(self, loaded: LoadedModel | None) -> None:
-        config = self.config
-        self.loaded = loaded or load(config)
+        c = self.config
+        self.loaded = loaded or load(c)
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         mc = self.model.config
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.max_model_len = c.max_model_len or mc.max_position_embeddings
         first = decoder_of(self.model).layers[0]
         self.kv_shape = (mc.num_hidden_layers, first.kv_heads, first.head_dim)
         self.model_fp = model_fingerprint(self.loaded)
-        c = config
         row_floor(self.model, c.cache_dir)  # measured once per machine; every step is padded to it
-        budget = max(config.max_num_batched_tokens, config.max_num_seqs)
+        budget = max(c.max_num_batched_tokens, c.max_num_seqs)
         # Prompt chunks stop at multiples of the model's grid, so that a prompt's KV is the same however it is
         # split; a budget below that, or GEMMs that are not row-invariant, leave no reuse exact (runtime/caching.py).
         aligned = grid_of(self.model)
@@ -85,7 +84,7 @@ class Engine:
         self.times = StepTimes()
         self.anchors = AnchorPool(c.anchors) if c.anchors is not None else None
         self.spans = Spans(self.reuser, self.anchors, cost=self.prefill_s)
-        self.gate = Gate(config.quality, {"blend": self.reuser.blend.ratio, "kvcomm": config.kvcomm_ratio})
+        self.gate = Gate(c.quality, {"blend": self.reuser.blend.ratio, "kvcomm": c.kvcomm_ratio})
         self.shadow = Shadow(self.gate, self.reuser, self.spans)
         self.caches = make_caches(
             c, self.reuser, self.spans, self.gate, self.calibration, self.prefill_s, self.exact, grid
@@ -194,8 +193,7 @@ class Engine:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        layers, kv_heads, head_dim = self.kv_shape
-        return 2 * layers * kv_heads * head_dim * self.model.dtype.itemsize
+        return 2 * torch.Size(self.kv_shape).numel() * self.model.dtype.itemsize  # K and V, every layer
 
     # ---- the engine thread ---------------------------------------------------------------
 
@@ -261,9 +259,9 @@ class Engine:
             return
         rider = self.shadow.ride()  # a quality check's rows, computed in this step on the checks' budget
         runs = [run for _, run in batch] + ([rider] if rider else [])
+        prompts = any(seq.prefilling for seq, _ in batch) or rider is not None
         start = time.perf_counter()
         try:
-            prompts = any(seq.prefilling for seq, _ in batch) or rider is not None
             logits = forward(self.model, runs, pad=prompts or self.config.deterministic, batches=self.batches)
         except Exception as exc:  # a failed step ends its requests, never the engine
             for seq, _ in batch:
