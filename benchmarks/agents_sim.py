@@ -26,10 +26,12 @@ from kvgate.agents.ttl import PinPolicy
 from kvgate.bench.agent_workload import ProgramSpec, generate
 from kvgate.chunk_cache import ChunkKV, ChunkStore, MemoryTier
 from kvgate.runtime.engine import Engine
+from kvgate.runtime.prompt_kv import run_end
 from kvgate.runtime.report import table
+from kvgate.runtime.request import Request
 from kvgate.runtime.sampling import SamplingParams
 from kvgate.runtime.scheduler import Scheduler
-from kvgate.runtime.sequence import Request, Status, run_end
+from kvgate.runtime.sequence import Status
 
 TEMPLATE_TOKENS = 12  # chat template tokens around each turn's new messages
 SCOPE = "sim"

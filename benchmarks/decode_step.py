@@ -32,8 +32,8 @@ from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.report import cpu, write_section
+from kvgate.runtime.request import Request
 from kvgate.runtime.sampling import SamplingParams
-from kvgate.runtime.sequence import Request
 from kvgate.runtime.threads import claim
 
 OUTPUT = Path(__file__).with_name("BENCHMARKS.md")

@@ -23,10 +23,10 @@ from kvgate.runtime.engine import Engine
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.model import Run, attend, forward
 from kvgate.runtime.report import cpu, write_section
+from kvgate.runtime.request import Plan, Result
 from kvgate.runtime.retrieval_task import tasks
 from kvgate.runtime.reuse import Reuse
 from kvgate.runtime.sampling import SamplingParams
-from kvgate.runtime.sequence import Plan, Result
 
 OUTPUT = Path(__file__).with_name("BENCHMARKS.md")
 SYSTEM = "You are a careful assistant for a shipping company. Answer briefly and cite the documents. " * 8

@@ -23,8 +23,8 @@ from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.planner import Chat, Planner
 from kvgate.runtime.quality import FULL, QualityConfig
+from kvgate.runtime.request import Request, Result
 from kvgate.runtime.sampling import SamplingParams
-from kvgate.runtime.sequence import Request, Result
 
 
 def rows(path: Path, limit: int, docs: int, words: int) -> list[tuple[str, list[str]]]:

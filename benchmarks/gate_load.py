@@ -32,8 +32,8 @@ from kvgate.runtime.loader import load
 from kvgate.runtime.planner import Chat, Planner
 from kvgate.runtime.quality import FULL, QualityConfig
 from kvgate.runtime.report import table, write_section
+from kvgate.runtime.request import Request
 from kvgate.runtime.sampling import SamplingParams
-from kvgate.runtime.sequence import Request
 
 Items = list[tuple[str, list[str]]]
 

@@ -19,8 +19,8 @@ from kvgate.runtime.fidelity import MUSIQUE
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.planner import Chat, Planner
 from kvgate.runtime.report import table
+from kvgate.runtime.request import Request
 from kvgate.runtime.sampling import SamplingParams
-from kvgate.runtime.sequence import Request
 
 
 def document(engine: Engine, tokens: int) -> str:

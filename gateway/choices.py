@@ -15,8 +15,8 @@ from kvgate.gateway.protocol import SEED_BOUND, CompletionRequest, Sampling
 from kvgate.gateway.render import chat_logprobs, completion_logprobs
 from kvgate.gateway.toolcalls import CallStream, message
 from kvgate.runtime.engine import Engine, Result
+from kvgate.runtime.request import Output, Request
 from kvgate.runtime.sampling import SamplingParams
-from kvgate.runtime.sequence import Output, Request
 from kvgate.runtime.tokens import TokenBytes, text_prompt
 
 NONE = {"logprobs": None, "finish_reason": None}

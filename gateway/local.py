@@ -45,7 +45,7 @@ from kvgate.runtime.engine import Engine, Result
 from kvgate.runtime.errors import GrammarError, InvalidPrompt
 from kvgate.runtime.planner import Chat, Planner
 from kvgate.runtime.quality import STATES
-from kvgate.runtime.sequence import Output, Plan, Request
+from kvgate.runtime.request import Output, Plan, Request
 from kvgate.runtime.tokens import TokenBytes
 from kvgate.runtime.tools import detect, prepare
 

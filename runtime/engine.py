@@ -25,9 +25,10 @@ from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.model import Run, forward, grid_of
 from kvgate.runtime.outbox import Outbox
 from kvgate.runtime.quality import Gate
+from kvgate.runtime.request import Output, Plan, Request, Result, check_fits
 from kvgate.runtime.sampling import SamplingParams, choose, logprob_of, penalise, preselect
 from kvgate.runtime.scheduler import Scheduler
-from kvgate.runtime.sequence import Output, Plan, Request, Result, Sequence, check_fits
+from kvgate.runtime.sequence import Sequence
 from kvgate.runtime.shadow import Shadow
 from kvgate.runtime.shared import Spans
 from kvgate.runtime.threads import claim, hand_over
@@ -219,7 +220,7 @@ class Engine:
         settling, self.settling = self.settling, []
         for seq in settling:
             if seq.id in self.callbacks:
-                self.caches.settle(seq)
+                seq.prompt.settle(self.caches)
 
     def drain_inbox(self) -> None:
         with self.lock:
@@ -249,7 +250,7 @@ class Engine:
         batch: list[tuple[Sequence, Run]] = []
         for seq, tokens in self.scheduler.schedule():
             try:  # reuse first: the exact head, the documents lacking, the reuse; then the rest computed
-                run = Run(seq.kv, tokens, seq.computed) if seq.cache.planned else self.prepare(seq, len(tokens))
+                run = Run(seq.kv, tokens, seq.computed) if seq.prompt.planned else self.prepare(seq, len(tokens))
             except Exception as exc:
                 self.fail(seq, exc)
                 continue
@@ -279,7 +280,7 @@ class Engine:
         for (seq, run), row, top in zip(batch, logits, best):
             if run.kv is not seq.kv:  # a chunk of a document the prompt lacks
                 try:
-                    self.caches.computed(seq)
+                    seq.prompt.ran(self.caches)
                 except Exception as exc:
                     self.fail(seq, exc)
                 continue
@@ -291,48 +292,20 @@ class Engine:
                 self.fail(seq, exc)
 
     def prepare(self, seq: Sequence, budget: int) -> Run | None:
-        """Advance a sequence's reuse by about `budget` tokens of work. A run for this step: the next
-        chunk of a document the prompt lacks, or the prompt's own next chunk once reuse left the rest
-        to prefill; None when the step has nothing to run for it (the reuse goes on, or it covered the
-        whole prompt and the first token is out)."""
-        if seq.cache.missing is None:
-            self.caches.start(seq)
-            seq.cache.missing = self.caches.lacking(seq)
-        if seq.cache.missing:
-            doc = seq.cache.missing[0]
-            done = len(doc.kv)
-            return Run(doc.kv, doc.token_ids[done : done + budget], done)
-        if seq.ingest:
-            self.ingested(seq)
+        """Advance a sequence's reuse by about `budget` tokens of work (PromptKV.next): this step's run for it,
+        if any; a prompt whose reuse covered it whole gets its first token, an ingest whose documents are stored
+        its end."""
+        got = seq.prompt.next(self.caches, budget, self.scheduler.grid)
+        if isinstance(got, torch.Tensor):
+            self.sample(seq, got)
             return None
-        if seq.cache.reusing is None:
-            seq.cache.reusing = self.caches.reuse(seq)
-        spent = 0.0
-        try:
-            while spent < budget:
-                spent += next(seq.cache.reusing)
-            return None
-        except StopIteration as stop:
-            logits = stop.value
-        finally:
-            if seq.cache.planned:
-                seq.cache.reusing = None
-        if logits is not None:  # the whole prompt is in the KV: straight to the first token
-            self.sample(seq, logits)
-            return None
-        tokens = seq.next_run(budget, self.scheduler.grid)
-        return Run(seq.kv, tokens, seq.computed) if tokens else None
-
-    def ingested(self, seq: Sequence) -> None:
-        """A document ingest is done: its KV is stored, its tokens remembered to find it by id."""
-        self.caches.remember(seq)
-        seq.cache.cached_tokens = len(seq.prompt_ids) - sum(len(entry.token_ids) for entry in seq.cache.fresh.values())
-        seq.finish_reason = "stop"
-        callback = self.callbacks[seq.id]
-        self.finish(seq)
-        out = seq.take_output()
-        if out is not None:
-            self.deliver(seq, callback, out)
+        if got is None and seq.ingest:  # its documents are stored, their tokens remembered to find them by id
+            seq.finish_reason = "stop"
+            callback = self.callbacks[seq.id]
+            self.finish(seq)
+            if (out := seq.take_output()) is not None:
+                self.deliver(seq, callback, out)
+        return got
 
     def allowed(self, seqs: list[Sequence], width: int) -> dict[int, torch.Tensor]:
         """The tokens each constrained sequence may take next, its masks filled in parallel."""
@@ -374,8 +347,8 @@ class Engine:
         callback = self.callbacks[seq.id]
         if seq.finish_reason is not None:
             if first:
-                self.caches.settle(seq)
-            self.caches.keep(seq)
+                seq.prompt.settle(self.caches)
+            seq.prompt.keep(self.caches, seq.output_ids, seq.text)
             self.finish(seq)
         out = seq.take_output()
         if out is not None:

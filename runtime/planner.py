@@ -15,8 +15,8 @@ from typing import Any
 from kvgate.chunk_cache import Tier, fingerprint
 from kvgate.runtime.documents import chat_pieces, document_ids, message_pieces
 from kvgate.runtime.errors import DocumentNotFound, TemplateError
+from kvgate.runtime.request import Plan
 from kvgate.runtime.reuse import Reuse, Reuser
-from kvgate.runtime.sequence import Plan
 from kvgate.runtime.tokens import chat_prompt
 
 PREFIX = "doc-"  # a document's id is PREFIX + its chunk key

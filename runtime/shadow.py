@@ -31,8 +31,9 @@ import torch
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.quality import FULL, Gate, mode_of
+from kvgate.runtime.request import Plan
 from kvgate.runtime.reuse import Reuse, Reuser
-from kvgate.runtime.sequence import Plan, Sequence
+from kvgate.runtime.sequence import Sequence
 from kvgate.runtime.shared import Spans
 
 log = logging.getLogger("kvgate.engine")
@@ -92,13 +93,14 @@ class Shadow:
             if len(followed.greedy) < ANSWER:
                 followed.greedy.append(int(logits.argmax()))
             return
-        if seq.cache.gated is None or seq.plan is None or seq.output_ids or not self.gate.due(seq.cache.gated[0]):
+        prompt = seq.prompt
+        if prompt.gated is None or prompt.plan is None or seq.output_ids or not self.gate.due(prompt.gated[0]):
             return
         if len(self.jobs) >= self.gate.config.max_pending:
             self.drop(self.jobs.popleft())  # the oldest: the newest says more of where the gate stands now
         first = logits.detach().float().clone()
         job = Job(
-            seq.id, list(seq.prompt_ids), seq.plan, *seq.cache.gated, first, seq.output_ids, [int(first.argmax())]
+            seq.id, list(seq.prompt_ids), prompt.plan, *prompt.gated, first, seq.output_ids, [int(first.argmax())]
         )
         self.jobs.append(job)
         self.followed[seq.id] = job

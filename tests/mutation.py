@@ -56,6 +56,13 @@ TARGETS: dict[str, list[str]] = {
         "test_calibration.py",
         "test_in_context.py",
     ],
+    "runtime/prompt_kv.py": [
+        "test_caching.py",
+        "test_exact.py",
+        "test_prefix.py",
+        "test_in_context.py",
+        "test_quality.py",
+    ],
     "runtime/scheduler.py": ["test_scheduler.py"],
     "agents/queue.py": ["test_programs.py", "test_scheduler.py", "test_queue.py"],
     "gateway/proxy.py": [

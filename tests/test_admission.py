@@ -14,8 +14,8 @@ from kvgate.gateway.admission import Admission, Gate, ProgramClock, fan_out
 from kvgate.gateway.choices import Choice, collect, run
 from kvgate.gateway.errors import APIError
 from kvgate.runtime.errors import EngineError
+from kvgate.runtime.request import Output, Request
 from kvgate.runtime.sampling import SamplingParams
-from kvgate.runtime.sequence import Output, Request
 
 
 def test_waiters_are_let_through_by_rank_not_arrival():

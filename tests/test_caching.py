@@ -1,4 +1,5 @@
-"""runtime/caching.py's `choose`: which reuse a prompt gets. A ratio asked is run as asked; a ratio
+"""runtime/caching.py's `choose` (through a prompt's PromptKV, which keeps the check it may be due): which reuse a
+prompt gets. A ratio asked is run as asked; a ratio
 left to the server is the gate's rung or the stored calibration's, whichever recomputes more, and is
 priced at that ratio against full prefill (a blend) or against the prompt after its exact prefix
 (spans); other modes are never priced."""
@@ -17,9 +18,10 @@ from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.model import Run, forward
+from kvgate.runtime.request import Plan
 from kvgate.runtime.reuse import Reuse
 from kvgate.runtime.sampling import SamplingParams
-from kvgate.runtime.sequence import Plan, Sequence
+from kvgate.runtime.sequence import Sequence
 
 MEETS, MISSES = {"kl": 0.01, "top1": 0.99}, {"kl": 0.5, "top1": 0.5}
 # One document meets the target at the base 15%, two need 30%, three 80% (a blend of short documents
@@ -46,8 +48,8 @@ def chosen(engine: Engine, plan: Plan, in_context: frozenset[str] = frozenset())
     """`in_context`: the keys of documents new to the cache that the prompt's full prefill would keep."""
     ids = [t for piece in plan.pieces for t in piece]
     seq = Sequence(ids, SamplingParams(), engine.reuser.new_kv(), frozenset(), 100, plan=plan)
-    seq.cache.in_context = set(in_context)
-    return engine.caches.choose(seq, plan)
+    seq.prompt.in_context = set(in_context)  # as `lacking` finds them
+    return seq.prompt.choose(engine.caches, plan)
 
 
 def documents(count: int, tokens: int = 20) -> Plan:

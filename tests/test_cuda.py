@@ -21,9 +21,9 @@ from kvgate.runtime.grammar import json_grammar
 from kvgate.runtime.loader import load
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.quality import QualityConfig
+from kvgate.runtime.request import Plan
 from kvgate.runtime.reuse import Reuse, Reuser
 from kvgate.runtime.sampling import SamplingParams
-from kvgate.runtime.sequence import Plan
 from kvgate.runtime.shared import Spans
 from kvgate.runtime.tokens import chat_prompt
 from tests.test_families import FAMILIES, build, new_kv, prompt, saved

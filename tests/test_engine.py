@@ -12,8 +12,8 @@ from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.errors import PromptTooLong
 from kvgate.runtime.loader import LoadedModel
+from kvgate.runtime.request import Request
 from kvgate.runtime.sampling import SamplingParams
-from kvgate.runtime.sequence import Request
 from tests.conftest import QUESTIONS
 from tests.waiting import wait_until
 

@@ -20,9 +20,9 @@ from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.invariance import probe_floor
 from kvgate.runtime.loader import LoadedModel
+from kvgate.runtime.request import Plan, Request, Result
 from kvgate.runtime.reuse import Reuse
 from kvgate.runtime.sampling import SamplingParams
-from kvgate.runtime.sequence import Plan, Request, Result
 from kvgate.runtime.weights import Linear
 
 

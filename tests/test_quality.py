@@ -9,16 +9,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvgate.agents.programs import Turn
 from kvgate.bench.gate import ask as ask_engine
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.planner import Planner
 from kvgate.runtime.quality import FULL, Gate, QualityConfig, shape_key
+from kvgate.runtime.request import Plan, Request, Result
 from kvgate.runtime.reuse import Reuse
 from kvgate.runtime.sampling import SamplingParams
-from kvgate.runtime.sequence import Plan, Request, Result, Sequence
+from kvgate.runtime.sequence import Sequence
 from kvgate.runtime.shadow import compare
 
 CONFIG = QualityConfig(shadow_rate=1.0, window=4, min_checks=2, ratios=(0.5,))
@@ -265,24 +265,24 @@ def test_kvcomm_spans_climb_the_ladder_of_their_reader(gated) -> None:
     engine, _ = gated
     plan = Plan([[1, 2], [3, 4]], [False, False], Reuse("kvcomm"), spans=[False, True], agent="agent-reviewer")
     seq = Sequence([1, 2, 3, 4], SamplingParams(), engine.reuser.new_kv(), frozenset(), 100, plan=plan)
-    key = engine.caches.gated(seq, plan, "kvcomm")
-    reuse, why = engine.caches.choose(seq, plan)  # a new reader: its spans' reuse checked before it is served
-    assert reuse == Reuse("full") and "a new agent's reuse" in why and seq.cache.gated == (key, FULL)
+    key = engine.caches.ladder(plan, "kvcomm", program=False)
+    reuse, why = seq.prompt.choose(engine.caches, plan)  # a new reader: its spans' reuse checked before it is served
+    assert reuse == Reuse("full") and "a new agent's reuse" in why and seq.prompt.gated == (key, FULL)
     earned(engine.gate, key)
-    assert engine.caches.choose(seq, plan) == (Reuse("kvcomm"), "") and seq.cache.gated == (key, 0.0)
+    assert seq.prompt.choose(engine.caches, plan) == (Reuse("kvcomm"), "") and seq.prompt.gated == (key, 0.0)
     blend = dict(engine.gate.stats())["blend"]["ratio"]
     for _ in range(2):
         engine.gate.record(key, 0.0, 0.5, False)
-    reuse, why = engine.caches.choose(seq, plan)  # a shape's rungs: its reuse, or the prompt after its exact prefix
-    assert reuse == Reuse("full") and "quality gate (this agent)" in why and seq.cache.gated == (key, FULL)
+    reuse, why = seq.prompt.choose(engine.caches, plan)  # a shape's rungs: its reuse, or the prompt after its head
+    assert reuse == Reuse("full") and "quality gate (this agent)" in why and seq.prompt.gated == (key, FULL)
     assert dict(engine.gate.stats())["blend"]["ratio"] == blend  # one mode's checks never move another
     asked = Plan(plan.pieces, plan.documents, Reuse("kvcomm", 0.0), spans=plan.spans, agent=plan.agent)
-    assert engine.caches.choose(seq, asked) == (Reuse("kvcomm", 0.0), "")  # a ratio asked is not gated
+    assert seq.prompt.choose(engine.caches, asked) == (Reuse("kvcomm", 0.0), "")  # a ratio asked is not gated
 
     # Another reader of the same span climbs its own ladder.
     other = Plan(plan.pieces, plan.documents, Reuse("kvcomm"), spans=plan.spans, agent="agent-critic")
-    earned(engine.gate, engine.caches.gated(seq, other, "kvcomm"))
-    assert engine.caches.choose(seq, other) == (Reuse("kvcomm"), "")
+    earned(engine.gate, engine.caches.ladder(other, "kvcomm", program=False))
+    assert seq.prompt.choose(engine.caches, other) == (Reuse("kvcomm"), "")
 
 
 def test_a_span_prefill_that_reused_no_span_is_not_checked(gated) -> None:
@@ -304,7 +304,5 @@ def test_a_span_prefill_that_reused_no_span_is_not_checked(gated) -> None:
 def test_chunks_found_in_a_programs_prompt_climb_the_ladder_of_its_reader(gated) -> None:
     engine, _ = gated
     chunks = Plan([[1, 2], [3, 4]], [False, True], Reuse("blend"), agent="agent-critic")
-    seq = Sequence([1, 2, 3, 4], SamplingParams(), engine.reuser.new_kv(), frozenset(), 100, plan=chunks)
-    assert engine.caches.gated(seq, chunks, "blend") == "blend"  # a plain prompt: the server's blend
-    seq.turn = Turn("pipeline-7", 0.0)
-    assert engine.caches.gated(seq, chunks, "blend") == shape_key("blend", "agent-critic")
+    assert engine.caches.ladder(chunks, "blend", program=False) == "blend"  # a plain prompt: the server's blend
+    assert engine.caches.ladder(chunks, "blend", program=True) == shape_key("blend", "agent-critic")  # a turn's

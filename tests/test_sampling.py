@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvgate.runtime.engine import Engine
+from kvgate.runtime.request import Result
 from kvgate.runtime.sampling import SamplingParams, choose, draw, logprob_of, penalise, preselect, probabilities
-from kvgate.runtime.sequence import Result
 
 LOGITS = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
 

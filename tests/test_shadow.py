@@ -18,9 +18,9 @@ from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.planner import Chat, Planner
 from kvgate.runtime.quality import FULL, Gate, QualityConfig, shape_key
+from kvgate.runtime.request import Output, Plan, Request
 from kvgate.runtime.reuse import Reuse
 from kvgate.runtime.sampling import SamplingParams
-from kvgate.runtime.sequence import Output, Plan, Request
 from kvgate.runtime.shadow import ANSWER, MAX_BUDGET_S, Job, Shadow, common
 from tests.conftest import QUESTIONS
 from tests.kv import new_kv
