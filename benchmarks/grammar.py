@@ -127,11 +127,11 @@ async def step_cost(local: Local, batch: int, tokens: int, constrained: bool) ->
         )
         for i in range(batch)
     ]
-    steps, spent, start = engine.steps, engine.grammar_s, time.perf_counter()
+    steps, spent, start = engine.steps, engine.grammars.spent_s, time.perf_counter()
     calls = [Call("/v1/chat/completions", {}, b"", local.name, "bench", uuid.uuid4().hex, None, b) for b in bodies]
     await asyncio.gather(*(local.generate(c) for c in calls))
     n = engine.steps - steps
-    return (time.perf_counter() - start) / n, (engine.grammar_s - spent) / n, n
+    return (time.perf_counter() - start) / n, (engine.grammars.spent_s - spent) / n, n
 
 
 def bench_grammar(

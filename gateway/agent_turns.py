@@ -32,7 +32,7 @@ class AgentTurns:
         config = self.config = settings.agent_config()
         self.tool_times = RedisToolTimes(settings.redis_url, max_tools=config.max_tools) if settings.redis_url else None
         costs = EngineCosts(engine, config.reload_bytes_per_s)
-        self.programs = Programs(config, engine.reuser.store, costs, shared=self.tool_times, flight=engine.flight)
+        self.programs = Programs(config, engine.store, costs, shared=self.tool_times, flight=engine.flight)
         self.expirer = Expirer(self.programs)
         self.conversations = conversation_index(settings.redis_url, config.conversations, settings.proxy.route_ttl_s)
 

@@ -43,7 +43,7 @@ from kvgate.gateway.settings import Settings
 from kvgate.gateway.toolcalls import CallStream, constraint, repeat_guard
 from kvgate.runtime.engine import Engine, Result
 from kvgate.runtime.errors import GrammarError, InvalidPrompt
-from kvgate.runtime.planner import Chat, Planner
+from kvgate.runtime.planner import Chat
 from kvgate.runtime.quality import STATES
 from kvgate.runtime.request import Output, Plan, Request
 from kvgate.runtime.tokens import TokenBytes
@@ -61,22 +61,21 @@ class Local(Backend):
     def __init__(self, settings: Settings, engine: Engine) -> None:
         self.settings, self.engine = settings, engine
         self.tokenizer = engine.tokenizer
-        self.name = settings.engine.served_model_name or engine.loaded.name
+        self.name = settings.engine.served_model_name or engine.name
         self.token_bytes = TokenBytes(self.tokenizer)
         self.tool_format = detect(self.tokenizer)
         self.created = int(time.time())
         self.agents = AgentTurns(settings, engine)
-        self.planner = Planner(engine.reuser, kvcomm=engine.anchors is not None)
+        self.planner = engine.planner()
         self.embeddings = Embeddings(settings)  # /v1/embeddings: the semantic cache's embedding model
         self.admission = Admission(
             settings.security.max_request_seqs,
             settings.security.max_waiting_seqs,
             settings.security.max_waiting_seqs_per_tenant,
         )
-        standing = engine.caches.standing()
+        standing = engine.standing()
         if not standing.calibrated:  # said once at start-up; /ready, /metrics and x-kvgate-reuse say it on
-            dtype = str(engine.model.dtype).removeprefix("torch.")
-            log.warning("%s in %s has no calibration table: %s", self.name, dtype, standing.note)
+            log.warning("%s in %s has no calibration table: %s", self.name, engine.dtype, standing.note)
 
     # ---- what is served ----------------------------------------------------------------
 
@@ -125,7 +124,7 @@ class Local(Backend):
         await self.admission.screen(call.tenant, 1, body.n)  # 400, 429 or 503 before any work (run admits)
         lark, incremental = constraint(body, self.tool_format)
         try:  # off the event loop: rendering and tokenizing a long prompt takes seconds
-            grammar = await asyncio.to_thread(self.engine.grammars.compile, lark) if lark is not None else None
+            grammar = await asyncio.to_thread(self.engine.compile, lark) if lark is not None else None
         except GrammarError as exc:
             param = "tools" if body.calls_tools else "response_format"
             raise bad_request(f"the schema cannot be used for constrained decoding: {exc}", param) from exc
@@ -318,24 +317,23 @@ class Local(Backend):
     def calibration(self) -> dict[str, Any]:
         """Where blends' recompute ratio comes from (runtime/caching.py `standing`): `calibrated` false while
         the server calibrates online (it serves full prefill where it would blend), or cannot."""
-        standing = self.engine.caches.standing()
+        standing = self.engine.standing()
         return {"calibrated": standing.calibrated, **asdict(standing)}
 
     def alive(self) -> bool:
-        return self.engine.thread.is_alive()
+        return self.engine.alive()
 
     def metrics(self) -> Iterator[Metric]:
         engine = self.engine
-        yield from tier_metrics(engine.reuser.store.stats()["tiers"])
+        yield from tier_metrics(engine.store.stats()["tiers"])
         load = engine.load_stats
         yield gauge("kvgate_requests_waiting", "sequences waiting for the engine", load["waiting"])
         yield gauge("kvgate_requests_running", "sequences the engine is running", load["running"])
-        yield from fidelity_metrics(self.name, engine.gate.stats(), engine.gate.due_count, engine.gate.dropped)
-        standing = engine.caches.standing()
+        yield from fidelity_metrics(self.name, *engine.checks())
+        standing = engine.standing()
         yield from calibration_metrics(self.name, standing.state, STATES, standing.checks)
         yield from self.agents.metrics()
-        if self.engine.anchors is not None:
-            anchors = self.engine.anchors.stats()
+        if (anchors := engine.anchor_stats()) is not None:
             yield gauge("kvgate_kvcomm_anchors", "KVCOMM anchors held", anchors["anchors"])
             yield gauge("kvgate_kvcomm_anchor_bytes", "bytes of KVCOMM anchor deviations", anchors["bytes"])
             yield counter("kvgate_kvcomm_estimates", "spans reused with offsets from anchors", anchors["estimates"])

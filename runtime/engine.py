@@ -6,25 +6,27 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Future
 
 import torch
 
 from kvgate.agents.anchors import AnchorPool
 from kvgate.agents.flight import Flight
+from kvgate.chunk_cache import ChunkStore
 from kvgate.runtime.calibration import find as find_calibration
 from kvgate.runtime.calibration import model_fingerprint
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.decode import Batches
-from kvgate.runtime.errors import EngineError, GrammarError
+from kvgate.runtime.errors import EngineError
 from kvgate.runtime.grammar import Grammars
 from kvgate.runtime.invariance import invariant, row_floor
 from kvgate.runtime.kv import KVCache, Pool
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.model import Run, forward, grid_of
 from kvgate.runtime.outbox import Outbox
-from kvgate.runtime.quality import Gate
+from kvgate.runtime.planner import Planner
+from kvgate.runtime.quality import Gate, Standing
 from kvgate.runtime.request import Output, Plan, Request, Result, check_fits
 from kvgate.runtime.sampling import SamplingParams, choose, logprob_of, penalise, preselect
 from kvgate.runtime.scheduler import Scheduler
@@ -67,6 +69,7 @@ class Engine:
         c = self.config
         self.loaded = loaded or load(c)
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
+        self.name, self.dtype = self.loaded.name, str(self.model.dtype).removeprefix("torch.")
         mc = self.model.config
         self.max_model_len = c.max_model_len or mc.max_position_embeddings
         first = decoder_of(self.model).layers[0]
@@ -102,7 +105,6 @@ class Engine:
         self.inbox: list[tuple[Sequence | int | Future, Callback | None]] = []
         self.lock, self.wake = threading.Lock(), threading.Event()
         self.stopped, self.steps = False, 0
-        self.grammar_s = 0.0  # spent computing grammar masks (the benchmark weighs it against steps)
 
     # ---- the ways in (any thread) -------------------------------------------------------
 
@@ -195,6 +197,40 @@ class Engine:
     @property
     def kv_bytes_per_token(self) -> int:
         return 2 * torch.Size(self.kv_shape).numel() * self.model.dtype.itemsize  # K and V, every layer
+
+    # ---- what the gateway, the agents and the cost model read of its parts -------------------
+
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    @property
+    def store(self) -> ChunkStore:
+        """The tiers every reused KV lives in (agent programs pin their contexts there)."""
+        return self.reuser.store
+
+    def planner(self) -> Planner:
+        """A planner of prompts over this engine's documents."""
+        return Planner(self.reuser, kvcomm=self.anchors is not None)
+
+    def compile(self, lark: str) -> str:
+        """A grammar checked against the model's tokenizer, on any thread (GrammarError when unusable)."""
+        return self.grammars.compile(lark)
+
+    def standing(self) -> Standing:
+        """Where blends' recompute ratio comes from (Caches.standing)."""
+        return self.caches.standing()
+
+    def checks(self) -> tuple[Iterable[tuple[str, dict[str, float]]], int, int]:
+        """The quality gate's shadow checks per mode, how many came due, and how many of those were dropped."""
+        return self.gate.stats(), self.gate.due_count, self.gate.dropped
+
+    def anchor_stats(self) -> dict[str, int] | None:
+        """KVCOMM's anchor pool's counts; None without KVCOMM."""
+        return self.anchors.stats() if self.anchors is not None else None
+
+    def queue_s(self) -> float:
+        """Seconds to prefill the waiting prompts a pinned program's turn is admitted ahead of."""
+        return self.prefill_s(self.scheduler.passable_tokens)
 
     # ---- the engine thread ---------------------------------------------------------------
 
@@ -310,11 +346,7 @@ class Engine:
     def allowed(self, seqs: list[Sequence], width: int) -> dict[int, torch.Tensor]:
         """The tokens each constrained sequence may take next, its masks filled in parallel."""
         held = [seq for seq in seqs if seq.matcher is not None]
-        if not held:
-            return {}
-        start = time.perf_counter()
-        masks = self.grammars.masks([seq.matcher for seq in held], width, self.model.device)
-        self.grammar_s += time.perf_counter() - start
+        masks = self.grammars.masks([seq.matcher for seq in held], width, self.model.device) if held else []
         return {seq.id: mask for seq, mask in zip(held, masks)}
 
     def sample(
@@ -327,18 +359,10 @@ class Engine:
         if seq.matcher is not None:
             if allowed is None:
                 allowed = self.allowed([seq], logits.shape[-1])[seq.id]
-            if not bool(allowed.any()):
-                raise GrammarError(f"the grammar allows no token: {seq.matcher.get_error() or 'it is complete'}")
-            start = time.perf_counter()
-            chosen = chosen.masked_fill(~allowed, float("-inf"))
-            self.grammar_s += time.perf_counter() - start
+            chosen = self.grammars.restrict(seq.matcher, chosen, allowed)
         token = choose(chosen, params, seq.generator, best if chosen is logits else None)  # unless moved
         if seq.matcher is not None and token not in seq.eos_ids:
-            start = time.perf_counter()
-            consumed = seq.matcher.consume_token(token)
-            self.grammar_s += time.perf_counter() - start
-            if not consumed:
-                raise GrammarError(seq.matcher.get_error())
+            self.grammars.consume(seq.matcher, token)
         logprob = logprob_of(logits, token, params.logprobs) if params.logprobs is not None else None
         seq.add(token, logprob, self.tokenizer)
         if seq.matcher is not None and seq.matcher.is_stopped() and seq.finish_reason is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +86,7 @@ class Grammars:
         self._lltok: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
         self.lock = threading.Lock()
+        self.spent_s = 0.0  # in masks and matchers on the engine's thread (the benchmark weighs it against steps)
 
     @property
     def lltok(self) -> llguidance.LLTokenizer:
@@ -117,7 +119,7 @@ class Grammars:
         """[len(matchers), width] booleans on `device` (the logits'): the tokens each matcher allows next (filled
         in parallel; the bitmask, 32 tokens a word, is what crosses to the device); tokens past the tokenizer's
         vocabulary (a padded lm_head) are never allowed."""
-        lltok = self.lltok
+        start, lltok = time.perf_counter(), self.lltok
         # llguidance.torch's helpers, inlined: importing that module runs torch.compile (2.1 s at every start).
         bits = torch.full((len(matchers), (lltok.vocab_size + 31) // 32), -1, dtype=torch.int32)
         row = bits.shape[1] * bits.element_size()
@@ -132,4 +134,22 @@ class Grammars:
         allowed = ((bits[:, :, None] >> shifts) & 1).bool().flatten(1)[:, : min(width, lltok.vocab_size)]
         if allowed.shape[1] < width:
             allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[1]))
+        self.spent_s += time.perf_counter() - start
         return allowed
+
+    def restrict(self, matcher: llguidance.LLMatcher, logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """`logits` with the tokens `allowed` (its mask) leaves out at -inf; GrammarError when it allows none."""
+        if not bool(allowed.any()):
+            raise GrammarError(f"the grammar allows no token: {matcher.get_error() or 'it is complete'}")
+        start = time.perf_counter()
+        restricted = logits.masked_fill(~allowed, float("-inf"))
+        self.spent_s += time.perf_counter() - start
+        return restricted
+
+    def consume(self, matcher: llguidance.LLMatcher, token: int) -> None:
+        """Advance the matcher past `token`; GrammarError when the grammar does not let it follow."""
+        start = time.perf_counter()
+        consumed = matcher.consume_token(token)
+        self.spent_s += time.perf_counter() - start
+        if not consumed:
+            raise GrammarError(matcher.get_error())
