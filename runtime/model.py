@@ -234,20 +234,49 @@ def forward(
     cos, sin = inner.rotary_emb(h[None], positions[None])
     cos, sin = cos[0], sin[0]
     bounds = torch.tensor([0, *lengths]).cumsum(0).tolist()
+    last = torch.tensor(bounds[1:], device=device) - 1
+    rows = torch.cat([last, last.new_zeros(max(0, floor - len(runs)))])  # the linears see at least `floor` rows
     for i, layer in enumerate(layers):
         q, k, v = project(layer, h, cos, sin)
+        if i == len(layers) - 1 and not every and len(rows) < len(h) and alike(q, layer.window, keep):
+            return logits_of(model, last_layer(i, layer, runs, h[rows], q[rows], k, v, bounds))[: len(runs)]
         out = torch.zeros_like(q) if extra else torch.empty_like(q)
         for r, a, b in zip(runs, bounds, bounds[1:]):
             keys, values = r.kv.append(i, k[a:b].transpose(0, 1), v[a:b].transpose(0, 1))
-            rows = q[a:b].transpose(0, 1)
+            rows_q = q[a:b].transpose(0, 1)
             if keep:  # written in place: the kernel's rows go straight into the step's output
-                attend_grid(rows, keys, values, r.start, layer.scale, layer.window, out[a:b].transpose(0, 1))
+                attend_grid(rows_q, keys, values, r.start, layer.scale, layer.window, out[a:b].transpose(0, 1))
             else:
-                out[a:b] = attend(rows, keys, values, layer.scale, layer.window).transpose(0, 1)
+                out[a:b] = attend(rows_q, keys, values, layer.scale, layer.window).transpose(0, 1)
         h = finish_layer(layer, h, out)
 
     if every:
         return logits_of(model, h)[: bounds[-1]]
-    last = torch.tensor(bounds[1:], device=device) - 1
-    rows = torch.cat([last, last.new_zeros(max(0, floor - len(runs)))])  # the LM head is a linear too
     return logits_of(model, h[rows])[: len(runs)]
+
+
+def alike(q: torch.Tensor, window: int | None, keep: bool) -> bool:
+    """Whether a row's attention is the same bit for bit whatever rows share its call (the CPU kernel's), and
+    its linears the same among any `floor` rows (`keep`): then the last layer computes only the rows whose
+    logits are asked, and every other row's there would be thrown away (its K and V are all the cache keeps)."""
+    return keep and cpu_attention.usable(q, window) is not None
+
+
+def last_layer(
+    i: int,
+    layer: Layer,
+    runs: list[Run],
+    h: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bounds: list[int],
+) -> torch.Tensor:
+    """The model's last layer for the hidden states h and queries q of each run's last row (then rows of
+    padding): every row's K and V appended, each last row attended, the rest of the layer over those rows."""
+    out = torch.zeros_like(q)
+    for j, (r, a, b) in enumerate(zip(runs, bounds, bounds[1:])):
+        keys, values = r.kv.append(i, k[a:b].transpose(0, 1), v[a:b].transpose(0, 1))
+        row = q[j : j + 1].transpose(0, 1)
+        attend_grid(row, keys, values, r.start + b - a - 1, layer.scale, layer.window, out[j : j + 1].transpose(0, 1))
+    return finish_layer(layer, h, out)
