@@ -67,20 +67,23 @@ class Blended:
 
 
 def place(kv: KVCache, layer: int, pieces: list[Piece], start: int, shift: Shift | None) -> None:
-    """Write layer `layer` of every reused piece's KV at its offset in `kv` (the pieces begin at
-    `start`), then RoPE-shift the keys there in one pass (`shift`: None where none moves). Called per
-    layer just before it runs, so a piece still loading is waited for one layer at a time."""
+    """Write layer `layer` of every reused piece's KV at its offset in `kv` (the pieces begin at `start`), the keys
+    RoPE-shifted to their new positions as they are written (`shift`: None where none moves). Called per layer
+    just before it runs, so a piece still loading is waited for one layer at a time."""
     offset = start
     for piece in pieces:
         n = len(piece.token_ids)
         if piece.cached is not None:
             keys, values = piece.cached.layer(layer)
-            kv.keys[layer][:, offset : offset + n] = keys
+            at = kv.keys[layer][:, offset : offset + n]
+            keys = keys.to(at.device)  # a lower tier's copy on the host, the KV on the device
+            if shift is not None and shift.begin <= offset < shift.end:
+                rows = slice(offset - shift.begin, offset - shift.begin + n)
+                rope_shift(keys, shift.cos[rows], shift.sin[rows], out=at)
+            else:
+                at.copy_(keys)
             kv.values[layer][:, offset : offset + n] = values
         offset += n
-    if shift is not None:  # rows between the reused pieces are shifted by 0, and computed over after
-        rows = slice(shift.begin, shift.end)
-        kv.keys[layer][:, rows] = rope_shift(kv.keys[layer][:, rows].contiguous(), shift.cos, shift.sin)
 
 
 @dataclass(frozen=True)
@@ -242,7 +245,8 @@ def blend(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: Blen
     layers = decoder_of(model).layers
     last = len(layers) - 1
     for i, layer in enumerate(layers):
-        place(kv, i, pieces, start, shift)
+        if i in checks or len(sel) < n:  # else every row is computed here before any is read: nothing to place
+            place(kv, i, pieces, start, shift)
         cos, sin = cos_all[sel], sin_all[sel]
         if i in checks:
             j = checks.index(i)

@@ -52,7 +52,7 @@ def rope_shift_torch(
     shifted = x * cos.float() + rotated * sin.float()
     if out is None:
         return shifted.to(keys.dtype)
-    return out.copy_(shifted)
+    return out.copy_(shifted.to(out.dtype))  # converted whole first: a converting copy into strided rows is slow
 
 
 def gather_rows_torch(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -52,6 +52,8 @@ def check_rope_shift(device: str, dtype: torch.dtype, D: int) -> None:
         cos, sin = _cos_sin(positions, D, device)
         cos, sin = (cos[0], sin[0]) if len(positions) == 1 else (cos, sin)
         want = kernels.rope_shift_torch(keys, cos, sin)
+        placed = cache.clone()  # written into other rows, as blend places a cached piece: the same values
+        assert torch.equal(kernels.rope_shift_torch(keys, cos, sin, out=placed[:, 9:]), want)
         _close(kernels.rope_shift_triton(keys, cos, sin), want)
         buffer = cache.clone()
         inplace = buffer[:, 4 : 4 + T]
