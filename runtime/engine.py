@@ -33,7 +33,7 @@ from kvgate.runtime.scheduler import Scheduler
 from kvgate.runtime.sequence import Sequence
 from kvgate.runtime.shadow import Shadow
 from kvgate.runtime.shared import Spans
-from kvgate.runtime.threads import claim, hand_over
+from kvgate.runtime.threads import Teams, claim, hand_over, team
 from kvgate.runtime.timing import StepTimes
 from kvgate.runtime.weights import decoder_of
 from kvgate.runtime.wiring import make_caches, make_reuser
@@ -85,7 +85,7 @@ class Engine:
         self.calibration = find_calibration(c.cache_dir, self.model_fp, c.shipped_calibration, c.blend_select)
         self.reuser = make_reuser(c, self.model, self.tokenizer, self.model_fp, self.calibration)
         self.grammars = Grammars(self.tokenizer, self.loaded.eos_token_ids)
-        self.times = StepTimes()
+        self.times, self.teams = StepTimes(), Teams(torch.get_num_threads() if team(torch.get_num_threads()) else 1)
         self.anchors = AnchorPool(c.anchors) if c.anchors is not None else None
         self.spans = Spans(self.reuser, self.anchors, cost=self.prefill_s)
         self.gate = Gate(c.quality, {"blend": self.reuser.blend.ratio, "kvcomm": c.kvcomm_ratio})
@@ -296,10 +296,11 @@ class Engine:
             return
         rider = self.shadow.ride()  # a quality check's rows, computed in this step on the checks' budget
         runs = [run for _, run in batch] + ([rider] if rider else [])
-        prompts = any(seq.prefilling for seq, _ in batch) or rider is not None
+        pad = self.config.deterministic or rider is not None or any(seq.prefilling for seq, _ in batch)
         start = time.perf_counter()
         try:
-            logits = forward(self.model, runs, pad=prompts or self.config.deterministic, batches=self.batches)
+            with self.teams.sized(None if pad else len(runs)):  # a padded step: all the threads, its rows as measured
+                logits = forward(self.model, runs, pad=pad, batches=self.batches)
         except Exception as exc:  # a failed step ends its requests, never the engine
             for seq, _ in batch:
                 self.fail(seq, exc)

@@ -8,8 +8,13 @@ two. So the engine's thread claims the cores, and every other thread computes on
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -32,3 +37,71 @@ def claim(threads: int = 0) -> None:
     other = threading.Thread(target=hand_over, name="kvgate-one-thread")
     other.start()
     other.join()
+
+
+@functools.cache
+def _openmp() -> ctypes.CDLL | None:
+    """torch's OpenMP runtime (loaded with it under this name), or None where torch has another."""
+    try:
+        return ctypes.CDLL("libgomp.so.1")
+    except OSError:
+        return None
+
+
+def team(threads: int) -> bool:
+    """The calling thread's next parallel regions run on `threads` threads; False where that cannot be set. Not
+    torch.set_num_threads, which also sets the count every new thread starts with (see `claim`)."""
+    runtime = _openmp()
+    if runtime is not None:
+        runtime.omp_set_num_threads(threads)
+    return runtime is not None
+
+
+class Teams:
+    """How many threads a decode step computes on: all the engine's, or one where one is faster for steps of that
+    many rows. Measured as steps run, per size (rows to the next power of two): a small step's ops each cost more in
+    the second thread's wake-up than they save, the more so where the HTTP loop shares the cores (the default model
+    on 2 cores, bf16, one sequence: 25.6-26.2 ms a step on one thread, 27.1-28.6 on two; eight: 30.5-30.8 against
+    29.2-29.8). Each size tries both `tries` times, then keeps the faster by the median of its last `tries` steps,
+    trying the other again every `every` steps of that size."""
+
+    def __init__(self, threads: int, tries: int = 5, every: int = 200) -> None:
+        self.threads, self.tries, self.every = threads, tries, every
+        self.times: dict[tuple[int, int], list[float]] = {}  # (size, threads) -> the latest step times
+        self.steps: dict[int, int] = {}  # size -> steps taken
+
+    @staticmethod
+    def size(rows: int) -> int:
+        return 1 << max(0, rows - 1).bit_length()
+
+    def pick(self, rows: int) -> int:
+        if self.threads == 1:
+            return 1
+        size = self.size(rows)
+        one, all_ = self.times.get((size, 1), []), self.times.get((size, self.threads), [])
+        if len(one) < self.tries or len(all_) < self.tries:
+            return 1 if len(one) <= len(all_) else self.threads
+        faster = 1 if sorted(one)[len(one) // 2] < sorted(all_)[len(all_) // 2] else self.threads
+        other = self.threads if faster == 1 else 1
+        return other if self.steps.get(size, 0) % self.every == 0 else faster
+
+    def took(self, rows: int, threads: int, seconds: float) -> None:
+        size = self.size(rows)
+        self.steps[size] = self.steps.get(size, 0) + 1
+        times = self.times.setdefault((size, threads), [])
+        times.append(seconds)
+        del times[: -self.tries]
+
+    @contextmanager
+    def sized(self, rows: int | None) -> Iterator[None]:
+        """Compute a step of `rows` rows on the team that size runs fastest on, timed for the choice (None: all
+        the threads, not timed)."""
+        threads = self.threads if rows is None else self.pick(rows)
+        team(threads)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            team(self.threads)
+        if rows is not None:
+            self.took(rows, threads, time.perf_counter() - start)
