@@ -33,7 +33,7 @@ from kvgate.runtime.scheduler import Scheduler
 from kvgate.runtime.sequence import Sequence
 from kvgate.runtime.shadow import Shadow
 from kvgate.runtime.shared import Spans
-from kvgate.runtime.threads import Teams, claim, hand_over, team
+from kvgate.runtime.threads import Teams, claim, hand_over, switchable
 from kvgate.runtime.timing import StepTimes
 from kvgate.runtime.weights import decoder_of
 from kvgate.runtime.wiring import make_caches, make_reuser
@@ -85,7 +85,7 @@ class Engine:
         self.calibration = find_calibration(c.cache_dir, self.model_fp, c.shipped_calibration, c.blend_select)
         self.reuser = make_reuser(c, self.model, self.tokenizer, self.model_fp, self.calibration)
         self.grammars = Grammars(self.tokenizer, self.loaded.eos_token_ids)
-        self.times, self.teams = StepTimes(), Teams(torch.get_num_threads() if team(torch.get_num_threads()) else 1)
+        self.times, self.teams = StepTimes(), Teams(torch.get_num_threads() if switchable() else 1)
         self.anchors = AnchorPool(c.anchors) if c.anchors is not None else None
         self.spans = Spans(self.reuser, self.anchors, cost=self.prefill_s)
         self.gate = Gate(c.quality, {"blend": self.reuser.blend.ratio, "kvcomm": c.kvcomm_ratio})

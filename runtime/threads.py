@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -48,13 +49,17 @@ def _openmp() -> ctypes.CDLL | None:
         return None
 
 
-def team(threads: int) -> bool:
-    """The calling thread's next parallel regions run on `threads` threads; False where that cannot be set. Not
+def switchable() -> bool:
+    """Whether `team` can set a thread's team here (torch's OpenMP runtime is libgomp)."""
+    return _openmp() is not None
+
+
+def team(threads: int) -> None:
+    """The calling thread's next parallel regions run on `threads` threads (where `switchable`). Not
     torch.set_num_threads, which also sets the count every new thread starts with (see `claim`)."""
     runtime = _openmp()
     if runtime is not None:
         runtime.omp_set_num_threads(threads)
-    return runtime is not None
 
 
 class Teams:
@@ -78,10 +83,10 @@ class Teams:
         if self.threads == 1:
             return 1
         size = self.size(rows)
-        one, all_ = self.times.get((size, 1), []), self.times.get((size, self.threads), [])
-        if len(one) < self.tries or len(all_) < self.tries:
-            return 1 if len(one) <= len(all_) else self.threads
-        faster = 1 if sorted(one)[len(one) // 2] < sorted(all_)[len(all_) // 2] else self.threads
+        one, every = self.times.get((size, 1), []), self.times.get((size, self.threads), [])
+        if len(one) < self.tries or len(every) < self.tries:
+            return 1 if len(one) <= len(every) else self.threads
+        faster = 1 if statistics.median(one) < statistics.median(every) else self.threads
         other = self.threads if faster == 1 else 1
         return other if self.steps.get(size, 0) % self.every == 0 else faster
 

@@ -11,7 +11,7 @@ from kvgate.runtime.decode import Batches
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.model import Run, forward
-from kvgate.runtime.threads import Teams, claim, team
+from kvgate.runtime.threads import Teams, claim, switchable, team
 
 
 def test_each_size_tries_both_teams_then_keeps_the_faster_and_tries_the_other_now_and_then() -> None:
@@ -41,7 +41,8 @@ def test_a_decode_steps_logits_are_the_same_on_one_thread_as_on_two(loaded: Load
 
     def step(threads: int) -> None:
         claim(2)
-        assert team(threads) and torch.get_num_threads() == threads
+        team(threads)
+        assert switchable() and torch.get_num_threads() == threads
         caches = []
         for b in range(3):
             kv = KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, model.dtype, "cpu", 1024)
