@@ -108,9 +108,14 @@ class PromptKV:
                 self.reusing = None
         if logits is not None:  # the whole prompt is in the KV: straight to the first token
             return logits
+        tokens = self.chunk(budget, grid)
+        return Run(self.kv, tokens, len(self.kv)) if tokens else None
+
+    def chunk(self, budget: int, grid: int = 1) -> list[int]:
+        """The prompt's next tokens to compute within `budget`: up to its end, or else to the last multiple of `grid`
+        (none fits: empty), so that the prompt's KV is the same however it is chunked (runtime/model.py)."""
         computed = len(self.kv)
-        tokens = self.prompt_ids[computed : run_end(computed, budget, len(self.prompt_ids), grid)]
-        return Run(self.kv, tokens, computed) if tokens else None
+        return self.prompt_ids[computed : run_end(computed, budget, len(self.prompt_ids), grid)]
 
     def ran(self, caches: Caches) -> None:
         """A step ran a chunk of a document the prompt lacked: once whole, it is stored."""

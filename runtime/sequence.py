@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from kvgate.agents.programs import Turn
 from kvgate.runtime.kv import KVCache
-from kvgate.runtime.prompt_kv import PromptKV, run_end
+from kvgate.runtime.prompt_kv import PromptKV
 from kvgate.runtime.request import Output, Plan, Request
 from kvgate.runtime.sampling import SamplingParams, TokenLogprob
 from kvgate.runtime.tokens import decoder
@@ -94,7 +94,7 @@ class Sequence:
         KV is the same however it is chunked (runtime/model.py)."""
         if not self.prefilling:
             return self.output_ids[-1:]
-        return self.prompt_ids[self.computed : run_end(self.computed, budget, len(self.prompt_ids), grid)]
+        return self.prompt.chunk(budget, grid)
 
     def add(self, token_id: int, logprob: TokenLogprob | None, tokenizer: PreTrainedTokenizerBase) -> None:
         self.output_ids.append(token_id)

@@ -19,9 +19,10 @@ from kvgate.runtime.scheduler import Scheduler
 from kvgate.runtime.sequence import Sequence, Status
 
 
-def request(name: str, arrival: float, turn: Turn | None = None) -> Sequence:
+def request(name: str, arrival: float, turn: Turn | None = None, prompt: int = 3) -> Sequence:
     kv = KVCache(1, 1, 4, torch.float32, "cpu")
-    seq = Sequence([1, 2, 3], SamplingParams(max_tokens=4), kv, frozenset(), 64, turn=turn, arrival=arrival)
+    ids = list(range(1, prompt + 1))
+    seq = Sequence(ids, SamplingParams(max_tokens=4), kv, frozenset(), 64, turn=turn, arrival=arrival)
     seq.text = name  # to read the order back
     return seq
 
@@ -212,9 +213,7 @@ def test_a_thousand_waiting_sequences_of_many_tenants_do_not_scan_the_queue() ->
 
 
 def prompt(name: str, n: int, arrival: float = 0.0) -> Sequence:
-    seq = request(name, arrival)
-    seq.prompt_ids = list(range(1, n + 1))
-    return seq
+    return request(name, arrival, prompt=n)
 
 
 def run_step(scheduler: Scheduler) -> list[tuple[str, int]]:
