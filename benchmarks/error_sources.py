@@ -43,6 +43,7 @@ from kvgate.runtime.fidelity import (
     top1,
 )
 from kvgate.runtime.kernels import token_deviation
+from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import load
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.report import table, write_section
@@ -94,14 +95,15 @@ class Case:
         return m
 
 
-def rows(kv_keys: list[torch.Tensor], kv_values: list[torch.Tensor], a: int, b: int) -> Layers:
-    return [(k[:, a:b].clone(), v[:, a:b].clone()) for k, v in zip(kv_keys, kv_values)]
+def rows(kv: KVCache, a: int, b: int) -> Layers:
+    keys, values = kv.copy(a, b)
+    return list(zip(keys.unbind(0), values.unbind(0)))
 
 
 def reference(reuser: Reuser, item: Item, eos: frozenset[int]) -> Case:
     kv, first, _ = start(reuser, item, Reuse("full"))
     answer, _ = greedy(reuser, kv, first, eos)
-    return Case(item, rows(kv.keys, kv.values, 0, len(item.ids) - len(item.pieces[-1])), first, answer)
+    return Case(item, rows(kv, 0, len(item.ids) - len(item.pieces[-1])), first, answer)
 
 
 def alone(reuser: Reuser, ids: list[int], anchor: list[int] | None = None) -> Layers:
@@ -110,7 +112,7 @@ def alone(reuser: Reuser, ids: list[int], anchor: list[int] | None = None) -> La
     kv = reuser.new_kv()
     forward(reuser.model, [Run(kv, anchor + ids, 0)])
     a = len(anchor)
-    return [(shift(reuser.model, k, -a) if a else k, v) for k, v in rows(kv.keys, kv.values, a, a + len(ids))]
+    return [(shift(reuser.model, k, -a) if a else k, v) for k, v in rows(kv, a, a + len(ids))]
 
 
 def elsewhere(reuser: Reuser, other: Item) -> dict[tuple[int, ...], Layers]:
@@ -119,7 +121,7 @@ def elsewhere(reuser: Reuser, other: Item) -> dict[tuple[int, ...], Layers]:
     forward(reuser.model, [Run(kv, other.ids, 0)])
     out, s = {}, len(other.pieces[0])
     for d in other.pieces[1:-1]:
-        out[tuple(d)] = [(shift(reuser.model, k, -s), v) for k, v in rows(kv.keys, kv.values, s, s + len(d))]
+        out[tuple(d)] = [(shift(reuser.model, k, -s), v) for k, v in rows(kv, s, s + len(d))]
         s += len(d)
     return out
 
@@ -168,10 +170,7 @@ def score(reuser: Reuser, case: Case, layers: Layers) -> tuple[float, float]:
     """First-token KL and teacher-forced top-1 with the tail and the answer computed over `layers`."""
     n, tail = case.starts[-1], case.item.pieces[-1]
     kv = reuser.new_kv()
-    kv.reserve(n + len(tail) + len(case.answer))
-    for i, (k, v) in enumerate(layers):
-        kv.keys[i][:, :n], kv.values[i][:, :n] = k, v
-    kv.lengths = [n] * len(layers)
+    kv.extend(torch.stack([k[:, :n] for k, _ in layers]), torch.stack([v[:, :n] for _, v in layers]))
     first = forward(reuser.model, [Run(kv, tail, n)])[0]
     forced = teacher_forced(reuser, kv, first, case.answer)
     return kl(case.first, first), top1(forced, case.answer)

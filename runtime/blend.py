@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from kvgate.runtime.kernels import gather_rows, rope_shift, scatter_rows, token_deviation
+from kvgate.runtime.kernels import gather_rows, rope_shift, token_deviation
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.model import attend, finish_layer, logits_of, project
 from kvgate.runtime.rope import token_angles
@@ -75,14 +75,15 @@ def place(kv: KVCache, layer: int, pieces: list[Piece], start: int, shift: Shift
         n = len(piece.token_ids)
         if piece.cached is not None:
             keys, values = piece.cached.layer(layer)
-            at = kv.keys[layer][:, offset : offset + n]
-            keys = keys.to(at.device)  # a lower tier's copy on the host, the KV on the device
-            if shift is not None and shift.begin <= offset < shift.end:
-                rows = slice(offset - shift.begin, offset - shift.begin + n)
-                rope_shift(keys, shift.cos[rows], shift.sin[rows], out=at)
-            else:
-                at.copy_(keys)
-            kv.values[layer][:, offset : offset + n] = values
+            keys, values = keys.to(kv.device), values.to(kv.device)  # a lower tier's copy on the host
+            moved = shift if shift is not None and shift.begin <= offset < shift.end else None
+            for rows, at_keys, at_values in kv.targets(layer, offset, offset + n):
+                if moved is not None:
+                    angle = slice(offset - moved.begin + rows.start, offset - moved.begin + rows.stop)
+                    rope_shift(keys[:, rows], moved.cos[angle], moved.sin[angle], out=at_keys)
+                else:
+                    at_keys.copy_(keys[:, rows])
+                at_values.copy_(values[:, rows])
         offset += n
 
 
@@ -131,12 +132,12 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: to
 
 
 def attend_part(
-    layer: Layer, kv: KVCache, i: int, q: torch.Tensor, rows: torch.Tensor, contiguous: bool
+    layer: Layer, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, rows: torch.Tensor, contiguous: bool
 ) -> torch.Tensor:
-    """Attention of queries `q` [n, heads, d] at sorted positions `rows` over layer i's KV up to the
-    last of them; `contiguous`: the rows are every position up to there (a plain causal block)."""
+    """Attention of queries `q` [n, heads, d] at sorted positions `rows` over a layer's KV k, v [kv_heads, >= end,
+    d] up to the last of them; `contiguous`: the rows are every position up to there (a plain causal block)."""
     end = int(rows[-1]) + 1
-    keys, values, scale = kv.keys[i][:, :end], kv.values[i][:, :end], layer.scale
+    keys, values, scale = k[:, :end], v[:, :end], layer.scale
     if contiguous:
         return attend(q.transpose(0, 1), keys, values, scale).transpose(0, 1)
     return attend_rows(q.transpose(0, 1), keys, values, rows, scale).transpose(0, 1)
@@ -231,7 +232,7 @@ def blend(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: Blen
     n = len(reused_all)
     total = start + n
     kv.reserve(total)
-    shift = Shift.of(model, pieces, start, kv.keys[0].device)
+    shift = Shift.of(model, pieces, start, kv.device)
     ids = torch.tensor([t for p in pieces for t in p.token_ids], device=device)
     h = inner.embed_tokens(ids)
     positions = torch.arange(start, total, device=device)
@@ -255,7 +256,7 @@ def blend(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: Blen
             score = torch.zeros(len(sel), device=device)
             if keep > 0 and config.select != "random":
                 fresh = project(layer, h, cos, sin)[1].transpose(0, 1)  # [kv_heads, n, d]
-                cached = gather_rows(kv.keys[i], sel + start)
+                cached = gather_rows(kv.layer(i, total)[0], sel + start)
                 score = token_deviation(fresh, cached)
                 if j == 0:
                     norm = cached.float().pow(2).sum((0, 2))
@@ -268,17 +269,18 @@ def blend(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: Blen
         q, k, v = project(layer, h, cos, sin)
         rows = sel + start
         if len(sel) == n:
-            kv.keys[i][:, start:total] = k.transpose(0, 1)
-            kv.values[i][:, start:total] = v.transpose(0, 1)
+            kv.write(i, start, k.transpose(0, 1), v.transpose(0, 1))
         else:
-            scatter_rows(kv.keys[i], rows, k.transpose(0, 1))
-            scatter_rows(kv.values[i], rows, v.transpose(0, 1))
+            kv.scatter(i, rows, k.transpose(0, 1), v.transpose(0, 1))
+        keys, values = kv.layer(i, total)
         # Queries in parts of ROWS, each part's work yielded: a long prompt's layer (its attention
         # grows with the square of its length) never holds a step up for long.
         parts = torch.arange(len(sel), device=h.device).split(ROWS)
         out = torch.empty_like(h)
         for part in parts:
-            out[part] = finish_layer(layer, h[part], attend_part(layer, kv, i, q[part], rows[part], len(sel) == n))
+            out[part] = finish_layer(
+                layer, h[part], attend_part(layer, keys, values, q[part], rows[part], len(sel) == n)
+            )
             if i < last or part is not parts[-1]:  # never after the end: a whole KV has its logits
                 yield len(part) / len(layers)
         h = out

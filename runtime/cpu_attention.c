@@ -16,15 +16,19 @@ static const struct kind *kind_of(int bf16) { return bf16 ? &BF16 : &F32; }
 
 int fast(int bf16) { return kind_of(bf16)->fast; }
 
-/* q [heads, n, d] (rows `qrow` elements apart, heads `qhead`), k and v [kv_heads, >= start + n, d] (rows d
-   apart, heads `kvhead`), out [heads, n, d] (rows `orow` elements apart, heads `ohead`), all bf16 (`bf16`) or float32: row i of q is at position
-   start + i and sees keys 0..start + i. d a multiple of 64, heads a multiple of kv_heads. Returns 0, or -1 when
-   out of memory. */
-int attend(int bf16, const void *q, int64_t qhead, int64_t qrow, const void *k, const void *v, int64_t kvhead,
-           void *out, int64_t ohead, int64_t orow, int heads, int kv_heads, int n, int start, int d, float scale, int threads) {
+int block(void) { return BLOCK; }
+
+/* q [heads, n, d] (rows `qrow` elements apart, heads `qhead`) over keys and values in blocks of BLOCK positions,
+   out [heads, n, d] (rows `orow` elements apart, heads `ohead`), all bf16 (`bf16`) or float32: row i of q is at
+   position start + i and sees keys 0..start + i. `table` [4][columns] says per block b where its rows lie: the
+   address of its K row 0 of KV head 0, of its V row 0, and the elements between two KV heads in K and in V (rows
+   d apart within a block). d a multiple of 64, heads a multiple of kv_heads. Returns 0, or -1 when out of
+   memory. */
+int attend(int bf16, const void *q, int64_t qhead, int64_t qrow, const int64_t *table, int64_t columns, void *out,
+           int64_t ohead, int64_t orow, int heads, int kv_heads, int n, int start, int d, float scale, int threads) {
     const struct kind *kind = kind_of(bf16);
     const int elem = kind->elem;
-    const char *qc = q, *kc = k, *vc = v;
+    const char *qc = q;
     int total = start + n, blocks = (total + BLOCK - 1) / BLOCK, group = heads / kv_heads;
     int qblocks = (n + QROWS - 1) / QROWS, items = kv_heads * qblocks;
     int64_t packed = (int64_t)BLOCK * d * elem; /* bytes a packed block of K (and of V) */
@@ -34,8 +38,10 @@ int attend(int bf16, const void *q, int64_t qhead, int64_t qrow, const void *k, 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
         for (int i = 0; i < kv_heads * blocks; i++) {
             int h = i / blocks, b = i % blocks;
-            kind->pack(kc + h * kvhead * elem, vc + h * kvhead * elem, d, total, d, b, kp + packed * i,
-                       vp + packed * i);
+            const char *kb = (const char *)table[b] + h * table[2 * columns + b] * elem;
+            const char *vb = (const char *)table[columns + b] + h * table[3 * columns + b] * elem;
+            int valid = total - b * BLOCK < BLOCK ? total - b * BLOCK : BLOCK;
+            kind->pack(kb, vb, d, valid, d, 0, kp + packed * i, vp + packed * i);
         }
 #pragma omp parallel num_threads(threads)
         {

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from kvgate.chunk_cache.config import user_cache_dir
+from kvgate.runtime.kv import BLOCK
 
 SIZES = {torch.bfloat16: 2, torch.float32: 4}
 log = logging.getLogger(__name__)
@@ -54,10 +55,12 @@ class Kernel:
     def __init__(self, library: ctypes.CDLL) -> None:
         library.fast.argtypes = [ctypes.c_int]
         self.fast = {dtype: bool(library.fast(dtype == torch.bfloat16)) for dtype in SIZES}
+        if library.block() != BLOCK:
+            raise ImportError(f"cpu attention: a kernel of {library.block()}-position blocks for KV of {BLOCK}")
         self._attend = library.attend
         self._attend.restype = ctypes.c_int
         i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-        tensors = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64]  # q and strides, k, v, head stride, out and strides
+        tensors = [ptr, i64, i64, ptr, i64, ptr, i64, i64]  # q and strides, blocks table and stride, out and strides
         self._attend.argtypes = [i32, *tensors, i32, i32, i32, i32, i32, ctypes.c_float, i32]
         self.decodes = bool(library.decode_fast())
         self._decode = library.decode
@@ -73,23 +76,32 @@ class Kernel:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
                  out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """Rows start..start+n of q [heads, n, d] over k, v [kv_heads, >= start + n, d], causal: [heads, n, d],
-        all bf16 or all float32; written into `out` where given (any strides but the last)."""
-        if q.dtype not in SIZES or k.dtype != q.dtype or v.dtype != q.dtype:
+        all bf16 or float32; written into `out` where given (any strides but the last)."""
+        if k.dtype != q.dtype or v.dtype != q.dtype:
             raise TypeError(f"cpu attention: bf16 or float32 alike, not {q.dtype}, {k.dtype}, {v.dtype}")
+        d = q.shape[2]
+        k, v = (x if x.stride(2) == 1 and x.stride(1) == d else x.contiguous() for x in (k, v))
+        return self.paged(q, table_of(k, v, start + q.shape[1]), k.shape[0], start, scale, out)
+
+    def paged(self, q: torch.Tensor, table: torch.Tensor, kv_heads: int, start: int, scale: float,
+              out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """`__call__` over keys and values in blocks of BLOCK positions where `table` (runtime/kv.py
+        `KVCache.table`) says they lie."""
+        if q.dtype not in SIZES:
+            raise TypeError(f"cpu attention: bf16 or float32, not {q.dtype}")
         heads, n, d = q.shape
-        kv_heads = k.shape[0]
         if q.stride(2) != 1:
             q = q.contiguous()
-        if k.stride(2) != 1 or k.stride(1) != d:
-            k = k.contiguous()
-        if v.stride(2) != 1 or v.stride(1) != d or v.stride(0) != k.stride(0):
-            v, k = v.contiguous(), k.contiguous()
         if out is None:
             out = torch.empty(heads, n, d, dtype=q.dtype)
         elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
             raise ValueError(f"cpu attention: out {tuple(out.shape)} {out.dtype} for rows {tuple(q.shape)} {q.dtype}")
+        if table.dtype != torch.int64 or table.shape[0] != 4 or table.shape[1] * BLOCK < start + n:
+            raise ValueError(f"cpu attention: a table of {tuple(table.shape)} for {start + n} positions")
+        if table.stride(1) != 1:
+            table = table.contiguous()
         failed = self._attend(
-            q.dtype == torch.bfloat16, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(0),
+            q.dtype == torch.bfloat16, q.data_ptr(), q.stride(0), q.stride(1), table.data_ptr(), table.stride(0),
             out.data_ptr(), out.stride(0), out.stride(1), heads, kv_heads, n, start, d, scale, torch.get_num_threads(),
         )  # fmt: skip
         if failed:
@@ -148,6 +160,20 @@ class Kernel:
         self._gated(x.dtype == torch.bfloat16, x.data_ptr(), x.stride(0), out.data_ptr(), n, f,
                     torch.get_num_threads())  # fmt: skip
         return out
+
+
+def table_of(k: torch.Tensor, v: torch.Tensor, total: int) -> torch.Tensor:
+    """The blocks' table (`Kernel.paged`) of contiguous k, v [kv_heads, >= total, d] (rows d apart)."""
+    item, blocks = k.element_size(), -(-total // BLOCK)
+    step = torch.arange(blocks, dtype=torch.int64) * BLOCK
+    return torch.stack(
+        (
+            k.data_ptr() + step * item * k.stride(1),
+            v.data_ptr() + step * item * v.stride(1),
+            torch.full((blocks,), k.stride(0), dtype=torch.int64),
+            torch.full((blocks,), v.stride(0), dtype=torch.int64),
+        )
+    )
 
 
 def machine_key() -> str:

@@ -59,10 +59,8 @@ class DecodeBatch:
         self.lengths = [len(kv) for kv in caches]
         both = storage[: self.elements(caches, native)].zero_().view(2, *self.shape(caches, native))
         self.keys, self.values = both[0], both[1]
-        for b, (kv, n) in enumerate(zip(caches, self.lengths)):
-            keys, values = kv.rows(0, n)
-            self.keys[:, b, :, :n] = keys
-            self.values[:, b, :, :n] = values
+        for b, kv in enumerate(caches):
+            kv.read(self.keys[:, b], self.values[:, b])
         slots.ends.copy_(torch.tensor(self.lengths), non_blocking=True)
         self.begin()
 

@@ -1,55 +1,74 @@
-"""A sequence's KV cache: per layer, K and V as [kv_heads, T, head_dim], post-RoPE.
+"""A sequence's KV cache, paged: a table of blocks of BLOCK positions, each block K and V of every layer as
+[layers, kv_heads, BLOCK, head_dim], post-RoPE. Block b holds positions b * BLOCK .. b * BLOCK + BLOCK - 1.
 
-All layers live in one keys and one values tensor, [layers, kv_heads, capacity, head_dim]; each
-layer's K and V are views of them, so a run of rows is copied in or out of every layer at once."""
+A block is the cache's own (fresh from the pool, written in place, back to the pool when the cache is released)
+or shared: a stored prefix block read by reference (`share`: no copy), or one of the cache's own handed to the
+store by reference (`freeze`). A shared block is read, never written: a write to it first copies it into a block
+of the cache's own (copy on write), and it never goes back to the pool; it lives while anyone holds its tensors
+(Python's reference count is the block's). Memory is taken a block at a time, never by doubling and copying.
+
+Readers: the CPU attention kernel reads the blocks where they lie (`table`: their addresses); torch's kernels
+read a layer gathered into one tensor (`layer`), which is a view where the rows lie in one block."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import torch
+
+from kvgate.runtime.kernels import scatter_rows
+
+BLOCK = 64  # positions a block: the CPU attention kernel's key block and a prefix block (runtime/prefix.py) alike
+
+
+@dataclass(eq=False)
+class Block:
+    keys: torch.Tensor  # [layers, kv_heads, BLOCK, head_dim], rows head_dim apart
+    values: torch.Tensor
+    own: bool = True  # written in place and pooled; else shared: copied before a write, never pooled
+
+
+def device_of(device: str | torch.device) -> torch.device:
+    """`device` as its tensors name it: "cuda" is whichever CUDA device is current, its storage says "cuda:0"."""
+    where = torch.device(device)
+    if where.type == "cuda" and where.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return where
 
 
 class Pool:
-    """The storage of finished caches, handed to new ones (one thread: the engine's). Fresh memory is
-    paid for on first touch, a page fault per page: measured on CPU, copying a 2.8k-token prompt's
+    """Free blocks of finished caches, handed to new ones (one thread: the engine's), at most `max_bytes`. Fresh
+    memory is paid for on first touch, a page fault per page: measured on CPU, copying a 2.8k-token prompt's
     prefix blocks (130 MB) into new storage ran at 4 GB/s, into used storage at 3x that."""
 
-    def __init__(self, max_bytes: int = 1 << 30, max_entries: int = 16) -> None:
-        self.max_bytes, self.max_entries, self.bytes = max_bytes, max_entries, 0
-        self.free: list[tuple[torch.Tensor, torch.Tensor]] = []
+    def __init__(self, max_bytes: int = 1 << 30) -> None:
+        self.max_bytes, self.bytes = max_bytes, 0
+        self.free: dict[tuple, list[Block]] = {}
 
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The smallest free storage of this dtype, device and layout holding at least shape[2] tokens."""
-        where = torch.device(device)  # "cuda" is whichever CUDA device is current: its storage says "cuda:0"
-        fits = [
-            (k.shape[2], i)
-            for i, (k, _) in enumerate(self.free)
-            if k.shape[2] >= shape[2]
-            and k.shape[:2] + k.shape[3:] == shape[:2] + shape[3:]
-            and k.dtype == dtype
-            and k.device.type == where.type
-            and (where.index is None or k.device.index == where.index)
-        ]
-        if not fits:
+    @staticmethod
+    def kind(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple:
+        return shape, dtype, device
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Block | None:
+        free = self.free.get(self.kind(shape, dtype, device))
+        if not free:
             return None
-        keys, values = self.free.pop(min(fits)[1])
-        self.bytes -= 2 * keys.nbytes
-        return keys, values
+        block = free.pop()  # the latest given: its memory the likeliest still in cache
+        self.bytes -= 2 * block.keys.nbytes
+        return block
 
-    def give(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        size = 2 * keys.nbytes
-        if size > self.max_bytes:
+    def give(self, block: Block) -> None:
+        size = 2 * block.keys.nbytes
+        if not block.own or self.bytes + size > self.max_bytes:
             return
-        while self.free and (self.bytes + size > self.max_bytes or len(self.free) >= self.max_entries):
-            dropped = self.free.pop(0)  # the oldest
-            self.bytes -= 2 * dropped[0].nbytes
-        self.free.append((keys, values))
+        self.free.setdefault(self.kind(tuple(block.keys.shape), block.keys.dtype, block.keys.device), []).append(block)
         self.bytes += size
 
 
 class KVCache:
-    """Grows by doubling, so appending one decode token is amortised O(1); never past max_len
-    (the sequence's context window; 0: no bound). With a `pool`, storage comes from it and goes
-    back to it when outgrown or `release`d."""
+    """Never past max_len positions (the sequence's context window; 0: no bound). With a `pool`, fresh blocks come
+    from it and go back to it when `release`d."""
 
     def __init__(
         self,
@@ -57,91 +76,195 @@ class KVCache:
         kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
-        device: str,
+        device: str | torch.device,
         max_len: int = 0,
         pool: Pool | None = None,
     ) -> None:
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
-        self.dtype, self.device, self.max_len, self.pool = dtype, device, max_len, pool
-        self.all_keys: torch.Tensor | None = None  # [layers, kv_heads, capacity, head_dim]
-        self.all_values: torch.Tensor | None = None
-        self.keys: list[torch.Tensor] = []  # views of all_keys, one per layer
-        self.values: list[torch.Tensor] = []
+        self.dtype, self.device, self.max_len, self.pool = dtype, device_of(device), max_len, pool
+        self.blocks: list[Block] = []
         self.lengths = [0] * num_layers
+        self.addresses: torch.Tensor | None = None  # the blocks' addresses at layer 0 and their steps a layer
 
     def __len__(self) -> int:
         return self.lengths[-1] if self.num_layers else 0
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[1] if self.keys else 0
+        return len(self.blocks) * BLOCK
 
     @property
     def nbytes(self) -> int:
         item = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.kv_heads * self.head_dim * len(self) * item
 
-    def adopt(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Take [layers, kv_heads, T, head_dim] tensors as this (empty) cache's storage."""
-        self.all_keys, self.all_values = keys, values
-        self.keys, self.values = list(keys.unbind(0)), list(values.unbind(0))
+    def fresh(self) -> Block:
+        shape = (self.num_layers, self.kv_heads, BLOCK, self.head_dim)
+        taken = self.pool.take(shape, self.dtype, self.device) if self.pool is not None else None
+        if taken is not None:
+            return taken
+        # Never an inference tensor, though a forward asks from inference mode: a block may be written later
+        # outside it (prefix blocks read in before any forward).
+        with torch.inference_mode(False):
+            return Block(*(torch.empty(shape, dtype=self.dtype, device=self.device) for _ in "kv"))
 
     def reserve(self, tokens: int) -> None:
-        """Make room for `tokens` in every layer (call before a step)."""
-        capacity = self.capacity
-        if tokens <= capacity:
-            return
-        new = max(tokens, 2 * capacity, 16)
+        """Blocks for positions up to `tokens` (call before a step)."""
         if self.max_len:
-            new = max(tokens, min(new, self.max_len))
-        shape = (self.num_layers, self.kv_heads, new, self.head_dim)
-        taken = self.pool.take((*shape[:2], tokens, shape[3]), self.dtype, self.device) if self.pool else None
-        # Never an inference tensor, though a forward asks from inference mode: pooled storage may be
-        # written later outside it (prefix blocks read in before any forward).
-        with torch.inference_mode(False):
-            keys, values = taken or (torch.empty(shape, dtype=self.dtype, device=self.device) for _ in "kv")
-        old = self.all_keys, self.all_values
-        if old[0] is not None and old[1] is not None:
-            n = max(self.lengths)
-            keys[:, :, :n] = old[0][:, :, :n]
-            values[:, :, :n] = old[1][:, :, :n]
-            if self.pool is not None:
-                self.pool.give(*old)
-        self.adopt(keys, values)
+            tokens = min(tokens, self.max_len)
+        while self.capacity < tokens:
+            self.blocks.append(self.fresh())
+            self.addresses = None
 
-    def release(self) -> None:
-        """Hand the storage back to the pool; the cache is empty after."""
-        if self.pool is not None and self.all_keys is not None and self.all_values is not None:
-            self.pool.give(self.all_keys, self.all_values)
-        self.all_keys = self.all_values = None
-        self.keys, self.values, self.lengths = [], [], [0] * self.num_layers
+    def own(self, b: int) -> Block:
+        """Block b, to write: a shared block is copied into a fresh one first."""
+        block = self.blocks[b]
+        if not block.own:
+            mine = self.fresh()
+            mine.keys.copy_(block.keys)
+            mine.values.copy_(block.values)
+            self.blocks[b], self.addresses, block = mine, None, mine
+        return block
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add [kv_heads, n, head_dim] rows to a layer; return the layer's whole K and V."""
-        start, n = self.lengths[layer], k.shape[1]
-        self.reserve(start + n)
-        self.keys[layer][:, start : start + n] = k
-        self.values[layer][:, start : start + n] = v
-        self.lengths[layer] = start + n
-        return self.keys[layer][:, : start + n], self.values[layer][:, : start + n]
+    def spans(self, start: int, stop: int) -> Iterator[tuple[int, slice, slice]]:
+        """Per block holding positions start..stop: its index, the rows within it and within start..stop."""
+        for b in range(start // BLOCK, -(-stop // BLOCK)):
+            lo, hi = max(start, b * BLOCK), min(stop, (b + 1) * BLOCK)
+            yield b, slice(lo - b * BLOCK, hi - b * BLOCK), slice(lo - start, hi - start)
+
+    def targets(self, layer: int, start: int, stop: int) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+        """Where rows start..stop of a layer are written: per block, the rows' slice of start..stop and views of
+        the block's keys and values [kv_heads, rows, head_dim] (its own blocks, copied first where shared)."""
+        self.reserve(stop)
+        for b, within, rows in self.spans(start, stop):
+            block = self.own(b)
+            yield rows, block.keys[layer, :, within], block.values[layer, :, within]
+
+    def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Rows start.. of one layer: keys, values [kv_heads, n, head_dim]. Lengths are the caller's to set."""
+        for rows, k, v in self.targets(layer, start, start + keys.shape[1]):
+            k.copy_(keys[:, rows])
+            v.copy_(values[:, rows])
+
+    def scatter(self, layer: int, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Rows at sorted `positions` [n] of one layer: keys, values [kv_heads, n, head_dim]."""
+        if len(positions) == 0:
+            return
+        self.reserve(int(positions[-1]) + 1)
+        which = positions // BLOCK
+        for b in torch.unique_consecutive(which).tolist():
+            picked = (which == b).nonzero()[:, 0]
+            block, at = self.own(b), positions[picked] - b * BLOCK
+            scatter_rows(block.keys[layer], at, keys[:, picked])
+            scatter_rows(block.values[layer], at, values[:, picked])
+
+    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Add [kv_heads, n, head_dim] rows to a layer."""
+        start = self.lengths[layer]
+        self.write(layer, start, keys, values)
+        self.lengths[layer] = start + keys.shape[1]
 
     def extend(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Append rows to every layer at once: [layers, kv_heads, n, head_dim] (the layers all at
-        one length)."""
+        """Append rows to every layer at once: [layers, kv_heads, n, head_dim] (the layers all at one length)."""
         start, n = len(self), keys.shape[2]
         self.reserve(start + n)
-        assert self.all_keys is not None and self.all_values is not None
-        self.all_keys[:, :, start : start + n] = keys
-        self.all_values[:, :, start : start + n] = values
+        for b, within, rows in self.spans(start, start + n):
+            block = self.own(b)
+            block.keys[:, :, within] = keys[:, :, rows]
+            block.values[:, :, within] = values[:, :, rows]
         self.lengths = [start + n] * self.num_layers
 
+    def share(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append a stored block's rows, every layer ([layers, kv_heads, n, head_dim]): by reference where they fill
+        one block of this cache and lie as its blocks do, else copied."""
+        start = len(self)
+        whole = start % BLOCK == 0 and keys.shape[2] == BLOCK and set(self.lengths) == {start}
+        if not (whole and self.alike(keys) and self.alike(values)):
+            self.extend(keys, values)
+            return
+        b, block = start // BLOCK, Block(keys, values, own=False)
+        if b < len(self.blocks):
+            if self.pool is not None:
+                self.pool.give(self.blocks[b])
+            self.blocks[b] = block
+        else:
+            self.blocks.append(block)
+        self.addresses = None
+        self.lengths = [start + BLOCK] * self.num_layers
+
+    def alike(self, x: torch.Tensor) -> bool:
+        """Whether `x` may stand as a block of this cache: its shape, dtype and device, rows head_dim apart."""
+        shape = (self.num_layers, self.kv_heads, BLOCK, self.head_dim)
+        lies = x.stride(2) == self.head_dim and x.stride(3) == 1
+        return tuple(x.shape) == shape and x.dtype == self.dtype and x.device == self.device and lies
+
+    def freeze(self, start: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The whole block that begins at `start`, shared from now on (to be stored by reference); None where it
+        is not whole or not of this cache's rows yet."""
+        if start % BLOCK or min(self.lengths) < start + BLOCK:
+            return None
+        block = self.blocks[start // BLOCK]
+        block.own = False
+        return block.keys, block.values
+
     def rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of rows start..stop of every layer: [layers, kv_heads, stop - start, head_dim]."""
-        assert self.all_keys is not None and self.all_values is not None
-        return self.all_keys[:, :, start:stop], self.all_values[:, :, start:stop]
+        """Rows start..stop of every layer: [layers, kv_heads, stop - start, head_dim]; views where they lie in one
+        block, else copies."""
+        parts = [(self.blocks[b], within) for b, within, _ in self.spans(start, stop)]
+        if len(parts) == 1:
+            block, within = parts[0]
+            return block.keys[:, :, within], block.values[:, :, within]
+        empty = (self.num_layers, self.kv_heads, 0, self.head_dim)
+        if not parts:
+            return tuple(torch.empty(empty, dtype=self.dtype, device=self.device) for _ in "kv")  # type: ignore[return-value]
+        return torch.cat([b.keys[:, :, w] for b, w in parts], 2), torch.cat([b.values[:, :, w] for b, w in parts], 2)
+
+    def copy(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rows`, always copies of their own (to store)."""
+        keys, values = self.rows(start, stop)
+        one = stop - start <= BLOCK and start // BLOCK == (stop - 1) // BLOCK
+        return (keys.clone(), values.clone()) if one else (keys, values)
+
+    def layer(self, i: int, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's rows 0..stop (its length where None): keys, values [kv_heads, stop, head_dim]."""
+        stop = self.lengths[i] if stop is None else stop
+        parts = [(self.blocks[b], within) for b, within, _ in self.spans(0, stop)]
+        if len(parts) == 1:
+            block, within = parts[0]
+            return block.keys[i, :, within], block.values[i, :, within]
+        if not parts:
+            empty = torch.empty(self.kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
+            return empty, empty
+        return torch.cat([b.keys[i, :, w] for b, w in parts], 1), torch.cat([b.values[i, :, w] for b, w in parts], 1)
+
+    def table(self, i: int, stop: int) -> torch.Tensor:
+        """Where layer i's rows 0..stop lie, for the CPU attention kernel: int64 [4, blocks], per block the address
+        of its first row of KV head 0 in keys and in values, and the elements between two heads in each."""
+        if self.addresses is None:
+            item = torch.empty((), dtype=self.dtype).element_size()
+            columns = [
+                (k.data_ptr(), v.data_ptr(), k.stride(1), v.stride(1), item * k.stride(0), item * v.stride(0), 0, 0)
+                for k, v in ((b.keys, b.values) for b in self.blocks)
+            ]
+            self.addresses = torch.tensor(columns, dtype=torch.int64).T.reshape(2, 4, -1).contiguous()
+        base, step = self.addresses
+        return (base + i * step)[:, : -(-stop // BLOCK)]
+
+    def read(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copy every layer's rows 0..len into keys, values [layers, kv_heads, >= len, head_dim]."""
+        for b, within, rows in self.spans(0, len(self)):
+            keys[:, :, rows] = self.blocks[b].keys[:, :, within]
+            values[:, :, rows] = self.blocks[b].values[:, :, within]
 
     def truncate(self, length: int) -> None:
         self.lengths = [min(n, length) for n in self.lengths]
+
+    def release(self) -> None:
+        """Hand its own blocks back to the pool; the cache is empty after."""
+        if self.pool is not None:
+            for block in self.blocks:
+                self.pool.give(block)
+        self.blocks, self.addresses, self.lengths = [], None, [0] * self.num_layers
 
 
 def extend_each(caches: list[KVCache], keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -152,8 +275,8 @@ def extend_each(caches: list[KVCache], keys: torch.Tensor, values: torch.Tensor)
     for kv, k, v in zip(caches, keys.unbind(1), values.unbind(1)):
         n = kv.lengths[-1]
         kv.reserve(n + 1)
-        assert kv.all_keys is not None and kv.all_values is not None
-        targets += (kv.all_keys.select(2, n), kv.all_values.select(2, n))
+        block = kv.own(n // BLOCK)
+        targets += (block.keys.select(2, n % BLOCK), block.values.select(2, n % BLOCK))
         rows += (k, v)
         kv.lengths = [n + 1] * kv.num_layers
     torch._foreach_copy_(targets, rows)

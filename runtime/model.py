@@ -116,17 +116,18 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
 
 
 def attend_grid(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float, window: int | None, out: torch.Tensor
+    q: torch.Tensor, kv: KVCache, i: int, start: int, scale: float, window: int | None, out: torch.Tensor
 ) -> None:
-    """`attend` of rows start..start+n ([heads, n, d]) over k, v [kv_heads, start+n, d] into `out` [heads, n, d],
+    """`attend` of rows start..start+n ([heads, n, d]) over layer i of `kv` up to start+n into `out` [heads, n, d],
     one chunk of rows at a time, cut at multiples of GRID: a chunk's kernels and shapes depend only on where it
     begins and ends, so a prompt continued from cached KV at a multiple of GRID runs exactly the calls its whole
     prefill runs. One row (a decode step, or a prompt's last row alone in its chunk) is `attend_one` either way."""
     kernel = cpu_attention.usable(q, window)
-    if kernel is not None:  # every row the same whatever its call: no grid needed
-        kernel(q, k, v, start, scale, out)
-        return
     a, n = start, q.shape[1]
+    if kernel is not None:  # every row the same whatever its call: no grid needed; the KV read where it lies
+        kernel.paged(q, kv.table(i, start + n), kv.kv_heads, start, scale, out)
+        return
+    k, v = kv.layer(i, start + n)
     while a < start + n:
         e = start + n if n == 1 else min(start + n, (a // GRID + 1) * GRID)
         keys, values, rows = k[:, :e], v[:, :e], q[:, a - start : e - start]
@@ -242,12 +243,12 @@ def forward(
             return logits_of(model, last_layer(i, layer, runs, h[rows], q[rows], k, v, bounds))[: len(runs)]
         out = torch.zeros_like(q) if extra else torch.empty_like(q)
         for r, a, b in zip(runs, bounds, bounds[1:]):
-            keys, values = r.kv.append(i, k[a:b].transpose(0, 1), v[a:b].transpose(0, 1))
+            r.kv.append(i, k[a:b].transpose(0, 1), v[a:b].transpose(0, 1))
             rows_q = q[a:b].transpose(0, 1)
             if keep:  # written in place: the kernel's rows go straight into the step's output
-                attend_grid(rows_q, keys, values, r.start, layer.scale, layer.window, out[a:b].transpose(0, 1))
+                attend_grid(rows_q, r.kv, i, r.start, layer.scale, layer.window, out[a:b].transpose(0, 1))
             else:
-                out[a:b] = attend(rows_q, keys, values, layer.scale, layer.window).transpose(0, 1)
+                out[a:b] = attend(rows_q, *r.kv.layer(i), layer.scale, layer.window).transpose(0, 1)
         h = finish_layer(layer, h, out)
 
     if every:
@@ -276,7 +277,7 @@ def last_layer(
     padding): every row's K and V appended, each last row attended, the rest of the layer over those rows."""
     out = torch.zeros_like(q)
     for j, (r, a, b) in enumerate(zip(runs, bounds, bounds[1:])):
-        keys, values = r.kv.append(i, k[a:b].transpose(0, 1), v[a:b].transpose(0, 1))
+        r.kv.append(i, k[a:b].transpose(0, 1), v[a:b].transpose(0, 1))
         row = q[j : j + 1].transpose(0, 1)
-        attend_grid(row, keys, values, r.start + b - a - 1, layer.scale, layer.window, out[j : j + 1].transpose(0, 1))
+        attend_grid(row, r.kv, i, r.start + b - a - 1, layer.scale, layer.window, out[j : j + 1].transpose(0, 1))
     return finish_layer(layer, h, out)

@@ -73,7 +73,6 @@ class Blocks:
         limit = len(token_ids) - 1
         have = before = exact = len(kv)
         exact_so_far = True
-        kv.reserve(len(token_ids))  # the prompt's room at once: growing block by block copies it again and again
         parent, start = self.root(tenant), 0
         while start < limit:
             block = tuple(token_ids[start : start + self.size])
@@ -87,7 +86,7 @@ class Blocks:
             stop = min(start + n, limit)
             if stop > have:
                 skip = have - start
-                kv.extend(entry.keys[:, :, skip : stop - start], entry.values[:, :, skip : stop - start])
+                kv.share(entry.keys[:, :, skip : stop - start], entry.values[:, :, skip : stop - start])
                 have = stop
                 if exact_so_far:
                     exact = min(stop, start + entry.exact_rows)

@@ -36,9 +36,7 @@ class Missing:
 
     key: str
     token_ids: list[int]
-    kv: KVCache  # its layers: views of keys and values
-    keys: torch.Tensor  # [layers, kv_heads, T, head_dim]
-    values: torch.Tensor
+    kv: KVCache
 
 
 def run_end(computed: int, budget: int, length: int, grid: int = 1) -> int:
@@ -125,7 +123,8 @@ class PromptKV:
             return
         self.missing.pop(0)
         seconds = caches.cost(len(doc.token_ids))
-        self.fresh[doc.key] = caches.reuser.stored(doc.key, doc.token_ids, doc.keys, doc.values, seconds)
+        keys, values = doc.kv.copy(0, len(doc.token_ids))
+        self.fresh[doc.key] = caches.reuser.stored(doc.key, doc.token_ids, keys, values, seconds)
 
     def remember(self, caches: Caches) -> None:
         """An ingest is done: its documents' tokens are kept to find them by id, and what was found stored counted."""
@@ -156,7 +155,7 @@ class PromptKV:
             if 2 * sum(len(ids) for _, ids in found) >= documents:
                 self.in_context = {key for key, _ in found}
                 return []
-        return [Missing(key, ids, *reuser.document_kv(len(ids))) for key, ids in found]
+        return [Missing(key, ids, reuser.new_kv()) for key, ids in found]
 
     def start(self, caches: Caches) -> None:
         """Begin the prompt's KV with what is exactly its own: the program's stored context it

@@ -23,7 +23,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvgate.chunk_cache import ChunkKV, ChunkStore, LoadFailed, Loading, chunk_key, fingerprint
 from kvgate.runtime.blend import BlendConfig, Piece, Steps, blend, drain
-from kvgate.runtime.kv import KVCache
+from kvgate.runtime.kv import BLOCK, KVCache
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.rope import can_shift, rope_type, shift
 
@@ -68,8 +68,9 @@ def with_kv(
 
 
 def copy_prefix(kv: KVCache, entry: ChunkKV, n: int) -> int:
-    """Copy the entry's first `n` tokens into the empty `kv`."""
-    kv.extend(entry.keys[:, :, :n], entry.values[:, :, :n])
+    """Read the entry's first `n` tokens into the empty `kv` (whole blocks by reference)."""
+    for a in range(0, n, BLOCK):
+        kv.share(entry.keys[:, :, a : min(n, a + BLOCK)], entry.values[:, :, a : min(n, a + BLOCK)])
     return n
 
 
@@ -91,11 +92,13 @@ def snapshot(
     start: int = 0,
     exact: int | None = None,
 ) -> ChunkKV:
-    """An entry holding a copy of the KV of `kv`'s tokens start..start+len(token_ids); `exact`: the absolute
+    """An entry holding the KV of `kv`'s tokens start..start+len(token_ids); `exact`: the absolute
     position where `kv`'s full-prefill rows end (None: all of them are)."""
-    keys, values = kv.rows(start, start + len(token_ids))
-    rows = None if exact is None or exact >= start + len(token_ids) else max(0, exact - start)
-    return ChunkKV(key, tuple(token_ids), keys.clone(), values.clone(), cost, model, rows)
+    stop = start + len(token_ids)
+    whole = kv.freeze(start) if stop - start == BLOCK else None  # a whole block: stored by reference, no copy
+    keys, values = whole or kv.copy(start, stop)
+    rows = None if exact is None or exact >= stop else max(0, exact - start)
+    return ChunkKV(key, tuple(token_ids), keys, values, cost, model, rows)
 
 
 class Remembered:
@@ -205,20 +208,10 @@ class Reuser:
             n = len(ids)
             if key in wanted and len(kv) >= offset + n:
                 wanted = wanted - {key}
-                keys = torch.stack([shift(self.model, kv.keys[i][:, offset : offset + n], -offset) for i in layers])
-                values = torch.stack([kv.values[i][:, offset : offset + n] for i in layers])
+                keys, values = kv.copy(offset, offset + n)
+                keys = torch.stack([shift(self.model, keys[i], -offset) for i in layers])
                 self.stored(key, ids, keys, values, cost(n))
             offset += n
-
-    def document_kv(self, tokens: int) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
-        """An empty KV for a document of `tokens` tokens whose layers are views of one keys and one
-        values tensor (also returned): allocated once, no doubling copies, stored without a copy."""
-        kv = self.new_kv()
-        layers, kv_heads, head_dim = self.kv_shape
-        shape, dtype, device = (layers, kv_heads, tokens, head_dim), self.model.dtype, self.model.device
-        keys, values = (torch.empty(shape, dtype=dtype, device=device) for _ in "kv")
-        kv.adopt(keys, values)
-        return kv, keys, values
 
     def remember(self, key: str, token_ids: list[int]) -> None:
         with self.lock:

@@ -90,10 +90,9 @@ class Shared:
 def local(model: torch.nn.Module, kv: KVCache, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies of the KV rows start..start+n of every layer, keys moved to positions 0..n-1:
     [layers, kv_heads, n, head_dim] each."""
-    cos, sin = angles(model, -start, kv.keys[0].device)
-    keys = torch.stack([rope_shift(k[:, start : start + n].contiguous(), cos, sin) for k in kv.keys])
-    values = torch.stack([v[:, start : start + n] for v in kv.values])
-    return keys, values
+    cos, sin = angles(model, -start, kv.device)
+    keys, values = kv.copy(start, start + n)
+    return torch.stack([rope_shift(k.contiguous(), cos, sin) for k in keys]), values
 
 
 class Spans:

@@ -114,7 +114,7 @@ def test_a_document_is_computed_once_then_found(reuser: Reuser, loaded: LoadedMo
     # Computed alone at positions 0..T-1: the KV a prefill of the document's tokens alone holds.
     alone = reuser.new_kv()
     forward(reuser.model, [Run(alone, ids, 0)])
-    assert all(torch.equal(first.keys[i], alone.keys[i][:, : len(ids)]) for i in (0, 7, 29))
+    assert all(torch.equal(first.keys[i], alone.layer(i)[0][:, : len(ids)]) for i in (0, 7, 29))
     assert reuser.document(ids, scope="tenant-b")[1] is False  # scopes never share entries
 
 

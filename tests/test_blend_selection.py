@@ -71,24 +71,22 @@ def test_place_writes_each_reused_piece_at_its_offset_with_its_keys_shifted_ther
     pieces = [Piece([0] * 4, first), Piece([0] * 2), Piece([0] * 3, second)]
     start = 5  # after an exact prefix of five tokens
     kv = KVCache(layers, kv_heads, head_dim, torch.float32, torch.device("cpu"))
-    kv.reserve(start + 9)
-    for i in range(layers):
-        kv.keys[i].zero_(), kv.values[i].zero_()
+    kv.extend(*(torch.zeros(layers, kv_heads, start + 9, head_dim) for _ in "kv"))
     shift = Shift.of(model, pieces, start, torch.device("cpu"))
     assert shift is not None and (shift.begin, shift.end) == (5, 14)  # from the first reused row to the last
     place(kv, 2, pieces, start, shift)
-    keys, values = kv.keys[2], kv.values[2]
+    keys, values = kv.layer(2)
     cpu = torch.device("cpu")
     assert torch.allclose(keys[:, 5:9], rope_shift(first.keys[2], *angles(model, 5, cpu)), atol=1e-6)
     assert torch.equal(values[:, 5:9], first.values[2])
     assert torch.equal(values[:, 11:14], second.values[2])
     assert torch.allclose(keys[:, 11:14], rope_shift(second.keys[2], *angles(model, 11, cpu)), atol=1e-6)
     assert not keys[:, :5].any() and not keys[:, 9:11].any() and not values[:, 9:11].any()  # prefix and fresh rows
-    assert not kv.keys[1].any() and not kv.keys[3].any()  # one layer at a time
+    assert not kv.layer(1)[0].any() and not kv.layer(3)[0].any()  # one layer at a time
     # Nothing moves (a piece reused where it was cached): no shift, the cached keys as they are.
     assert Shift.of(model, [Piece([0] * 3, second), Piece([0] * 2)], 0, cpu) is None
     place(kv, 3, pieces, start, None)
-    assert torch.equal(kv.keys[3][:, 11:14], second.keys[3])
+    assert torch.equal(kv.layer(3)[0][:, 11:14], second.keys[3])
 
 
 def test_place_moves_a_tier_s_keys_to_the_cache_s_device_before_shifting_them(loaded: LoadedModel) -> None:
@@ -102,7 +100,7 @@ def test_place_moves_a_tier_s_keys_to_the_cache_s_device_before_shifting_them(lo
     kv.reserve(9)
     pieces = [Piece([0] * 4, cached)]
     place(kv, 0, pieces, 5, Shift.of(model, pieces, 5, meta))
-    assert kv.keys[0].device == meta
+    assert kv.blocks[0].keys.device == meta
 
 
 def reference_attention(layer: Layer, h, cos, sin, rows: list[int]) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from kvgate.runtime import cpu_attention
 from kvgate.runtime.cpu_attention import Kernel
+from kvgate.runtime.kv import BLOCK, KVCache
 
 builds = [pytest.param(False, id="plain"), pytest.param(True, id="native")]
 dtypes = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")]
@@ -135,3 +136,26 @@ def test_a_layers_row_ops_are_torchs_and_each_row_alike_in_any_call(dtype: torch
             whole = ours(0, 300)
             torch.testing.assert_close(whole, theirs(0, 300), **tolerance)
             assert torch.equal(torch.cat([ours(0, 1), ours(1, 7), ours(7, 300)]), whole)
+
+
+@pytest.mark.parametrize("dtype", dtypes)
+@pytest.mark.parametrize("fast", builds)
+def test_keys_in_blocks_anywhere_attend_as_the_same_keys_in_one_tensor(fast: bool, dtype: torch.dtype) -> None:
+    """A sequence's KV in blocks (runtime/kv.py), one of them a view of a stored tensor with another stride between
+    heads: the kernel reads each block where it lies, and the rows are those of the same keys in one tensor, bit
+    for bit."""
+    q, k, v = qkv(3 * BLOCK + 9, dtype=dtype)
+    total = k.shape[1]
+    kv = KVCache(3, 2, 64, dtype, "cpu")
+    stored = torch.randn(3, 2, 5 * BLOCK, 64).to(dtype)  # a stored entry, its head stride 5 blocks long
+    stored[1, :, BLOCK : 2 * BLOCK], values = k[:, :BLOCK], torch.zeros_like(stored)
+    values[1, :, BLOCK : 2 * BLOCK] = v[:, :BLOCK]
+    kv.share(stored[:, :, BLOCK : 2 * BLOCK], values[:, :, BLOCK : 2 * BLOCK])
+    kv.extend(torch.stack((k, k, k))[:, :, BLOCK:], torch.stack((v, v, v))[:, :, BLOCK:])
+    assert not kv.blocks[0].own
+    built = kernel(fast, dtype)
+    for start in (0, BLOCK - 1, BLOCK + 5, total - 1):
+        rows = q[:, start:]
+        out = torch.empty_like(rows)
+        built.paged(rows, kv.table(1, total), 2, start, 0.125, out)
+        assert torch.equal(out, built(rows, k, v, start, 0.125))

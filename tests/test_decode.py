@@ -15,9 +15,8 @@ LAYERS, KV_HEADS, HEADS, D = 2, 2, 6, 8  # head size 8: torch's ops; 64: runtime
 def cache(length: int, dtype: torch.dtype, d: int = D) -> KVCache:
     kv = KVCache(LAYERS, KV_HEADS, d, dtype, "cpu")
     kv.reserve(length + 1)
-    assert kv.all_keys is not None and kv.all_values is not None
-    kv.all_keys.fill_(float("nan"))  # storage past a cache's rows is never read
-    kv.all_values.fill_(float("nan"))
+    for block in kv.blocks:  # storage past a cache's rows is never read
+        block.keys.fill_(float("nan")), block.values.fill_(float("nan"))
     kv.extend(
         torch.randn(LAYERS, KV_HEADS, length, d, dtype=dtype), torch.randn(LAYERS, KV_HEADS, length, d, dtype=dtype)
     )
@@ -35,13 +34,13 @@ def step(batches: Batches, caches: list[KVCache], window: int | None, dtype: tor
         k, v = torch.randn(len(caches), KV_HEADS, d, dtype=dtype), torch.randn(len(caches), KV_HEADS, d, dtype=dtype)
         together = batch.attend(layer, q, k, v, 0.3, window)
         for b, kv in enumerate(caches):
-            keys = torch.cat((kv.keys[layer][:, : lengths[b]], k[b][:, None]), 1)
-            values = torch.cat((kv.values[layer][:, : lengths[b]], v[b][:, None]), 1)
+            keys, values = kv.layer(layer, lengths[b])
+            keys, values = torch.cat((keys, k[b][:, None]), 1), torch.cat((values, v[b][:, None]), 1)
             alone = attend(q[b][:, None], keys, values, 0.3, window)[:, 0]
             torch.testing.assert_close(together[b], alone, atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
     batch.commit()
     assert [len(kv) for kv in caches] == [n + 1 for n in lengths]  # the new rows, of every layer, in each cache
-    assert not any(kv.all_keys[:, :, : len(kv)].isnan().any() for kv in caches)  # type: ignore[union-attr]
+    assert not any(kv.rows(0, len(kv))[0].isnan().any() for kv in caches)
 
 
 @pytest.mark.parametrize("native,d", [(False, D), (False, 64), (True, D)])

@@ -95,8 +95,8 @@ def test_every_tokens_logits_and_the_kv_equal_transformers(model: PreTrainedMode
     assert ours.shape == ref.logits[0].shape
     assert torch.allclose(ours, ref.logits[0], atol=ATOL)
     window = getattr(model.config, "sliding_window", None)
-    assert len(ref.cache.layers) == len(kv.keys) == model.config.num_hidden_layers
-    for layer, keys, values in zip(ref.cache.layers, kv.keys, kv.values):
+    assert len(ref.cache.layers) == kv.num_layers == model.config.num_hidden_layers
+    for layer, (keys, values) in zip(ref.cache.layers, map(kv.layer, range(kv.num_layers))):
         # A sliding-window layer of transformers keeps only the last window - 1 positions: we keep all.
         n = window - 1 if layer.is_sliding else len(ids)
         assert layer.keys.shape[2] == n
@@ -125,7 +125,7 @@ def layer0_keys(model: PreTrainedModel, prefix: list[int], doc: list[int]) -> to
     """Layer 0's keys of `doc` after `prefix`: they depend only on each token and its position."""
     kv = new_kv(model)
     forward(model, [Run(kv, prefix + doc, 0)])
-    return kv.keys[0][:, len(prefix) : len(kv)]
+    return kv.layer(0)[0][:, len(prefix) : len(kv)]
 
 
 @pytest.mark.parametrize("name", list(SHIFTING))
@@ -215,10 +215,10 @@ def test_in_bf16_every_tokens_logits_the_kv_and_a_chunked_prefill_are_transforme
         ref = model(torch.tensor([ids]), use_cache=True)
     kv = new_kv(model)
     whole = forward(model, [Run(kv, ids, 0)], every=True)
-    assert kv.keys[0].dtype == torch.bfloat16 and whole.dtype == torch.float32  # KV in the model's dtype, logits fp32
+    assert kv.layer(0)[0].dtype == torch.bfloat16 and whole.dtype == torch.float32  # KV in the model's, logits fp32
     torch.testing.assert_close(whole, ref.logits[0].float(), rtol=0, atol=BF16_ATOL)
     window = getattr(model.config, "sliding_window", None)
-    for layer, keys, values in zip(ref.cache.layers, kv.keys, kv.values):
+    for layer, (keys, values) in zip(ref.cache.layers, map(kv.layer, range(kv.num_layers))):
         n = window - 1 if layer.is_sliding else len(ids)  # as in the float32 test above
         torch.testing.assert_close(keys[:, len(ids) - n :], layer.keys[0])  # bf16's own tolerance (rtol 1.6e-2)
         torch.testing.assert_close(values[:, len(ids) - n :], layer.values[0])

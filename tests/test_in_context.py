@@ -46,8 +46,8 @@ def test_new_documents_are_prefilled_in_full_and_kept_as_computed_in_context(eng
     entry = engine.reuser.store.get(engine.reuser.key(second, "tenant-a"))
     assert entry is not None
     rows = slice(offset, offset + len(second))
-    assert torch.allclose(entry.values[7], kv.values[7][:, rows], atol=1e-5)
-    assert torch.allclose(entry.keys[7], shift(engine.model, kv.keys[7][:, rows], -offset), atol=1e-3)
+    assert torch.allclose(entry.values[7], kv.layer(7)[1][:, rows], atol=1e-5)
+    assert torch.allclose(entry.keys[7], shift(engine.model, kv.layer(7)[0][:, rows], -offset), atol=1e-3)
 
     again = ask(engine, planner, "Where does the ferry dock?", scope="tenant-a")
     assert again.reuse.startswith("blend") and again.cached_tokens > 0

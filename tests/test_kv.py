@@ -1,79 +1,119 @@
-"""runtime/kv.py: a sequence's KV in one keys and one values tensor, and the pool that hands finished caches'
-storage to new ones (fresh memory costs a page fault per page on first touch), within its bounds."""
+"""runtime/kv.py: a sequence's KV in blocks of BLOCK positions; stored blocks read by reference and copied only
+when written; the pool that hands finished caches' blocks to new ones, within its bound."""
 
 from __future__ import annotations
 
 import torch
 
-from kvgate.runtime.kv import KVCache, Pool
+from kvgate.runtime.kv import BLOCK, KVCache, Pool
 
 
 def cache(pool: Pool | None = None, max_len: int = 0) -> KVCache:
     return KVCache(2, 1, 4, torch.float32, "cpu", max_len, pool)
 
 
-def test_layers_are_views_of_one_tensor_and_rows_move_in_one_copy() -> None:
+def rows(n: int, first: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    keys = torch.arange(first, first + 2 * n * 4).view(2, 1, n, 4)
+    return keys, -keys
+
+
+def test_rows_cross_blocks_as_one_sequence() -> None:
     kv = cache()
-    kv.extend(torch.ones(2, 1, 3, 4), torch.full((2, 1, 3, 4), 2.0))
-    assert len(kv) == 3 and kv.keys[1].data_ptr() == kv.all_keys[1].data_ptr()
-    kv.append(0, torch.zeros(1, 1, 4), torch.zeros(1, 1, 4))
-    kv.append(1, torch.zeros(1, 1, 4), torch.zeros(1, 1, 4))
-    keys, values = kv.rows(2, 4)
-    assert keys[:, :, 0].eq(1).all() and keys[:, :, 1].eq(0).all() and values[:, :, 0].eq(2).all()
+    keys, values = rows(BLOCK + 40)
+    kv.extend(keys, values)
+    for layer in range(2):
+        kv.append(layer, torch.full((1, 1, 4), 7.0), torch.full((1, 1, 4), 8.0))
+    assert len(kv) == BLOCK + 41 and len(kv.blocks) == 2 and kv.capacity == 2 * BLOCK
+    got_keys, got_values = kv.rows(BLOCK - 3, BLOCK + 41)
+    assert torch.equal(got_keys[:, :, :-1], keys[:, :, BLOCK - 3 :])
+    assert torch.equal(got_values[:, :, :-1], values[:, :, BLOCK - 3 :])
+    assert got_keys[:, :, -1].eq(7).all() and got_values[:, :, -1].eq(8).all()
+    layer_keys, layer_values = kv.layer(1)
+    assert torch.equal(layer_keys[:, :-1], keys[1]) and layer_values[:, -1].eq(8).all()
+    copied, _ = kv.copy(0, 5)  # within one block: a copy of its own, not a view
+    assert copied.data_ptr() != kv.blocks[0].keys.data_ptr()
 
 
-def test_a_released_cache_gives_its_storage_to_the_next_one() -> None:
-    pool = Pool()
-    first = cache(pool)
-    first.reserve(100)
-    storage = first.all_keys.data_ptr()
-    first.release()
-    assert len(first) == 0 and first.all_keys is None
-    second = cache(pool)
-    second.reserve(50)  # it fits: taken, not allocated
-    assert second.all_keys.data_ptr() == storage and second.capacity >= 100
-    third = cache(pool)
-    third.reserve(10)
-    assert third.all_keys.data_ptr() != storage  # nothing left in the pool
+def test_scattered_rows_land_in_their_blocks() -> None:
+    kv = cache()
+    kv.extend(*rows(2 * BLOCK))
+    at = torch.tensor([3, BLOCK - 1, BLOCK, 2 * BLOCK - 2])
+    kv.scatter(1, at, torch.zeros(1, 4, 4), torch.ones(1, 4, 4))
+    keys, values = kv.layer(1)
+    assert keys[:, at].eq(0).all() and values[:, at].eq(1).all()
+    assert keys[:, 4].ne(0).all() and torch.equal(kv.layer(0)[0], rows(2 * BLOCK)[0][0])
 
 
-def test_growing_gives_the_outgrown_storage_back_and_keeps_the_rows() -> None:
+def test_a_stored_block_is_read_by_reference_and_copied_before_a_write() -> None:
+    stored_keys, stored_values = rows(BLOCK)
+    kv = cache()
+    kv.share(stored_keys, stored_values)  # a whole block where the cache's block begins: no copy
+    assert kv.blocks[0].keys is stored_keys and not kv.blocks[0].own and len(kv) == BLOCK
+    kv.share(*rows(10))  # not a whole block: copied
+    assert kv.blocks[1].own and len(kv) == BLOCK + 10
+    before = stored_keys.clone()
+    kv.truncate(BLOCK - 2)
+    for layer in range(2):
+        kv.append(layer, torch.zeros(1, 1, 4), torch.zeros(1, 1, 4))
+    assert torch.equal(stored_keys, before)  # the stored block untouched: the cache wrote a copy of its own
+    assert kv.blocks[0].own and kv.layer(0)[0][:, BLOCK - 2].eq(0).all()
+    assert torch.equal(kv.layer(0)[0][:, : BLOCK - 2], before[0, :, : BLOCK - 2])
+
+
+def test_a_block_handed_to_the_store_is_never_pooled_nor_written() -> None:
     pool = Pool()
     kv = cache(pool)
-    kv.extend(torch.ones(2, 1, 16, 4), torch.ones(2, 1, 16, 4))
-    kv.reserve(40)
-    assert len(pool.free) == 1 and pool.free[0][0].shape[2] == 16
-    assert kv.all_keys[:, :, :16].eq(1).all() and len(kv) == 16
+    kv.extend(*rows(BLOCK + 5))
+    assert kv.freeze(BLOCK) is None  # not whole yet
+    keys, values = kv.freeze(0)
+    frozen, kept = kv.blocks[0], keys.clone()
+    kv.truncate(3)
+    kv.extend(torch.zeros(2, 1, 4, 4), torch.zeros(2, 1, 4, 4))
+    assert torch.equal(keys, kept) and kv.blocks[0] is not frozen
+    kv.release()
+    assert all(b is not frozen and b.keys is not keys for free in pool.free.values() for b in free)
 
 
-def test_the_pool_is_bounded_in_bytes_and_entries() -> None:
-    pool = Pool(max_bytes=2 * 2 * (2 * 1 * 64 * 4) * 4, max_entries=3)  # two caches of 64 tokens
-    for _ in range(5):
-        kv = cache(pool)
-        kv.reserve(64)
-        kv.release()
-    # Released one after another, each taken again by the next: one in the pool.
-    assert len(pool.free) == 1
+def test_a_released_cache_gives_its_blocks_to_the_next_one() -> None:
+    pool = Pool()
+    first = cache(pool)
+    first.reserve(3 * BLOCK)
+    addresses = {b.keys.data_ptr() for b in first.blocks}
+    first.release()
+    assert len(first) == 0 and first.blocks == []
+    second = cache(pool)
+    second.reserve(2 * BLOCK)  # taken, not allocated
+    assert {b.keys.data_ptr() for b in second.blocks} <= addresses
+    third = cache(pool)
+    third.reserve(2 * BLOCK)
+    assert len({b.keys.data_ptr() for b in third.blocks} & addresses) == 1  # one left in the pool
+
+
+def test_the_pool_is_bounded_in_bytes() -> None:
+    block = 2 * 2 * 1 * BLOCK * 4 * 4  # one block's keys and values
+    pool = Pool(max_bytes=3 * block)
     held = [cache(pool) for _ in range(5)]
     for kv in held:
-        kv.reserve(64)
+        kv.reserve(BLOCK)
     for kv in held:
         kv.release()
-    assert len(pool.free) == 2 and pool.bytes <= pool.max_bytes
-    big = cache(pool)
-    big.reserve(10_000)
-    big.release()  # larger than the whole pool: dropped, the others kept
-    assert len(pool.free) == 2 and pool.bytes <= pool.max_bytes
+    assert sum(len(free) for free in pool.free.values()) == 3 and pool.bytes == 3 * block
 
 
-def test_storage_made_under_inference_mode_is_written_outside_it_when_reused() -> None:
-    """A forward reserves under torch.inference_mode; the next sequence may take that storage and have
-    prefix blocks copied into it before any forward (an inference tensor would refuse the write)."""
+def test_blocks_stop_at_the_context_window() -> None:
+    kv = cache(max_len=BLOCK + 1)
+    kv.reserve(10 * BLOCK)
+    assert len(kv.blocks) == 2
+
+
+def test_blocks_made_under_inference_mode_are_written_outside_it_when_reused() -> None:
+    """A forward reserves under torch.inference_mode; the next sequence may take those blocks and have prefix
+    blocks copied into them before any forward (an inference tensor would refuse the write)."""
     pool = Pool()
     kv = cache(pool)
     with torch.inference_mode():
         kv.reserve(32)
-    assert not kv.all_keys.is_inference()
+    assert not kv.blocks[0].keys.is_inference()
     kv.release()
     reused = cache(pool)
     reused.extend(torch.ones(2, 1, 5, 4), torch.ones(2, 1, 5, 4))

@@ -71,7 +71,8 @@ def test_kv_grows_and_keeps_rows(loaded: LoadedModel) -> None:
     rows = [torch.randn(3, 1, 4) for _ in range(40)]
     for r in rows:
         for layer in range(2):
-            keys, values = kv.append(layer, r, -r)
+            kv.append(layer, r, -r)
+    keys, values = kv.layer(1)
     assert len(kv) == 40 and keys.shape == (3, 40, 4)
     assert torch.equal(keys, torch.cat(rows, dim=1)) and torch.equal(values, -keys)
     assert kv.nbytes == 2 * 2 * 3 * 4 * 40 * 4

@@ -10,6 +10,7 @@ import torch
 from kvgate.chunk_cache import ChunkKV, ChunkStore, fingerprint
 from kvgate.chunk_cache.memory_tier import MemoryTier
 from kvgate.runtime.documents import document_ids
+from kvgate.runtime.kv import BLOCK
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.prefix import Blocks
@@ -45,12 +46,12 @@ def test_a_later_prompt_reads_the_exact_kv_of_the_tokens_it_shares_down_to_the_t
     assert shared % SIZE != 0  # the prompts part inside a block: found all the same
     kv = new_kv(loaded)
     assert blocks.attach(kv, later_ids, "t").tokens == len(kv) == shared
-    assert torch.equal(kv.keys[5][:, :shared], earlier.keys[5][:, :shared])
-    assert torch.equal(kv.values[29][:, :shared], earlier.values[29][:, :shared])
+    assert torch.equal(kv.layer(5)[0][:, :shared], earlier.layer(5)[0][:, :shared])
+    assert torch.equal(kv.layer(29)[1][:, :shared], earlier.layer(29)[1][:, :shared])
     # What follows, computed over it, is what full prefill computes.
     forward(loaded.model, [Run(kv, later_ids[shared:], shared)])
     truth = prefilled(loaded, later_ids)
-    assert torch.allclose(kv.keys[29][:, : len(later_ids)], truth.keys[29][:, : len(later_ids)], atol=1e-4)
+    assert torch.allclose(kv.layer(29)[0][:, : len(later_ids)], truth.layer(29)[0][:, : len(later_ids)], atol=1e-4)
 
 
 def test_a_repeat_reads_all_but_its_last_token(loaded, pieces) -> None:
@@ -157,3 +158,23 @@ def test_keep_stores_only_from_where_it_left_off(loaded, pieces) -> None:
     blocks.keep(kv, ids, "t", start)
     assert blocks.store.tiers[0].stats()["puts"] - puts == -(-(len(ids) - 24) // SIZE)
     assert blocks.attach(new_kv(loaded), ids, "t").tokens == len(ids) - 1
+
+
+def test_whole_blocks_are_stored_and_read_by_reference_and_never_written_through(loaded, pieces) -> None:
+    """Blocks of the KV's own size (runtime/kv.py BLOCK): a prompt's whole blocks go to the store as they lie in
+    its cache, and a later prompt's cache holds the stored tensors themselves; a write there copies first."""
+    ids = [t for _ in range(3) for p in pieces for t in p]
+    assert len(ids) > 2 * BLOCK
+    blocks = Blocks(ChunkStore.from_config(), fingerprint("model"), fingerprint("tokenizer"))
+    earlier = prefilled(loaded, ids)
+    blocks.keep(earlier, ids, "t")
+    first = blocks.store.get(blocks.key(blocks.root("t"), tuple(ids[:BLOCK]), "t"), fingerprint("model"))
+    assert first is not None and first.keys is earlier.blocks[0].keys  # stored without a copy
+    kv = new_kv(loaded)
+    blocks.attach(kv, ids, "t")
+    held = [block.keys.data_ptr() for block in kv.blocks[:2]]
+    assert held == [first.keys.data_ptr(), earlier.blocks[1].keys.data_ptr()]  # the stored tensors, no copy
+    stored = first.keys.clone()
+    kv.truncate(BLOCK // 2)
+    forward(loaded.model, [Run(kv, ids[BLOCK // 2 : BLOCK + 3], BLOCK // 2)])
+    assert torch.equal(first.keys, stored) and kv.blocks[0].keys.data_ptr() != first.keys.data_ptr()

@@ -15,7 +15,7 @@ def keys_at(loaded: LoadedModel, prefix: list[int], doc: list[int]) -> list[torc
     c = loaded.model.config
     kv = KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, loaded.model.dtype, "cpu")
     forward(loaded.model, [Run(kv, prefix + doc, 0)])
-    return [k[:, len(prefix) : len(kv)] for k in kv.keys]
+    return [kv.layer(i)[0][:, len(prefix) : len(kv)] for i in range(kv.num_layers)]
 
 
 def test_shift_identity_on_the_first_layer(loaded: LoadedModel) -> None:

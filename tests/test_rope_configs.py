@@ -159,7 +159,7 @@ def test_kvgate_forward_keys_moved_back_and_forth_equal_keys_computed_there(name
     def layer0(prefix: int) -> torch.Tensor:
         kv = KVCache(SMALL["num_hidden_layers"], SMALL["num_key_value_heads"], SMALL["head_dim"], model.dtype, "cpu")
         forward(model, [Run(kv, [3] * prefix + doc, 0)])
-        return kv.keys[0][:, prefix : len(kv)]
+        return kv.layer(0)[0][:, prefix : len(kv)]
 
     keys = {prefix: layer0(prefix) for prefix in (0, 40, 1500)}  # 1500: past llama3's original 1024
     scale = max(float(k.abs().max()) for k in keys.values())
