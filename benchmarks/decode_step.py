@@ -25,7 +25,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvgate.runtime.config import EngineConfig
-from kvgate.runtime.decode import Batches, DecodeBatch
+from kvgate.runtime.decode import Batch, Batches
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.invariance import row_floor
 from kvgate.runtime.kv import KVCache
@@ -51,7 +51,7 @@ def caches(loaded: LoadedModel, sequences: int, tokens: int) -> list[KVCache]:
 
 
 class PerSequence(Batches):
-    def of(self, caches: list[KVCache], windows: set[int | None]) -> DecodeBatch | None:
+    def of(self, caches: list[KVCache], windows: set[int | None], group: int = 1) -> Batch | None:
         return None
 
 

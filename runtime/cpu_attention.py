@@ -15,10 +15,10 @@ CPUs with AMX), the torch kernels serve. `load(fast=False)` gives the kernel's p
 use to check the method where the instructions are missing.
 
 A decode step's attention in torch is a dozen small ops a layer, each dearer in dispatch than in arithmetic at a few
-hundred keys; the decode kernel writes the step's new rows into the batch's float32 copy and attends for every
-sequence and KV head in one call (vector code for any CPU with AVX2 or NEON). A layer's RMSNorms, rotation and
-SiLU-gated product are one call each too, for a decode step's rows and a prompt's alike (`row_ops`: each torch op is
-a pass over the rows' memory, and a rotation alone was seven).
+hundred keys; the decode kernel writes the step's new rows into each sequence's blocks and attends for every
+sequence and KV head in one call, reading the KV where it lies (vector code for any CPU with AVX2 or NEON). A
+layer's RMSNorms, rotation and SiLU-gated product are one call each too, for a decode step's rows and a prompt's
+alike (`row_ops`: each torch op is a pass over the rows' memory, and a rotation alone was seven).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in ("cpu_attention.c", "cpu_attention_bf16.c", "cpu_attention_f32.c", "cpu_decode.c", "cpu_rows.c")
 )
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_bf16.h", "cpu_flash.h", "cpu_vec.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_bf16.h", "cpu_block.h", "cpu_flash.h", "cpu_vec.h"))
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
 
@@ -65,8 +65,8 @@ class Kernel:
         self.decodes = bool(library.decode_fast())
         self._decode = library.decode
         self._decode.restype = ctypes.c_int
-        tensors = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr]  # q, k, v and strides; keys, values, ends, out
-        self._decode.argtypes = [i32, *tensors, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32]
+        tensors = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr]  # q, k, v and strides; tables, ends, out
+        self._decode.argtypes = [i32, *tensors, i32, i32, i32, i32, ctypes.c_float, i32, i32]
 
         self._norm, self._rope, self._gated = library.rms_norm, library.rope, library.silu_mul
         self._norm.argtypes = [i32, ptr, i64, ptr, ptr, i32, i32, ctypes.c_float, i32]
@@ -108,18 +108,22 @@ class Kernel:
             raise MemoryError("cpu attention: out of memory for its buffers")
         return out
 
-    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               ends: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:  # fmt: skip
-        """A decode step of a batch: the new rows k, v [sequences, kv_heads, d] written into keys, values (float32
-        [sequences, kv_heads, room, d], each sequence's rows before ends[b] filled) at ends, then q [sequences,
-        heads, d] attended over each sequence's rows 0..ends[b] (the last `window`): [sequences, heads, d]."""
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, ends: torch.Tensor,
+               scale: float, window: int | None) -> torch.Tensor:  # fmt: skip
+        """A decode step of a batch: the new rows k, v [sequences, kv_heads, d] written into each sequence's blocks at
+        position ends[b], then q [sequences, heads, d] attended over each sequence's rows 0..ends[b] (the last
+        `window`): [sequences, heads, d]. `tables` [sequences, 4, blocks]: each sequence's `KVCache.table`; q, k, v
+        and the blocks all bf16 or all float32."""
         batch, heads, d = q.shape
+        if q.dtype not in SIZES or k.dtype != q.dtype or v.dtype != q.dtype:
+            raise TypeError(f"cpu decode attention: bf16 or float32 alike, not {q.dtype}, {k.dtype}, {v.dtype}")
         q, k, v = (x if x.stride(2) == 1 and x.stride(1) == d else x.contiguous() for x in (q, k, v))
+        tables = tables if tables.is_contiguous() else tables.contiguous()
         out = torch.empty(batch, heads, d, dtype=q.dtype)
         failed = self._decode(
             q.dtype == torch.bfloat16, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
-            v.stride(0), keys.data_ptr(), values.data_ptr(), ends.data_ptr(), out.data_ptr(), batch, heads,
-            keys.shape[1], keys.shape[2], d, scale, window or 0, torch.get_num_threads(),
+            v.stride(0), tables.data_ptr(), tables.shape[2], ends.data_ptr(), out.data_ptr(), batch, heads,
+            k.shape[1], d, scale, window or 0, torch.get_num_threads(),
         )  # fmt: skip
         if failed:
             raise MemoryError("cpu decode attention: out of memory for its buffers")
@@ -254,14 +258,11 @@ def serving(dtype: torch.dtype) -> Kernel | None:
     return kernel if kernel is not None and kernel.fast.get(dtype, False) and faster(kernel, dtype) else None
 
 
-def decoding(q: torch.Tensor, keys: torch.Tensor) -> Kernel | None:
-    """The kernel for a CPU decode batch's attention (runtime/decode.py), where it was built for vector
-    instructions: q float32 or bf16, the batch's copy float32 and contiguous, head sizes a multiple of 16 up to 256,
-    at most 16 query heads a KV head."""
-    if q.device.type != "cpu" or q.dtype not in SIZES or keys.dtype != torch.float32 or not keys.is_contiguous():
-        return None
-    d, group = q.shape[-1], q.shape[1] // keys.shape[1]
-    if d % 16 or d > 256 or group > 16:
+def decoding(dtype: torch.dtype, head_dim: int, group: int) -> Kernel | None:
+    """The kernel for a CPU decode batch's attention over its sequences' blocks (runtime/decode.py), where it was
+    built for vector instructions: bf16 or float32 KV, head sizes a multiple of 16 up to 256, at most 16 query heads
+    a KV head."""
+    if dtype not in SIZES or head_dim % 16 or head_dim > 256 or group > 16:
         return None
     kernel = load()
     return kernel if kernel is not None and kernel.decodes else None

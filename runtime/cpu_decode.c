@@ -1,14 +1,16 @@
-/* A decode step's attention on a CPU, every sequence and KV head of the batch in one call (runtime/decode.py
-   holds the batch; runtime/cpu_attention.py builds and calls this). Per layer it replaces a dozen torch ops (the
-   new rows written, two batched matmuls at a few hundred keys, masks, softmax, conversions), each of which
-   cost more in dispatch than in arithmetic at these sizes. GCC's vector extensions: the compiler maps them onto
-   the CPU's own vectors (AVX512F, AVX2 and FMA, NEON). */
+/* A decode step's attention on a CPU, every sequence and KV head of the batch in one call, over each sequence's KV
+   where it lies: blocks of BLOCK positions in the model's dtype (runtime/kv.py; runtime/decode.py holds the batch,
+   runtime/cpu_attention.py builds and calls this). Per layer it replaces a dozen torch ops (the new rows written,
+   two batched matmuls at a few hundred keys, masks, softmax, conversions), each of which cost more in dispatch
+   than in arithmetic at these sizes, and the copy of the batch's KV they needed. GCC's vector extensions: the
+   compiler maps them onto the CPU's own vectors (AVX512F, AVX2 and FMA, NEON). */
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_block.h"
 #include "cpu_vec.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__ARM_NEON)
@@ -17,15 +19,85 @@ int decode_fast(void) { return 1; }
 int decode_fast(void) { return 0; }
 #endif
 
+/* Row p of KV head h, keys (which 0) or values (1), in a sequence's blocks: `t` its [4][columns] table. */
+static inline char *row_at(const int64_t *t, int64_t columns, int which, int h, int p, int d, int elem) {
+    int blk = p / BLOCK;
+    int64_t at = (int64_t)h * t[(2 + which) * columns + blk] + (int64_t)(p % BLOCK) * d;
+    return (char *)t[which * columns + blk] + at * elem;
+}
+
+/* Each of `group` rows of scores (`room` apart, the first n real) into its softmax weights. */
+static void softmax_rows(float *s, int group, int room, int n) {
+    for (int g = 0; g < group; g++) {
+        float *sg = s + g * room, top = -INFINITY, sum;
+        for (int j = 0; j < n; j++) top = fmaxf(top, sg[j]);
+        int j = 0;
+        vf all = {};
+        for (; j + LANES <= n; j += LANES) {
+            vf p = exp_neg(load(sg + j) - top);
+            save(sg + j, p);
+            all = all + p;
+        }
+        sum = total(all);
+        for (; j < n; j++) sum += sg[j] = expf(sg[j] - top);
+        float inv = 1.0f / sum;
+        for (j = 0; j < n; j++) sg[j] *= inv;
+    }
+}
+
+/* One sequence b and KV head h of `decode` (its arguments; `s` room for group x room scores), the element type a
+   constant where it is inlined. Rows are walked block by block, a pointer moving d elements a row. */
+INLINE void attend_head(int bf16, const void *q, int64_t qs, const void *k, int64_t kstride, const void *v,
+                        int64_t vstride, const int64_t *t, int64_t columns, int end, void *out, int heads, int group,
+                        int d, float scale, int window, int b, int h, int room, float *s) {
+    int first = window > 0 && end - window + 1 > 0 ? end - window + 1 : 0, n = end + 1 - first, chunks = d / LANES;
+    int64_t elem = bf16 ? 2 : 4, step = d * elem;
+    memcpy(row_at(t, columns, 0, h, end, d, elem), (const char *)k + (b * kstride + (int64_t)h * d) * elem, step);
+    memcpy(row_at(t, columns, 1, h, end, d, elem), (const char *)v + (b * vstride + (int64_t)h * d) * elem, step);
+    vf qv[16][MOST]; /* the group's queries (at most 16 heads a group, 256 wide), scaled */
+    for (int g = 0; g < group; g++)
+        for (int c = 0; c < chunks; c++) qv[g][c] = get(q, b * qs + (int64_t)(h * group + g) * d + c * LANES, bf16) * scale;
+    for (int blk = first / BLOCK, j = 0; blk <= end / BLOCK; blk++) {
+        int lo = first > blk * BLOCK ? first : blk * BLOCK, hi = end < (blk + 1) * BLOCK ? end + 1 : (blk + 1) * BLOCK;
+        const char *row = row_at(t, columns, 0, h, lo, d, elem);
+        for (int p = lo; p < hi; p++, j++, row += step)
+            for (int g = 0; g < group; g++) {
+                vf a = qv[g][0] * get(row, 0, bf16);
+                for (int c = 1; c < chunks; c++) a = a + qv[g][c] * get(row, c * LANES, bf16);
+                s[g * room + j] = total(a);
+            }
+    }
+    softmax_rows(s, group, room, n);
+    vf acc[16][MOST];
+    for (int g = 0; g < group; g++)
+        for (int c = 0; c < chunks; c++) acc[g][c] = (vf){};
+    for (int blk = first / BLOCK, j = 0; blk <= end / BLOCK; blk++) {
+        int lo = first > blk * BLOCK ? first : blk * BLOCK, hi = end < (blk + 1) * BLOCK ? end + 1 : (blk + 1) * BLOCK;
+        const char *row = row_at(t, columns, 1, h, lo, d, elem);
+        for (int p = lo; p < hi; p++, j++, row += step)
+            for (int c = 0; c < chunks; c++) {
+                vf x = get(row, c * LANES, bf16);
+                for (int g = 0; g < group; g++) acc[g][c] = acc[g][c] + splat(s[g * room + j]) * x;
+            }
+    }
+    for (int g = 0; g < group; g++)
+        for (int c = 0; c < chunks; c++)
+            for (int i = 0; i < LANES; i++)
+                put(out, ((int64_t)b * heads + h * group + g) * d + c * LANES + i, acc[g][c][i], bf16);
+}
+
 /* q [batch, heads, d], k and v [batch, kv_heads, d] (the step's new rows; sequences `qs`, `kstride`, `vstride`
-   elements apart, heads d apart), out [batch, heads, d] contiguous: float32, or bf16 where `bf16`; keys and values
-   float32 [batch, kv_heads, room, d], sequence b's rows 0 .. ends[b] - 1 filled.
-   Writes each new row at ends[b], then attends over rows 0 .. ends[b] (the last `window` of them; 0: all). d a
-   multiple of 16 and at most 256. Returns 0; -1 when out of memory. */
+   elements apart, heads d apart), out [batch, heads, d] contiguous, and the KV: all float32, or all bf16 where
+   `bf16`. Sequence b's KV lies in blocks, its table [4][columns] at table + 4 * columns * b (runtime/kv.py
+   `KVCache.table`: per block the address of its K and of its V row 0 of KV head 0, and the elements between two
+   heads in each; rows d apart). Writes each new row into its block at position ends[b] (a block of the sequence's
+   own), then attends over rows 0 .. ends[b] (the last `window` of them; 0: all). d a multiple of 16 and at most
+   256, at most 16 query heads a KV head. Returns 0; -1 when out of memory. */
 int decode(int bf16, const void *q, int64_t qs, const void *k, int64_t kstride, const void *v, int64_t vstride,
-           float *keys, float *values, const int64_t *ends, void *out, int batch, int heads, int kv_heads, int room,
+           const int64_t *table, int64_t columns, const int64_t *ends, void *out, int batch, int heads, int kv_heads,
            int d, float scale, int window, int threads) {
-    int group = heads / kv_heads, failed = 0, chunks = d / LANES;
+    int group = heads / kv_heads, failed = 0, room = 1;
+    for (int b = 0; b < batch; b++) room = ends[b] + 1 > room ? (int)ends[b] + 1 : room;
 #pragma omp parallel num_threads(threads)
     {
         float *s = malloc(sizeof(float) * ((size_t)group * room + LANES));
@@ -37,57 +109,13 @@ int decode(int bf16, const void *q, int64_t qs, const void *k, int64_t kstride, 
         for (int it = 0; it < batch * kv_heads; it++) {
             if (s == NULL) continue;
             int b = it / kv_heads, h = it % kv_heads, end = (int)ends[b];
-            int first = window > 0 && end - window + 1 > 0 ? end - window + 1 : 0, n = end + 1 - first;
-            float *ks = keys + ((int64_t)it * room) * d, *vs = values + ((int64_t)it * room) * d;
-            for (int e = 0; e < d; e++) {
-                ks[(int64_t)end * d + e] = element(k, b * kstride + (int64_t)h * d + e, bf16);
-                vs[(int64_t)end * d + e] = element(v, b * vstride + (int64_t)h * d + e, bf16);
-            }
-            vf qv[16][MOST]; /* the group's queries (at most 16 heads a group, 256 wide), scaled */
-            for (int g = 0; g < group; g++)
-                for (int c = 0; c < chunks; c++) {
-                    float x[LANES];
-                    for (int i = 0; i < LANES; i++)
-                        x[i] = element(q, b * qs + (int64_t)(h * group + g) * d + c * LANES + i, bf16) * scale;
-                    qv[g][c] = load(x);
-                }
-            for (int j = 0; j < n; j++) {
-                const float *row = ks + (int64_t)(first + j) * d;
-                for (int g = 0; g < group; g++) {
-                    vf a = qv[g][0] * load(row);
-                    for (int c = 1; c < chunks; c++) a = a + qv[g][c] * load(row + c * LANES);
-                    s[g * room + j] = total(a);
-                }
-            }
-            for (int g = 0; g < group; g++) {
-                float *sg = s + g * room, top = -INFINITY, sum = 0.0f;
-                for (int j = 0; j < n; j++) top = fmaxf(top, sg[j]);
-                int j = 0;
-                vf all = {};
-                for (; j + LANES <= n; j += LANES) {
-                    vf p = exp_neg(load(sg + j) - top);
-                    save(sg + j, p);
-                    all = all + p;
-                }
-                sum = total(all);
-                for (; j < n; j++) sum += sg[j] = expf(sg[j] - top);
-                float inv = 1.0f / sum;
-                for (j = 0; j < n; j++) sg[j] *= inv;
-            }
-            vf acc[16][MOST];
-            for (int g = 0; g < group; g++)
-                for (int c = 0; c < chunks; c++) acc[g][c] = (vf){};
-            for (int j = 0; j < n; j++) {
-                const float *row = vs + (int64_t)(first + j) * d;
-                for (int c = 0; c < chunks; c++) {
-                    vf x = load(row + c * LANES);
-                    for (int g = 0; g < group; g++) acc[g][c] = acc[g][c] + splat(s[g * room + j]) * x;
-                }
-            }
-            for (int g = 0; g < group; g++)
-                for (int c = 0; c < chunks; c++)
-                    for (int i = 0; i < LANES; i++)
-                        put(out, ((int64_t)b * heads + h * group + g) * d + c * LANES + i, acc[g][c][i], bf16);
+            const int64_t *t = table + 4 * columns * b;
+            if (bf16)
+                attend_head(1, q, qs, k, kstride, v, vstride, t, columns, end, out, heads, group, d, scale, window, b,
+                            h, room, s);
+            else
+                attend_head(0, q, qs, k, kstride, v, vstride, t, columns, end, out, heads, group, d, scale, window, b,
+                            h, room, s);
         }
         free(s);
     }

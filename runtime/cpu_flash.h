@@ -12,7 +12,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#define BLOCK 64 /* keys a block: positions b*BLOCK .. b*BLOCK+63 */
+#include "cpu_block.h" /* BLOCK: keys a block, positions b*BLOCK .. b*BLOCK+63 */
 #define QROWS 32 /* query positions an item */
 
 struct kind {

@@ -10,18 +10,7 @@
 
 #include "cpu_vec.h"
 
-#define INLINE static inline __attribute__((always_inline))
 #define ROWS_APART(n, width) if ((int64_t)(n) * (width) >= (1 << 15)) /* threads only where the work pays for them */
-
-typedef uint16_t vh __attribute__((vector_size(2 * LANES)));
-typedef uint32_t vu __attribute__((vector_size(4 * LANES)));
-
-INLINE vf get(const void *p, int64_t i, int bf16) { /* LANES elements from p[i] as float32 */
-    if (!bf16) return load((const float *)p + i);
-    vh h;
-    memcpy(&h, (const uint16_t *)p + i, sizeof h);
-    return (vf)(__builtin_convertvector(h, vu) << 16);
-}
 
 INLINE vu bf16_bits(vf x) { /* round to nearest even in the high half; NaN stays NaN (cpu_bf16.h's to_bf16) */
     vu u = (vu)x;

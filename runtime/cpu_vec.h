@@ -16,8 +16,11 @@
 #define LANES 8 /* a vector of 16 would be split, and passed between functions in memory */
 #endif
 #define MOST (256 / LANES) /* vectors a row of the widest head */
+#define INLINE static inline __attribute__((always_inline))
 typedef float vf __attribute__((vector_size(4 * LANES)));
 typedef int32_t vi __attribute__((vector_size(4 * LANES)));
+typedef uint16_t vh __attribute__((vector_size(2 * LANES)));
+typedef uint32_t vu __attribute__((vector_size(4 * LANES)));
 
 static inline vf load(const float *p) {
     vf x;
@@ -57,6 +60,13 @@ static inline float total(vf a) { /* the lanes' sum, halving: no chain of depend
     a = a + __builtin_shuffle(a, (vi){2, 3, 0, 1, 6, 7, 4, 5});
 #endif
     return a[0] + a[1];
+}
+
+INLINE vf get(const void *p, int64_t i, int bf16) { /* LANES elements from p[i] as float32 */
+    if (!bf16) return load((const float *)p + i);
+    vh h;
+    memcpy(&h, (const uint16_t *)p + i, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
 }
 
 static inline float element(const void *p, int64_t i, int bf16) {

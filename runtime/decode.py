@@ -1,20 +1,22 @@
 """Attention for decode steps: every sequence's one new token, all sequences in one call per layer.
 
 Per sequence and layer, attention over the sequence's own cache took some twenty small ops (write the new K and
-V, convert K and V to float32, two matmuls, softmax, copy out). A `DecodeBatch` holds a copy of the batch's K and
-V, every layer ([layers, sequences, kv_heads, room, head_dim], zero past each sequence's rows), kept from step to
-step while the same sequences decode: a step writes each layer's new row into it and attends for the whole batch
-in a few ops, and the caches get the new rows once, after the last layer. The padding is masked; the sums run
-over other lengths than one sequence's alone, so a token's logits may differ in their last bits with the batch
-(decode steps that must not: `deterministic`, runtime/model.py).
+V, convert K and V to float32, two matmuls, softmax, copy out). A batch is kept from step to step while the same
+sequences decode; the sums run over other lengths than one sequence's alone, so a token's logits may differ in
+their last bits with the batch (decode steps that must not: `deterministic`, runtime/model.py).
 
-Two ways to hold it:
-- on a CPU, in float32 over the rows in use (half-precision batched matmuls are slow on CPUs): the new rows written
-  and attended by one call a layer (runtime/cpu_decode.c) where it is built, else by two matmuls;
-- `native` (any other device): in the caches' dtype, by a split kernel over the whole room (runtime/decode_kernel.py;
-  SDPA where Triton does not run), every shape and address fixed while the batch lives and the same for any batch
-  of as many sequences in as much room, so that a CUDA graph captured for one replays for the next
-  (runtime/graphs.py).
+Three ways to hold it:
+- `PagedBatch`, on a CPU where runtime/cpu_decode.c is built: each sequence's KV where it lies, its blocks in the
+  model's dtype (runtime/kv.py); one call a layer writes the new rows into the blocks and attends, reading bf16 as
+  it is: no copy of the batch's KV, none made again when a sequence joins or leaves;
+- `DecodeBatch`, a copy of the batch's K and V, every layer ([layers, sequences, kv_heads, room, head_dim], zero past
+  each sequence's rows): a step writes each layer's new row into it and attends for the whole batch in a few ops, and
+  the caches get the new rows once, after the last layer. On a CPU without the kernel, in float32 over the rows in
+  use (half-precision batched matmuls are slow on CPUs), by two matmuls;
+- `native` (any other device): a `DecodeBatch` in the caches' dtype, by a split kernel over the whole room
+  (runtime/decode_kernel.py; SDPA where Triton does not run), every shape and address fixed while the batch lives and
+  the same for any batch of as many sequences in as much room, so that a CUDA graph captured for one replays for the
+  next (runtime/graphs.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 from kvgate.runtime import cpu_attention
 from kvgate.runtime.decode_kernel import decode_attention, decode_mask
 from kvgate.runtime.graphs import Graphs
-from kvgate.runtime.kv import KVCache, extend_each
+from kvgate.runtime.kv import BLOCK, KVCache, extend_each
 
 # Steps a batch's copy has room for before it is made again, larger.
 ROOM = 64
@@ -94,6 +96,10 @@ class DecodeBatch:
             and max(self.lengths) < self.keys.shape[3]
         )
 
+    @property
+    def ends(self) -> torch.Tensor:
+        return self.slots.ends
+
     def begin(self) -> None:
         """Ready a step (host side): how many columns attention reads."""
         self.width = self.keys.shape[3] if self.native else max(self.lengths) + 1
@@ -118,9 +124,6 @@ class DecodeBatch:
         slots.new_keys[layer].copy_(k)
         slots.new_values[layer].copy_(v)
         keys, values = self.keys[layer], self.values[layer]
-        kernel = None if self.native else cpu_attention.decoding(q, keys)
-        if kernel is not None:  # the rows written and attended in one call (runtime/cpu_decode.c)
-            return kernel.decode(q, k, v, keys, values, slots.ends, scale, window)
         keys[slots.rows, :, slots.ends] = k.to(keys.dtype)
         values[slots.rows, :, slots.ends] = v.to(values.dtype)
         keys, values = keys[:, :, : self.width], values[:, :, : self.width]
@@ -138,6 +141,60 @@ class DecodeBatch:
         self.lengths = [n + 1 for n in self.lengths]
 
 
+class PagedBatch:
+    """A CPU decode batch over its sequences' blocks (runtime/cpu_decode.c): per layer one call writes each new row
+    into its sequence's block and attends; after the last layer only the lengths move."""
+
+    native = False
+
+    def __init__(self, caches: list[KVCache], kernel: cpu_attention.Kernel) -> None:
+        self.caches, self.kernel = caches, kernel
+        self.lengths = [len(kv) for kv in caches]
+        self.ends = torch.tensor(self.lengths)
+        self.tables: torch.Tensor | None = None  # [sequences, 2, 4, blocks]: each cache's `located()`
+        self.begin()
+
+    def holds(self, caches: list[KVCache]) -> bool:
+        """The same caches, nothing written to them since but by this batch."""
+        same = len(caches) == len(self.caches) and all(a is b for a, b in zip(caches, self.caches))
+        return same and [len(kv) for kv in caches] == self.lengths
+
+    def begin(self) -> None:
+        """Ready a step (host side): a block of each sequence's own for its new row, and the tables where one is new
+        (a sequence's row begins a block: every BLOCK steps)."""
+        if self.tables is not None and all(n % BLOCK for n in self.lengths):
+            return
+        for kv, n in zip(self.caches, self.lengths):
+            kv.reserve(n + 1)
+            kv.own(n // BLOCK)
+        located = [kv.located() for kv in self.caches]
+        self.tables = torch.zeros(len(located), 2, 4, max(x.shape[2] for x in located), dtype=torch.int64)
+        for table, x in zip(self.tables, located):
+            table[:, :, : x.shape[2]] = x
+
+    def masks(self) -> None:
+        """Nothing to ready: the kernel keeps each sequence to its rows and its window."""
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None
+    ) -> torch.Tensor:
+        """q [sequences, heads, d], the new k, v [sequences, kv_heads, d]: the attention output [sequences,
+        heads, d], in q's dtype."""
+        assert self.tables is not None
+        table = self.tables[:, 0] + layer * self.tables[:, 1]
+        return self.kernel.decode(q, k, v, table, self.ends, scale, window)
+
+    def commit(self) -> None:
+        """The new rows are in the caches: their lengths move on."""
+        self.ends.add_(1)
+        self.lengths = [n + 1 for n in self.lengths]
+        for kv, n in zip(self.caches, self.lengths):
+            kv.written(n)
+
+
+Batch = DecodeBatch | PagedBatch
+
+
 class Batches:
     """A decode step's batch, the last one kept for the next step, and the storage batches are carved from: kept
     and reused, so that memory stays at its peak instead of being allocated again at each new batch (one owner:
@@ -148,19 +205,23 @@ class Batches:
     def __init__(self, native: bool | None = None, graphs: bool | None = None) -> None:
         self.native, self.graphs = native, graphs
         self.captured = Graphs()
-        self.last: DecodeBatch | None = None
+        self.last: Batch | None = None
         self.storage: torch.Tensor | None = None
         self.slots: dict[tuple, Slots] = {}
 
-    def of(self, caches: list[KVCache], windows: set[int | None]) -> DecodeBatch | None:
-        """The batch of these caches: the last one where it holds them as they are, else a new one (None: too
-        large to batch)."""
+    def of(self, caches: list[KVCache], windows: set[int | None], group: int = 1) -> Batch | None:
+        """The batch of these caches (`group` query heads a KV head): the last one where it holds them as they are,
+        else a new one (None: too large to batch)."""
         if self.last is not None and self.last.holds(caches):
             self.last.begin()
             return self.last
         self.last = None
         first = caches[0]
         native = torch.device(first.device).type != "cpu" if self.native is None else self.native
+        kernel = None if native else cpu_attention.decoding(first.dtype, first.head_dim, group)
+        if kernel is not None:
+            self.last = PagedBatch(caches, kernel)
+            return self.last
         needed, dtype = DecodeBatch.elements(caches, native), DecodeBatch.dtype_of(caches, native)
         size = torch.empty((), dtype=dtype).element_size()
         held = 0 if self.storage is None or self.storage.dtype != dtype else len(self.storage)
@@ -180,13 +241,13 @@ class Batches:
         self.last = DecodeBatch(caches, windows, self.storage, native, slots)
         return self.last
 
-    def step(self, model: object, batch: DecodeBatch, tokens: list[int],
+    def step(self, model: object, batch: Batch, tokens: list[int],
              layers: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:  # fmt: skip
         """`layers(ids)` for the step's tokens: from a graph of the batch's shape where native steps run as
         graphs, else eagerly."""
-        device = batch.keys.device
+        device = batch.ends.device
         graphs = device.type == "cuda" and batch.native if self.graphs is None else self.graphs
-        if not graphs:
+        if not graphs or not isinstance(batch, DecodeBatch):
             return layers(torch.tensor(tokens, device=device))
         return self.captured.run((id(model), *batch.key), tokens, layers)
 

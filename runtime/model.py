@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from kvgate.runtime import cpu_attention
-from kvgate.runtime.decode import Batches, DecodeBatch
+from kvgate.runtime.decode import Batch, Batches
 from kvgate.runtime.invariance import MOST, row_floor
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.weights import Layer, decoder_of
@@ -181,12 +181,12 @@ def logits_of(model: PreTrainedModel, h: torch.Tensor) -> torch.Tensor:
     return decoder_of(model).head(normed(model.model.norm, h)).float()
 
 
-def decode_layers(model: PreTrainedModel, ids: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+def decode_layers(model: PreTrainedModel, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
     """A decode step of a batch, one new token per sequence ([sequences] ids, each at its sequence's end): the
     logits [sequences, vocab]. Device ops alone, nothing read back: what a CUDA graph captures."""
     inner = model.model
     h = inner.embed_tokens(ids)
-    cos, sin = inner.rotary_emb(h[None], batch.slots.ends[None])
+    cos, sin = inner.rotary_emb(h[None], batch.ends[None])
     batch.masks()
     for i, layer in enumerate(decoder_of(model).layers):
         q, k, v = project(layer, h, cos[0], sin[0])
@@ -215,7 +215,7 @@ def forward(
     layers = decoder_of(model).layers
     if not keep and sum(lengths) == len(runs):  # unpadded, one token a run: a decode step, batched (runtime/decode.py)
         batches = batches or Batches()
-        batch = batches.of([r.kv for r in runs], {x.window for x in layers})
+        batch = batches.of([r.kv for r in runs], {x.window for x in layers}, layers[0].heads // layers[0].kv_heads)
         if batch is not None:
             tokens = [r.token_ids[0] for r in runs]
             logits = batches.step(model, batch, tokens, lambda ids: decode_layers(model, ids, batch))

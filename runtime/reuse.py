@@ -92,11 +92,10 @@ def snapshot(
     start: int = 0,
     exact: int | None = None,
 ) -> ChunkKV:
-    """An entry holding the KV of `kv`'s tokens start..start+len(token_ids); `exact`: the absolute
+    """An entry holding a copy of the KV of `kv`'s tokens start..start+len(token_ids); `exact`: the absolute
     position where `kv`'s full-prefill rows end (None: all of them are)."""
     stop = start + len(token_ids)
-    whole = kv.freeze(start) if stop - start == BLOCK else None  # a whole block: stored by reference, no copy
-    keys, values = whole or kv.copy(start, stop)
+    keys, values = kv.copy(start, stop)
     rows = None if exact is None or exact >= stop else max(0, exact - start)
     return ChunkKV(key, tuple(token_ids), keys, values, cost, model, rows)
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvgate.runtime.decode import Batches
-from kvgate.runtime.kv import KVCache
+from kvgate.runtime import cpu_attention
+from kvgate.runtime.decode import Batches, PagedBatch
+from kvgate.runtime.kv import BLOCK, KVCache
 from kvgate.runtime.model import attend
 
 LAYERS, KV_HEADS, HEADS, D = 2, 2, 6, 8  # head size 8: torch's ops; 64: runtime/cpu_decode.c where it is built
@@ -49,8 +50,9 @@ def step(batches: Batches, caches: list[KVCache], window: int | None, dtype: tor
 def test_each_sequence_attends_over_its_own_rows_step_after_step(
     window: int | None, dtype: torch.dtype, native: bool, d: int
 ) -> None:
-    """Either way a batch is held: in float32 over the rows in use (torch's ops, or one call a layer of
-    runtime/cpu_decode.c), or native (the caches' dtype, SDPA over the whole room, as on a GPU)."""
+    """Every way a batch is held: over its sequences' own blocks (head size 64: one call a layer of
+    runtime/cpu_decode.c, where it is built), a float32 copy over the rows in use (torch's ops), or native (the
+    caches' dtype, SDPA over the whole room, as on a GPU)."""
     torch.manual_seed(0)
     caches, batches = [cache(n, dtype, d) for n in (3, 17, 1, 9)], Batches(native=native)
     step(batches, caches, window, dtype)
@@ -94,3 +96,26 @@ def test_native_batches_of_one_shape_share_their_addresses() -> None:
     assert first.key == second.key and first.slots is second.slots
     step(batches, [cache(n, torch.bfloat16) for n in (7, 41, 3)], None, torch.bfloat16)
     assert batches.last is not None and batches.last.key != first.key  # another shape: another graph
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_paged_batch_writes_its_rows_into_the_caches_blocks_across_their_ends(dtype: torch.dtype) -> None:
+    """Over the caches' own blocks (runtime/cpu_decode.c): no copy of their KV; a sequence whose next row begins a
+    block gets one, and a block read by reference from a store is copied before its first write."""
+    if cpu_attention.decoding(dtype, 64, HEADS // KV_HEADS) is None:
+        pytest.skip("no decode kernel built here")
+    torch.manual_seed(0)
+    caches = [cache(n, dtype, 64) for n in (BLOCK - 1, 2 * BLOCK - 2, 5)]
+    stored = tuple(torch.randn(LAYERS, KV_HEADS, BLOCK, 64, dtype=dtype) for _ in "kv")
+    kept = stored[0].clone()
+    shared = KVCache(LAYERS, KV_HEADS, 64, dtype, "cpu")
+    shared.share(*stored)  # a whole stored block, by reference...
+    shared.truncate(BLOCK - 4)  # ...whose rows from here on are the decode's to write
+    caches.append(shared)
+    batches = Batches(native=False)
+    for _ in range(3):
+        step(batches, caches, None, dtype)
+        assert isinstance(batches.last, PagedBatch)
+    assert [len(kv) for kv in caches] == [BLOCK + 2, 2 * BLOCK + 1, 8, BLOCK - 1]
+    assert [len(kv.blocks) for kv in caches] == [2, 3, 1, 1]
+    assert torch.equal(stored[0], kept) and shared.blocks[0].keys is not stored[0]

@@ -60,44 +60,39 @@ def test_a_stored_block_is_read_by_reference_and_copied_before_a_write() -> None
     assert torch.equal(kv.layer(0)[0][:, : BLOCK - 2], before[0, :, : BLOCK - 2])
 
 
-def test_a_block_handed_to_the_store_is_never_pooled_nor_written() -> None:
-    pool = Pool()
-    kv = cache(pool)
-    kv.extend(*rows(BLOCK + 5))
-    assert kv.freeze(BLOCK) is None  # not whole yet
-    keys, values = kv.freeze(0)
-    frozen, kept = kv.blocks[0], keys.clone()
-    kv.truncate(3)
-    kv.extend(torch.zeros(2, 1, 4, 4), torch.zeros(2, 1, 4, 4))
-    assert torch.equal(keys, kept) and kv.blocks[0] is not frozen
-    kv.release()
-    assert all(b is not frozen and b.keys is not keys for free in pool.free.values() for b in free)
-
-
 def test_a_released_cache_gives_its_blocks_to_the_next_one() -> None:
     pool = Pool()
     first = cache(pool)
     first.reserve(3 * BLOCK)
-    addresses = {b.keys.data_ptr() for b in first.blocks}
+    slots = [b.slot for b in first.blocks]
     first.release()
     assert len(first) == 0 and first.blocks == []
     second = cache(pool)
-    second.reserve(2 * BLOCK)  # taken, not allocated
-    assert {b.keys.data_ptr() for b in second.blocks} <= addresses
-    third = cache(pool)
-    third.reserve(2 * BLOCK)
-    assert len({b.keys.data_ptr() for b in third.blocks} & addresses) == 1  # one left in the pool
+    second.reserve(2 * BLOCK)  # taken again, the first in order
+    assert [b.slot for b in second.blocks] == slots[:2]
+    arena_keys = next(iter(pool.arenas.values()))[0][0]
+    assert second.blocks[0].keys.data_ptr() == arena_keys.data_ptr()
 
 
-def test_the_pool_is_bounded_in_bytes() -> None:
+def test_a_prompts_blocks_are_one_run_of_rows_a_head() -> None:
+    """Taken in order from one arena: block b + 1's rows follow block b's in every layer and KV head."""
+    pool = Pool()
+    kv = cache(pool)
+    kv.extend(*rows(3 * BLOCK))
+    for before, after in zip(kv.blocks, kv.blocks[1:]):
+        step = after.keys.data_ptr() - before.keys.data_ptr()
+        assert step == BLOCK * kv.head_dim * kv.blocks[0].keys.element_size()
+
+
+def test_the_pool_is_bounded_in_bytes_and_blocks_past_it_are_the_caches_own() -> None:
     block = 2 * 2 * 1 * BLOCK * 4 * 4  # one block's keys and values
-    pool = Pool(max_bytes=3 * block)
-    held = [cache(pool) for _ in range(5)]
-    for kv in held:
-        kv.reserve(BLOCK)
-    for kv in held:
-        kv.release()
-    assert sum(len(free) for free in pool.free.values()) == 3 and pool.bytes == 3 * block
+    pool = Pool(max_bytes=20 * block)
+    kv = cache(pool)
+    kv.reserve(30 * BLOCK)
+    assert pool.bytes <= pool.max_bytes and sum(b.slot is not None for b in kv.blocks) == 20
+    assert len(kv.blocks) == 30  # ten allocated alone
+    kv.release()
+    assert len(next(iter(pool.free.values()))) == 20
 
 
 def test_blocks_stop_at_the_context_window() -> None:
