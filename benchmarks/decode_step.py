@@ -28,7 +28,7 @@ from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.decode import Batch, Batches
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.invariance import row_floor
-from kvgate.runtime.kv import KVCache
+from kvgate.runtime.kv import KVCache, Pool
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.report import cpu, write_section
@@ -41,10 +41,11 @@ SHAPES = ((1, 100), (1, 1000), (8, 100), (8, 1000))
 
 
 def caches(loaded: LoadedModel, sequences: int, tokens: int) -> list[KVCache]:
-    c = loaded.model.config
+    """Each sequence's prompt prefilled, its blocks from one pool as the engine's are (runtime/kv.py `Pool`)."""
+    c, pool = loaded.model.config, Pool()
     out = []
     for b in range(sequences):
-        kv = KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, loaded.model.dtype, "cpu", 8192)
+        kv = KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, loaded.model.dtype, "cpu", 8192, pool)
         forward(loaded.model, [Run(kv, [(7 * b + j) % 1000 + 5 for j in range(tokens)], 0)])
         out.append(kv)
     return out
