@@ -151,19 +151,27 @@ class KVCache:
             lo, hi = max(start, b * BLOCK), min(stop, (b + 1) * BLOCK)
             yield b, slice(lo - b * BLOCK, hi - b * BLOCK), slice(lo - start, hi - start)
 
-    def targets(self, layer: int, start: int, stop: int) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
-        """Where rows start..stop of a layer are written: per block, the rows' slice of start..stop and views of
-        the block's keys and values [kv_heads, rows, head_dim] (its own blocks, copied first where shared)."""
+    @staticmethod
+    def at(block: Block, layer: int | None, within: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block's rows `within` of one layer ([kv_heads, rows, head_dim]) or of every layer (None: [layers,
+        kv_heads, rows, head_dim])."""
+        if layer is None:
+            return block.keys[:, :, within], block.values[:, :, within]
+        return block.keys[layer, :, within], block.values[layer, :, within]
+
+    def targets(self, layer: int | None, start: int, stop: int) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+        """Where rows start..stop of a layer (None: every layer) are written: per block, the rows' slice of
+        start..stop and views of the block's keys and values (`at`; its own blocks, copied first where shared)."""
         self.reserve(stop)
         for b, within, rows in self.spans(start, stop):
-            block = self.own(b)
-            yield rows, block.keys[layer, :, within], block.values[layer, :, within]
+            yield rows, *self.at(self.own(b), layer, within)
 
-    def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Rows start.. of one layer: keys, values [kv_heads, n, head_dim]. Lengths are the caller's to set."""
-        for rows, k, v in self.targets(layer, start, start + keys.shape[1]):
-            k.copy_(keys[:, rows])
-            v.copy_(values[:, rows])
+    def write(self, layer: int | None, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Rows start.. of one layer, keys, values [kv_heads, n, head_dim], or of every layer (None: [layers,
+        kv_heads, n, head_dim]). Lengths are the caller's to set."""
+        for rows, k, v in self.targets(layer, start, start + keys.shape[-2]):
+            k.copy_(keys[..., rows, :])
+            v.copy_(values[..., rows, :])
 
     def scatter(self, layer: int, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Rows at sorted `positions` [n] of one layer: keys, values [kv_heads, n, head_dim]."""
@@ -185,13 +193,9 @@ class KVCache:
 
     def extend(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append rows to every layer at once: [layers, kv_heads, n, head_dim] (the layers all at one length)."""
-        start, n = len(self), keys.shape[2]
-        self.reserve(start + n)
-        for b, within, rows in self.spans(start, start + n):
-            block = self.own(b)
-            block.keys[:, :, within] = keys[:, :, rows]
-            block.values[:, :, within] = values[:, :, rows]
-        self.lengths = [start + n] * self.num_layers
+        start = len(self)
+        self.write(None, start, keys, values)
+        self.written(start + keys.shape[2])
 
     def share(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append a stored block's rows, every layer ([layers, kv_heads, n, head_dim]): by reference where they fill
@@ -217,35 +221,29 @@ class KVCache:
         lies = x.stride(2) == self.head_dim and x.stride(3) == 1
         return tuple(x.shape) == shape and x.dtype == self.dtype and x.device == self.device and lies
 
-    def rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows start..stop of every layer: [layers, kv_heads, stop - start, head_dim]; views where they lie in one
-        block, else copies."""
-        parts = [(self.blocks[b], within) for b, within, _ in self.spans(start, stop)]
+    def rows(self, start: int, stop: int, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows start..stop of every layer, [layers, kv_heads, stop - start, head_dim], or of one layer ([kv_heads,
+        stop - start, head_dim]); views where they lie in one block, else copies."""
+        parts = [self.at(self.blocks[b], layer, within) for b, within, _ in self.spans(start, stop)]
         if len(parts) == 1:
-            block, within = parts[0]
-            return block.keys[:, :, within], block.values[:, :, within]
-        empty = (self.num_layers, self.kv_heads, 0, self.head_dim)
+            return parts[0]
         if not parts:
+            empty = (
+                (self.kv_heads, 0, self.head_dim)
+                if layer is not None
+                else (self.num_layers, self.kv_heads, 0, self.head_dim)
+            )
             return tuple(torch.empty(empty, dtype=self.dtype, device=self.device) for _ in "kv")  # type: ignore[return-value]
-        return torch.cat([b.keys[:, :, w] for b, w in parts], 2), torch.cat([b.values[:, :, w] for b, w in parts], 2)
+        return torch.cat([k for k, _ in parts], -2), torch.cat([v for _, v in parts], -2)
 
     def copy(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`rows`, always copies of their own (to store)."""
+        """`rows` of every layer, always copies of their own (to store)."""
         keys, values = self.rows(start, stop)
-        one = stop - start <= BLOCK and start // BLOCK == (stop - 1) // BLOCK
-        return (keys.clone(), values.clone()) if one else (keys, values)
+        return (keys.clone(), values.clone()) if start // BLOCK == (stop - 1) // BLOCK else (keys, values)
 
     def layer(self, i: int, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's rows 0..stop (its length where None): keys, values [kv_heads, stop, head_dim]."""
-        stop = self.lengths[i] if stop is None else stop
-        parts = [(self.blocks[b], within) for b, within, _ in self.spans(0, stop)]
-        if len(parts) == 1:
-            block, within = parts[0]
-            return block.keys[i, :, within], block.values[i, :, within]
-        if not parts:
-            empty = torch.empty(self.kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
-            return empty, empty
-        return torch.cat([b.keys[i, :, w] for b, w in parts], 1), torch.cat([b.values[i, :, w] for b, w in parts], 1)
+        return self.rows(0, self.lengths[i] if stop is None else stop, i)
 
     def located(self) -> torch.Tensor:
         """Where the blocks lie: int64 [2, 4, blocks], per block the address of its first row of KV head 0 in keys
