@@ -83,7 +83,7 @@ class Pool:
         return True
 
     def give(self, block: Block) -> None:
-        if block.own and block.slot is not None:
+        if block.slot is not None:  # a pool's, never shared: what `share` reads in has no slot
             heapq.heappush(self.free[(tuple(block.keys.shape), block.keys.dtype, block.keys.device)], block.slot)
 
 

@@ -111,11 +111,14 @@ def test_a_paged_batch_writes_its_rows_into_the_caches_blocks_across_their_ends(
     shared = KVCache(LAYERS, KV_HEADS, 64, dtype, "cpu")
     shared.share(*stored)  # a whole stored block, by reference...
     shared.truncate(BLOCK - 4)  # ...whose rows from here on are the decode's to write
-    caches.append(shared)
+    wide = torch.randn(LAYERS, KV_HEADS, 2 * BLOCK, 64, dtype=dtype)[:, :, :BLOCK]  # values heads 2 blocks apart
+    read = KVCache(LAYERS, KV_HEADS, 64, dtype, "cpu")
+    read.share(stored[0], wide)  # read where it lies, keys and values with their own head strides
+    caches += [shared, read]
     batches = Batches(native=False)
     for _ in range(3):
         step(batches, caches, None, dtype)
         assert isinstance(batches.last, PagedBatch)
-    assert [len(kv) for kv in caches] == [BLOCK + 2, 2 * BLOCK + 1, 8, BLOCK - 1]
-    assert [len(kv.blocks) for kv in caches] == [2, 3, 1, 1]
+    assert [len(kv) for kv in caches] == [BLOCK + 2, 2 * BLOCK + 1, 8, BLOCK - 1, BLOCK + 3]
+    assert [len(kv.blocks) for kv in caches] == [2, 3, 1, 1, 2] and read.blocks[0].values is wide
     assert torch.equal(stored[0], kept) and shared.blocks[0].keys is not stored[0]

@@ -51,6 +51,9 @@ def test_a_stored_block_is_read_by_reference_and_copied_before_a_write() -> None
     assert kv.blocks[0].keys is stored_keys and not kv.blocks[0].own and len(kv) == BLOCK
     kv.share(*rows(10))  # not a whole block: copied
     assert kv.blocks[1].own and len(kv) == BLOCK + 10
+    kv.share(*rows(BLOCK, first=0.5))  # a whole block's rows, but not where a block of the cache begins: copied
+    assert [b.own for b in kv.blocks] == [False, True, True] and len(kv) == 2 * BLOCK + 10
+    assert torch.equal(kv.rows(BLOCK + 10, 2 * BLOCK + 10)[0], rows(BLOCK, first=0.5)[0])
     before = stored_keys.clone()
     kv.truncate(BLOCK - 2)
     for layer in range(2):
