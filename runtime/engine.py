@@ -97,7 +97,7 @@ class Engine:
         self.flight = Flight(self.reuser.store.memory_bytes, c.in_flight, c.in_flight_linger_s)
         gate = self.flight if c.in_flight > 0 else None
         self.scheduler = Scheduler(c.max_num_seqs, budget, c.queue_order, gate=gate, grid=grid)
-        self.pool = Pool()  # finished sequences' KV storage, for new ones (used only on the engine thread)
+        self.pool = Pool()  # the blocks of every sequence's KV, handed back on release (only on the engine thread)
         self.batches = Batches()  # the last decode step's batch, kept for the next
         self.outbox = Outbox()  # outputs to clients, handed over once a step
         self.callbacks: dict[int, Callback] = {}
