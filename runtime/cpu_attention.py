@@ -65,7 +65,7 @@ class Kernel:
         self.decodes = bool(library.decode_fast())
         self._decode = library.decode
         self._decode.restype = ctypes.c_int
-        tensors = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr]  # q, k, v and strides; tables, ends, out
+        tensors = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i32, ptr, ptr]  # q, k, v and strides; tables, layer, ends, out
         self._decode.argtypes = [i32, *tensors, i32, i32, i32, i32, ctypes.c_float, i32, i32]
 
         self._norm, self._rope, self._gated = library.rms_norm, library.rope, library.silu_mul
@@ -108,12 +108,12 @@ class Kernel:
             raise MemoryError("cpu attention: out of memory for its buffers")
         return out
 
-    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, ends: torch.Tensor,
-               scale: float, window: int | None) -> torch.Tensor:  # fmt: skip
-        """A decode step of a batch: the new rows k, v [sequences, kv_heads, d] written into each sequence's blocks at
-        position ends[b], then q [sequences, heads, d] attended over each sequence's rows 0..ends[b] (the last
-        `window`): [sequences, heads, d]. `tables` [sequences, 4, blocks]: each sequence's `KVCache.table`; q, k, v
-        and the blocks all bf16 or all float32."""
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, layer: int,
+               ends: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:  # fmt: skip
+        """A decode step of a batch at `layer`: the new rows k, v [sequences, kv_heads, d] written into each sequence's
+        blocks at position ends[b], then q [sequences, heads, d] attended over each sequence's rows 0..ends[b] (the
+        last `window`): [sequences, heads, d]. `tables` [sequences, 2, 4, blocks]: each sequence's
+        `KVCache.located`; q, k, v and the blocks all bf16 or all float32."""
         batch, heads, d = q.shape
         if q.dtype not in SIZES or k.dtype != q.dtype or v.dtype != q.dtype:
             raise TypeError(f"cpu decode attention: bf16 or float32 alike, not {q.dtype}, {k.dtype}, {v.dtype}")
@@ -122,7 +122,7 @@ class Kernel:
         out = torch.empty(batch, heads, d, dtype=q.dtype)
         failed = self._decode(
             q.dtype == torch.bfloat16, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
-            v.stride(0), tables.data_ptr(), tables.shape[2], ends.data_ptr(), out.data_ptr(), batch, heads,
+            v.stride(0), tables.data_ptr(), tables.shape[3], layer, ends.data_ptr(), out.data_ptr(), batch, heads,
             k.shape[1], d, scale, window or 0, torch.get_num_threads(),
         )  # fmt: skip
         if failed:

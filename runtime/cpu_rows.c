@@ -12,24 +12,6 @@
 
 #define ROWS_APART(n, width) if ((int64_t)(n) * (width) >= (1 << 15)) /* threads only where the work pays for them */
 
-INLINE vu bf16_bits(vf x) { /* round to nearest even in the high half; NaN stays NaN (cpu_bf16.h's to_bf16) */
-    vu u = (vu)x;
-    vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
-    vu even = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return (even & ~nan) | (((u >> 16) | 0x40u) & nan);
-}
-
-INLINE vf rounded(vf x, int bf16) { return bf16 ? (vf)(bf16_bits(x) << 16) : x; }
-
-INLINE void set(void *p, int64_t i, vf x, int bf16) {
-    if (!bf16) {
-        save((float *)p + i, x);
-        return;
-    }
-    vh h = __builtin_convertvector(bf16_bits(x), vh);
-    memcpy((uint16_t *)p + i, &h, sizeof h);
-}
-
 INLINE float one(float x, int bf16) { return bf16 ? from_bf16(to_bf16(x)) : x; }
 
 INLINE void norm_row(int bf16, const void *x, const void *w, void *out, int64_t at, int64_t to, int d, float eps) {

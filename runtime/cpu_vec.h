@@ -62,11 +62,49 @@ static inline float total(vf a) { /* the lanes' sum, halving: no chain of depend
     return a[0] + a[1];
 }
 
+/* a[0..LANES) each summed: lane r of the result holds a[r]'s sum. Pairs are halved together, each of a pair's
+   halves into one vector, so that LANES sums take LANES - 1 of those steps where `total` took log2(LANES) each. */
+INLINE vf totals(vf *a) {
+#if LANES == 16
+    static const vi lo[4] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                             {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+                             {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+                             {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
+    static const int halves[4] = {8, 4, 2, 1};
+#else
+    static const vi lo[3] = {{0, 1, 2, 3, 8, 9, 10, 11}, {0, 1, 4, 5, 8, 9, 12, 13}, {0, 2, 4, 6, 8, 10, 12, 14}};
+    static const int halves[3] = {4, 2, 1};
+#endif
+    for (int level = 0, n = LANES; n > 1; level++, n /= 2)
+        for (int i = 0; i < n / 2; i++)
+            a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo[level]) +
+                   __builtin_shuffle(a[2 * i], a[2 * i + 1], lo[level] + halves[level]);
+    return a[0];
+}
+
 INLINE vf get(const void *p, int64_t i, int bf16) { /* LANES elements from p[i] as float32 */
     if (!bf16) return load((const float *)p + i);
     vh h;
     memcpy(&h, (const uint16_t *)p + i, sizeof h);
     return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+
+INLINE vu bf16_bits(vf x) { /* round to nearest even in the high half; NaN stays NaN (cpu_bf16.h's to_bf16) */
+    vu u = (vu)x;
+    vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
+    vu even = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (even & ~nan) | (((u >> 16) | 0x40u) & nan);
+}
+
+INLINE vf rounded(vf x, int bf16) { return bf16 ? (vf)(bf16_bits(x) << 16) : x; }
+
+INLINE void set(void *p, int64_t i, vf x, int bf16) {
+    if (!bf16) {
+        save((float *)p + i, x);
+        return;
+    }
+    vh h = __builtin_convertvector(bf16_bits(x), vh);
+    memcpy((uint16_t *)p + i, &h, sizeof h);
 }
 
 static inline float element(const void *p, int64_t i, int bf16) {

@@ -181,8 +181,7 @@ class PagedBatch:
         """q [sequences, heads, d], the new k, v [sequences, kv_heads, d]: the attention output [sequences,
         heads, d], in q's dtype."""
         assert self.tables is not None
-        table = self.tables[:, 0] + layer * self.tables[:, 1]
-        return self.kernel.decode(q, k, v, table, self.ends, scale, window)
+        return self.kernel.decode(q, k, v, self.tables, layer, self.ends, scale, window)
 
     def commit(self) -> None:
         """The new rows are in the caches: their lengths move on."""

@@ -311,7 +311,8 @@ class Engine:
         self.times.measured(sum(len(run.token_ids) for run in runs), time.perf_counter() - start)
         if rider:
             self.shadow.rode(logits[-1], self.times.added_s(len(rider.token_ids)))
-        allowed = self.allowed([seq for seq, run in batch if run.kv is seq.kv and not seq.prefilling], logits.shape[-1])
+        held = [seq for seq, run in batch if seq.matcher is not None and run.kv is seq.kv and not seq.prefilling]
+        allowed = self.allowed(held, logits.shape[-1])
         free = [(seq.params, seq.matcher is None and seq.generator is None) for seq, _ in batch]
         best = preselect(logits, free)  # what can be chosen together: greedy rows, unseeded draws (sampling.py)
         for (seq, run), row, top in zip(batch, logits, best):
@@ -344,9 +345,8 @@ class Engine:
                 self.deliver(seq, callback, out)
         return got
 
-    def allowed(self, seqs: list[Sequence], width: int) -> dict[int, torch.Tensor]:
+    def allowed(self, held: list[Sequence], width: int) -> dict[int, torch.Tensor]:
         """The tokens each constrained sequence may take next, its masks filled in parallel."""
-        held = [seq for seq in seqs if seq.matcher is not None]
         masks = self.grammars.masks([seq.matcher for seq in held], width, self.model.device) if held else []
         return {seq.id: mask for seq, mask in zip(held, masks)}
 

@@ -139,8 +139,10 @@ class Scheduler:
         self.release()
         budget = self.max_num_batched_tokens
         batch = []
-        decoding = [s for s in self.running if not s.prefilling]
-        prefilling = [s for s in self.running if s.prefilling]
+        decoding: list[Sequence] = []
+        prefilling: list[Sequence] = []
+        for seq in self.running:
+            (prefilling if seq.prefilling else decoding).append(seq)
         for seq in decoding + prefilling:
             if budget <= 0:
                 break

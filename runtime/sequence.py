@@ -16,7 +16,7 @@ from kvgate.runtime.kv import KVCache
 from kvgate.runtime.prompt_kv import PromptKV
 from kvgate.runtime.request import Output, Plan, Request
 from kvgate.runtime.sampling import SamplingParams, TokenLogprob
-from kvgate.runtime.tokens import decoder
+from kvgate.runtime.tokens import Detokenizer
 from kvgate.runtime.tools import partial_suffix
 
 _ids = itertools.count()
@@ -40,8 +40,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     sent: int = 0  # characters of text already handed out
-    decoded_from: int = 0  # the output tokens `detokenize` decodes beside the new ones: decoded_from..decoded_to
-    decoded_to: int = 0
+    detokenizer: Detokenizer | None = None  # made with the first token
     pending_ids: list[int] = field(default_factory=list)  # tokens not yet handed out
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
@@ -86,7 +85,7 @@ class Sequence:
 
     @property
     def prefilling(self) -> bool:
-        return self.computed < len(self.prompt_ids)
+        return len(self.kv) < len(self.prompt_ids)
 
     def next_run(self, budget: int, grid: int = 1) -> list[int]:
         """The tokens to compute in the next step: a prompt chunk, or the last sampled token. A chunk that
@@ -115,17 +114,10 @@ class Sequence:
             self.finish_reason = "length"
 
     def detokenize(self, tokenizer: PreTrainedTokenizerBase, end: int, whole: bool) -> None:
-        """Append the text output tokens ..end complete (`whole`: all of it, half a character too), decoding the
-        new ones beside those of the text before (as vLLM does): a token's text can depend on the one before it
-        (a leading space, a character split over byte tokens). Each token costs the same however long the
-        output is."""
-        if end <= self.decoded_to:
-            return
-        ids, decode = self.output_ids[self.decoded_from : end], decoder(tokenizer)
-        before, now = decode(ids[: self.decoded_to - self.decoded_from]), decode(ids)
-        if len(now) > len(before) and (whole or not now.endswith("\ufffd")):  # else wait for the character's rest
-            self.text += now[len(before) :]
-            self.decoded_from, self.decoded_to = self.decoded_to, end
+        """Append the text output tokens ..end complete (`whole`: all of it, half a character too)."""
+        if self.detokenizer is None:
+            self.detokenizer = Detokenizer(tokenizer)
+        self.text += self.detokenizer.text(self.output_ids, end, whole)
 
     def check_stop_strings(self) -> None:
         if not self.params.stop:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import re
 import weakref
 from collections.abc import Callable
@@ -47,6 +48,76 @@ def decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int]], str]:
             found = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         _decoders[tokenizer] = found
     return found
+
+
+class Detokenizer:
+    """A sequence's output text, a token at a time. Each new token costs the same however long the output is.
+
+    Where the tokenizer is byte-level and `decoder` is the Rust decode (GPT-2's alphabet: Llama 3, Qwen, SmolLM),
+    each token's bytes go through one incremental UTF-8 decoder: a dict lookup a token, where decoding beside the
+    text before took two calls into the tokenizer (measured 0.4 ms of a 3 ms step at 64 sequences); UTF-8 with
+    replacement, one character at a time or all at once, decodes alike, as the tokenizer's lossy decode does.
+    Elsewhere the new tokens are decoded beside those of the text before (as vLLM does): a token's text can
+    depend on the one before it (a leading space, a character split over byte tokens)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.pieces, self.decode = _pieces(tokenizer), decoder(tokenizer)
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self.start = self.done = 0  # ids[start:done] decoded before the new ones (not byte-level); ids[:done] done
+
+    def text(self, ids: list[int], end: int, whole: bool) -> str:
+        """The text ids[:end] adds (`whole`: all of it, half a character too; else up to the last whole one)."""
+        if end <= self.done:
+            return ""
+        if self.pieces is not None:
+            if end == self.done + 1:
+                new = self.utf8.decode(self.pieces(ids[self.done]))
+            else:
+                new = "".join([self.utf8.decode(self.pieces(i)) for i in ids[self.done : end]])
+            self.done = end
+            return new + self.utf8.decode(b"", final=True) if whole else new
+        part = ids[self.start : end]
+        before, now = self.decode(part[: self.done - self.start]), self.decode(part)
+        if len(now) > len(before) and (whole or not now.endswith("\ufffd")):  # else wait for the character's rest
+            self.start, self.done = self.done, end
+            return now[len(before) :]
+        return ""
+
+
+class _BytePieces:
+    """Each token's bytes as the tokenizer's ByteLevel decoder joins them; a special token (skipped) and an unknown
+    id (the tokenizer drops it) none."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.backend = tokenizer.backend_tokenizer
+        self.special = {i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
+        self.memo: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int) -> bytes:
+        found = self.memo.get(token_id)
+        if found is None:
+            piece = None if token_id in self.special else self.backend.id_to_token(token_id)
+            table = _byte_decoder()
+            if piece is None:
+                found = b""
+            elif all(c in table for c in piece):
+                found = bytes(table[c] for c in piece)
+            else:  # a piece outside the alphabet (an added token) is its own UTF-8
+                found = piece.encode()
+            self.memo[token_id] = found
+        return found
+
+
+_byte_pieces: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, _BytePieces | None] = weakref.WeakKeyDictionary()
+
+
+def _pieces(tokenizer: PreTrainedTokenizerBase) -> _BytePieces | None:
+    if tokenizer not in _byte_pieces:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        plain = backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+        byte_level = plain and type(backend.decoder).__name__ == "ByteLevel"
+        _byte_pieces[tokenizer] = _BytePieces(tokenizer) if byte_level else None
+    return _byte_pieces[tokenizer]
 
 
 def text_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
