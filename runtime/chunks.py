@@ -50,6 +50,11 @@ class Breaks:
         newline = frozenset(i for i, t in texts.items() if "\n" in t and not t.strip())
         return cls(newline, frozenset(i for i in newline if "\n\n" in texts[i]))
 
+    @functools.cached_property
+    def ids(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The newline tokens and the paragraph ones, sorted, as `torch.isin` takes them."""
+        return torch.tensor(sorted(self.newline)), torch.tensor(sorted(self.paragraph or {-1}))
+
 
 NO_BREAKS = Breaks()
 
@@ -73,10 +78,11 @@ def cut(token_ids: Sequence[int], config: ChunkConfig = DEFAULT, breaks: Breaks 
     lines: set[int] = set()
     always: set[int] = set()  # cut whatever the distance from the last cut
     if breaks.newline:  # after the last of a run of newlines, a word following (a blank line: a paragraph)
-        nl = torch.isin(t, torch.tensor(sorted(breaks.newline)))
+        newline, paragraph = breaks.ids
+        nl = torch.isin(t, newline)
         ends = nl[:-1] & ~nl[1:]
         lines = set((torch.nonzero(ends).flatten() + 1).tolist())
-        blank = nl[1:] & (nl[:-1] | torch.isin(t[1:], torch.tensor(sorted(breaks.paragraph or {-1}))))
+        blank = nl[1:] & (nl[:-1] | torch.isin(t[1:], paragraph))
         for end in (torch.nonzero(blank[:-1] & ~nl[2:]).flatten() + 2).tolist():
             start = end - 1
             while start > 0 and nl[start - 1]:
