@@ -26,7 +26,7 @@ from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.fidelity import Item, greedy, kl, load_items, start, teacher_forced, top1
 from kvgate.runtime.loader import load
 from kvgate.runtime.report import table, write_section
-from kvgate.runtime.reuse import Reuse, Reuser
+from kvgate.runtime.reuse import ReuseMode, Reuser
 
 CODECS = (None, "int8", "int4")
 TARGET_RATIO, TARGET_KL = 3.0, 0.01  # compressed entries >= 3x smaller, first-token KL added <= 0.01
@@ -121,8 +121,8 @@ def measure_blends(
     reusers = {w: Reuser(memory.model, memory.tokenizer, s, memory.model_fp, BlendConfig()) for w, s in stores.items()}
     full = []
     for n, item in enumerate(items):
-        full.append(best(partial(start, memory, item, Reuse("full")), repeats))
-        ref_kv, ref_first, _ = start(memory, item, Reuse("full"))
+        full.append(best(partial(start, memory, item, ReuseMode("full")), repeats))
+        ref_kv, ref_first, _ = start(memory, item, ReuseMode("full"))
         answer, _ = greedy(memory, ref_kv, ref_first, eos)
         raw_first = {}
         for (tier, codec), reuser in reusers.items():
@@ -130,7 +130,7 @@ def measure_blends(
             runs = []
             for _ in range(repeats):
                 began = time.perf_counter()
-                kv, first, done = start(reuser, item, Reuse("blend", ratio))
+                kv, first, done = start(reuser, item, ReuseMode("blend", ratio))
                 runs.append(time.perf_counter() - began)
                 assert done.reused > 0, f"{tier} {name(codec)}: the blend reused nothing"
             row.ttft_s.append(min(runs))

@@ -47,7 +47,7 @@ from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import load
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.report import table, write_section
-from kvgate.runtime.reuse import Reuse, Reuser
+from kvgate.runtime.reuse import ReuseMode, Reuser
 from kvgate.runtime.rope import shift
 
 Layers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer, K and V [kv_heads, tokens, head_dim]
@@ -101,7 +101,7 @@ def rows(kv: KVCache, a: int, b: int) -> Layers:
 
 
 def reference(reuser: Reuser, item: Item, eos: frozenset[int]) -> Case:
-    kv, first, _ = start(reuser, item, Reuse("full"))
+    kv, first, _ = start(reuser, item, ReuseMode("full"))
     answer, _ = greedy(reuser, kv, first, eos)
     return Case(item, rows(kv, 0, len(item.ids) - len(item.pieces[-1])), first, answer)
 

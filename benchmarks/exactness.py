@@ -25,7 +25,7 @@ from kvgate.runtime.model import Run, attend, forward
 from kvgate.runtime.report import cpu, write_section
 from kvgate.runtime.request import Plan, Result
 from kvgate.runtime.retrieval_task import tasks
-from kvgate.runtime.reuse import Reuse
+from kvgate.runtime.reuse import ReuseMode
 from kvgate.runtime.sampling import SamplingParams
 
 OUTPUT = Path(__file__).with_name("BENCHMARKS.md")
@@ -52,7 +52,7 @@ def prompts(engine: Engine, rounds: int) -> list[tuple[str, list[dict[str, str]]
 
 
 def serve(engine: Engine, ids: list[int], tokens: int, full: bool = False) -> Result:
-    plan = Plan([ids], [False], Reuse("full")) if full else None
+    plan = Plan([ids], [False], ReuseMode("full")) if full else None
     return engine.generate_sync(ids, SamplingParams(max_tokens=tokens, temperature=0), plan)
 
 
@@ -68,8 +68,9 @@ def check(dtype: str, rounds: int, tokens: int) -> tuple[Counter, Counter, list[
                 turn = [*messages, {"role": "assistant", "content": served.text}, {"role": "user", "content": "ok?"}]
                 ids = chat(engine, turn)
                 served = serve(engine, ids, tokens)
-            labels.append(served.fidelity.split(";")[0] or "none")
-            if served.fidelity == "exact":
+            fidelity = served.report.fidelity
+            labels.append(fidelity.kind if fidelity is not None else "none")
+            if fidelity is not None and fidelity.kind == "exact":
                 exact[shape] += 1
                 same[shape] += served.token_ids == serve(engine, ids, tokens, full=True).token_ids
     finally:

@@ -21,7 +21,7 @@ from kvgate.runtime.fidelity import ANSWER, Scores, load_items, make_reuser, mea
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.report import table, write_section
 from kvgate.runtime.retrieval_task import ANSWER_TOKENS, BENCH_SEED, WORDS, Accuracy, kept, measure_tasks
-from kvgate.runtime.reuse import Reuse, Reuser
+from kvgate.runtime.reuse import ReuseMode, Reuser
 
 TARGET_TOP1, TARGET_KL = 0.95, 0.05  # the issue's fidelity targets, drawn on the plot
 
@@ -97,7 +97,7 @@ def report(scores: dict[str, Scores], retrieval: dict[str, Accuracy] | None = No
 
 
 def retrieval_accuracy(
-    loaded: LoadedModel, reuser: Reuser, data: Path, modes: list[Reuse], count: int, docs: int, words: int,
+    loaded: LoadedModel, reuser: Reuser, data: Path, modes: list[ReuseMode], count: int, docs: int, words: int,
     context: bool,
 ) -> tuple[dict[str, Accuracy], str]:  # fmt: skip
     """Every mode's answer accuracy on `count` retrieval tasks (runtime/retrieval_task.py), and what they were."""
@@ -166,7 +166,7 @@ def bench_fidelity(
     loaded = load(config)
     data_items = load_items(loaded, data, docs, limit, shuffle, offset, words)
     reuser = make_reuser(loaded, blend)
-    modes = [Reuse("prefix"), Reuse("naive"), *(Reuse("blend", r) for r in ratios)]
+    modes = [ReuseMode("prefix"), ReuseMode("naive"), *(ReuseMode("blend", r) for r in ratios)]
     decode = loaded.tokenizer.decode
     others = load_items(loaded, data, docs, limit, not shuffle, offset, words) if context else None
     scores = measure(reuser, data_items, modes, loaded.eos_token_ids, decode, others=others, answer=answer)

@@ -216,7 +216,7 @@ def blend_ttft(model: PreTrainedModel, clock: Clock, docs: int, tokens: int) -> 
     KV computed in the first order; and the tokens blend recomputed."""
     from kvgate.chunk_cache import ChunkStore, MemoryTier, fingerprint
     from kvgate.runtime.blend import BlendConfig
-    from kvgate.runtime.reuse import Reuse, Reuser
+    from kvgate.runtime.reuse import ReuseMode, Reuser
 
     store = ChunkStore([MemoryTier(budget_bytes=64 << 30)])
     reuser = Reuser(model, synthetic_tokenizer(model.config.vocab_size), store, fingerprint("gpu-bench"),
@@ -230,7 +230,7 @@ def blend_ttft(model: PreTrainedModel, clock: Clock, docs: int, tokens: int) -> 
     kinds = [False, *[True] * docs, False]
     full = clock.time(lambda: forward(model, [Run(reuser.new_kv(), [t for p in pieces for t in p], 0)]))
     done = []
-    blend = clock.time(lambda: done.append(reuser.prefill(reuser.new_kv(), pieces, kinds, Reuse("blend", 0.15))))
+    blend = clock.time(lambda: done.append(reuser.prefill(reuser.new_kv(), pieces, kinds, ReuseMode("blend", 0.15))))
     store.close()
     return full, blend, done[-1].recomputed
 

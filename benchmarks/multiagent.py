@@ -42,7 +42,7 @@ from kvgate.runtime.loader import load
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.report import table, write_section
 from kvgate.runtime.reuse import Prefilled, Reuser, snapshot
-from kvgate.runtime.shared import Shared, Spans
+from kvgate.runtime.spans import Shared, Spans
 
 ROLES = [
     ("solver", "You are a careful math tutor. Solve the problem step by step and end with the final number."),

@@ -39,7 +39,7 @@ from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.fidelity import Item, load_items, start
 from kvgate.runtime.loader import load
 from kvgate.runtime.report import table, write_section
-from kvgate.runtime.reuse import Reuse, Reuser
+from kvgate.runtime.reuse import ReuseMode, Reuser
 
 TARGET_BANDWIDTH = 0.70  # of the medium's limit
 # A load or limit in memory takes milliseconds and this machine's memory speed wanders between runs and
@@ -332,13 +332,13 @@ def measure_ttft(
     exact = {name: True for name in reusers}
     memory = reusers["memory"]
     for n, item in enumerate(data_items):
-        seconds["full"].append(best(lambda item=item: start(memory, item, Reuse("full")), repeats))
-        reference = start(memory, item, Reuse("blend", ratio))[1]
+        seconds["full"].append(best(lambda item=item: start(memory, item, ReuseMode("full")), repeats))
+        reference = start(memory, item, ReuseMode("blend", ratio))[1]
         for name, reuser in reusers.items():
             runs = []
             for _ in range(repeats):
                 began = time.perf_counter()
-                _, logits, done = start(reuser, item, Reuse("blend", ratio))
+                _, logits, done = start(reuser, item, ReuseMode("blend", ratio))
                 runs.append(time.perf_counter() - began)
                 exact[name] &= torch.equal(logits, reference) and done.reused > 0
             seconds.setdefault(name, []).append(min(runs))

@@ -41,7 +41,7 @@ from kvgate.runtime.fidelity import (
 )
 from kvgate.runtime.loader import load
 from kvgate.runtime.report import table, write_section
-from kvgate.runtime.reuse import Reuse, Reuser
+from kvgate.runtime.reuse import ReuseMode, Reuser
 
 TARGET_SPEEDUP = 4.0  # the target, against the fastest full prefill, on shuffled documents
 ORDERS = ("stored", "shuffled")
@@ -62,7 +62,7 @@ class Timing:
         return statistics.fmean(values) if values else float("nan")
 
 
-def label(reuse: Reuse, calibrated: float) -> str:
+def label(reuse: ReuseMode, calibrated: float) -> str:
     if reuse.mode != "blend":
         return reuse.mode
     if reuse.ratio is None:
@@ -70,7 +70,7 @@ def label(reuse: Reuse, calibrated: float) -> str:
     return f"blend {reuse.ratio:.0%}"
 
 
-def timed(reuser: Reuser, item: Item, reuse: Reuse):
+def timed(reuser: Reuser, item: Item, reuse: ReuseMode):
     began = time.perf_counter()
     kv, logits, done = start(reuser, item, reuse)
     if logits.is_cuda:  # the GPU's work done, not only queued
@@ -85,7 +85,7 @@ def prepare(reuser: Reuser, data: list[Item]) -> None:
             if is_doc:
                 reuser.document(ids)
     for item in data:
-        kv, _, _ = start(reuser, item, Reuse("full"))
+        kv, _, _ = start(reuser, item, ReuseMode("full"))
         keep_prefix(reuser, kv, item)
 
 
@@ -102,7 +102,7 @@ def missing(reuser: Reuser, data: list[Item]) -> int:
 
 
 def measure_item(
-    reuser: Reuser, item: Item, modes: list[Reuse], names: list[str], repeats: int, eos: frozenset[int], out
+    reuser: Reuser, item: Item, modes: list[ReuseMode], names: list[str], repeats: int, eos: frozenset[int], out
 ) -> None:
     best: dict[str, tuple] = {}
     for _ in range(repeats):
@@ -199,7 +199,7 @@ def bench_ttft(
     if ratio is not None:
         source = f"given on the command line ({ratio:.0%})"
         reuser = make_reuser(loaded, select, memory_bytes=max(config.chunk_cache.memory_bytes, need))
-        blend = Reuse("blend", ratio)
+        blend = ReuseMode("blend", ratio)
     elif calibration is not None:
         source = (
             f"calibrated ({calibration.ratio:.0%} for mean {calibration.metric} target {calibration.target:g} "
@@ -212,15 +212,15 @@ def bench_ttft(
             calibration.deviation_limit,
             max(config.chunk_cache.memory_bytes, need),
         )
-        blend = Reuse("blend")
+        blend = ReuseMode("blend")
     else:
         source = f"NOT calibrated (no `kvgate calibrate` result for this model): the default {BlendConfig().ratio:.0%}"
         print(f"kvgate bench ttft: no calibration found; blend uses the default ratio {BlendConfig().ratio:.0%}")
         reuser = make_reuser(loaded, select, memory_bytes=max(config.chunk_cache.memory_bytes, need))
-        blend = Reuse("blend", BlendConfig().ratio)  # its row is not "(calibrated)": nothing was
+        blend = ReuseMode("blend", BlendConfig().ratio)  # its row is not "(calibrated)": nothing was
     calibrated = reuser.blend.ratio if ratio is None else ratio
-    modes = [Reuse("full"), Reuse("prefix"), Reuse("naive"), blend]
-    modes += [Reuse("blend", r) for r in sorted(set(ratios)) if r != calibrated]
+    modes = [ReuseMode("full"), ReuseMode("prefix"), ReuseMode("naive"), blend]
+    modes += [ReuseMode("blend", r) for r in sorted(set(ratios)) if r != calibrated]
     names = [label(m, calibrated) for m in modes]
 
     prepare(reuser, stored)

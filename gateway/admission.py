@@ -5,7 +5,7 @@
   or refused whole; its sequences count until each ends (finished, failed, aborted when its client
   hangs up or its stream is closed). A refusal's `Retry-After` is the wait until enough of them
   end, at the rate they have been ending.
-- `Gate`: program FCFS in front of an upstream: at most `limit` requests in flight to it, the rest
+- `ConcurrencyGate`: program FCFS in front of an upstream: at most `limit` requests in flight to it, the rest
   wait and are let through by their program's first arrival (a request without a program: its own
   arrival), so an agent program that started earlier finishes earlier, as the runtime's own queue does."""
 
@@ -194,7 +194,7 @@ def fan_out(body: dict[str, Any]) -> tuple[int, int]:
     return (len(prompt) if listed else 1), max(count(body.get("n")), count(body.get("best_of")))
 
 
-class Gate:
+class ConcurrencyGate:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.busy = 0

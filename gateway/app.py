@@ -21,10 +21,10 @@ from kvgate.gateway.errors import APIError, internal
 from kvgate.gateway.keys import Keys, authenticate, redis_down
 from kvgate.gateway.limits import limiter as make_limiter
 from kvgate.gateway.metrics import CONTENT_TYPE, Metrics, Observe, merged, semantic_metrics
+from kvgate.gateway.redis_state import REDIS_DOWN
 from kvgate.gateway.responses_store import response_store
 from kvgate.gateway.semantic import Checks
 from kvgate.gateway.settings import Settings
-from kvgate.gateway.shared import REDIS_DOWN
 from kvgate.gateway.workers import front_only
 
 log = logging.getLogger("kvgate")

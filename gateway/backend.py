@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from kvgate.runtime.reuse_report import NOTHING, ReuseReport
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -23,9 +24,9 @@ if TYPE_CHECKING:
     from kvgate.runtime.engine import Engine
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class Call:
-    """One OpenAI request as a backend gets it."""
+    """One OpenAI request as a backend gets it, made once (what the route learns later is a new one)."""
 
     path: str  # /v1/chat/completions, /v1/completions, /v1/embeddings
     body: dict[str, Any]  # the JSON object as sent
@@ -50,9 +51,7 @@ class Outcome:
     text: str = ""  # the first choice's content
     finish_reason: str | None = None
     usage: dict[str, Any] = field(default_factory=dict)
-    reuse: str = ""  # the reuse that ran, where the runtime is this process's
-    reused_tokens: int = 0
-    recomputed_tokens: int = 0
+    report: ReuseReport = NOTHING  # what reuse made of the prompt's KV, where the runtime is this process's
     done: bool = False  # the answer ended as it should (not an error, not cut short)
 
 

@@ -16,6 +16,7 @@ from kvgate.gateway.render import chat_logprobs, completion_logprobs
 from kvgate.gateway.toolcalls import CallStream, message
 from kvgate.runtime.engine import Engine, Result
 from kvgate.runtime.request import Output, Request
+from kvgate.runtime.reuse_report import ReuseReport
 from kvgate.runtime.sampling import SamplingParams
 from kvgate.runtime.tokens import TokenBytes, text_prompt
 
@@ -130,23 +131,18 @@ async def collect(engine: Engine, choices: list[Choice], admission: Admission | 
     return done
 
 
-def reuse_headers(done: Output | Result) -> dict[str, str]:
+def reuse_headers(report: ReuseReport) -> dict[str, str]:
     """What reuse did for the prompt (the same for every choice of a request)."""
-    headers = {
-        "x-kvgate-reused-tokens": str(done.cached_tokens),
-        "x-kvgate-recomputed-tokens": str(done.recomputed_tokens),
-    }
-    if done.reuse:
-        headers["x-kvgate-reuse"] = done.reuse
-    if done.fidelity:
-        headers["x-kvgate-fidelity"] = done.fidelity
+    headers = {"x-kvgate-reused-tokens": str(report.reused), "x-kvgate-recomputed-tokens": str(report.recomputed)}
+    if said := str(report):
+        headers["x-kvgate-reuse"] = said
+    if report.fidelity is not None:
+        headers["x-kvgate-fidelity"] = str(report.fidelity)
     return headers
 
 
 def outcome(first: Result, counted: dict[str, Any]) -> Outcome:
-    return Outcome(
-        first.text, first.finish_reason, counted, first.reuse, first.cached_tokens, first.recomputed_tokens, True
-    )
+    return Outcome(first.text, first.finish_reason, counted, first.report, True)
 
 
 def chat_answer(

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from redis.exceptions import RedisError
 
 from kvgate.agents.conversations import Conversations, digests
-from kvgate.gateway.shared import REDIS_DOWN, connect
+from kvgate.gateway.redis_state import REDIS_DOWN, connect
 
 PREFIX = "kvgate:conv:"
 log = logging.getLogger("kvgate.agents")

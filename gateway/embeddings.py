@@ -85,7 +85,7 @@ def embedder_name(spec: str) -> str:
 
 
 @dataclass
-class Job:
+class EmbeddingJob:
     texts: list[str]
     done: asyncio.Future[np.ndarray]
 
@@ -97,12 +97,12 @@ class Batcher:
 
     def __init__(self, embed: Callable[[list[str]], np.ndarray], batch: int) -> None:
         self.embed, self.batch = embed, batch
-        self.jobs: deque[Job] = deque()  # bounded by the requests Embeddings lets in
+        self.jobs: deque[EmbeddingJob] = deque()  # bounded by the requests Embeddings lets in
         self.worker: asyncio.Task[None] | None = None
         self.forwards = 0
 
     async def __call__(self, texts: list[str]) -> np.ndarray:
-        job = Job(texts, asyncio.get_running_loop().create_future())
+        job = EmbeddingJob(texts, asyncio.get_running_loop().create_future())
         self.jobs.append(job)
         if self.worker is None or self.worker.done():
             self.worker = asyncio.create_task(self.drain())
@@ -114,7 +114,7 @@ class Batcher:
             if batch:
                 await self.forward(batch)
 
-    def take(self) -> list[Job]:
+    def take(self) -> list[EmbeddingJob]:
         batch, size = [], 0
         while self.jobs and (not batch or size + len(self.jobs[0].texts) <= self.batch):
             job = self.jobs.popleft()
@@ -123,7 +123,7 @@ class Batcher:
                 size += len(job.texts)
         return batch
 
-    async def forward(self, batch: list[Job]) -> None:
+    async def forward(self, batch: list[EmbeddingJob]) -> None:
         self.forwards += 1
         try:
             vectors = await asyncio.to_thread(self.embed, [t for job in batch for t in job.texts])

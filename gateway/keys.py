@@ -33,8 +33,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.limits import Limiter, Limits
+from kvgate.gateway.redis_state import connect
 from kvgate.gateway.settings import Settings
-from kvgate.gateway.shared import connect
 
 log = logging.getLogger("kvgate.keys")
 REDIS_PREFIX = "kvgate:key:"

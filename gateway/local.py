@@ -146,10 +146,12 @@ class Local(Backend):
             await ended(None)
             raise
         await ended(done[0].text)
-        counted = usage(len(prompt), sum(f.completion_tokens for f in done.values()), done[0].cached_tokens)
+        counted = usage(len(prompt), sum(f.completion_tokens for f in done.values()), done[0].report.reused)
         payload = chat_answer(head, done, counted, self.token_bytes if body.logprobs else None, calls)
         return Reply(
-            headers=JSON | reuse_headers(done[0]) | headers, content=dumps(payload), outcome=outcome(done[0], counted)
+            headers=JSON | reuse_headers(done[0].report) | headers,
+            content=dumps(payload),
+            outcome=outcome(done[0], counted),
         )
 
     async def complete(self, call: Call, body: CompletionRequest) -> Reply:
@@ -171,7 +173,9 @@ class Local(Backend):
         done = await collect(self.engine, choices, self.admission)
         counted = usage(prompt_tokens, sum(f.completion_tokens for f in done.values()))
         payload = completion_answer(head, done, counted, echo, self.token_bytes if body.logprobs is not None else None)
-        return Reply(headers=JSON | reuse_headers(done[0]), content=dumps(payload), outcome=outcome(done[0], counted))
+        return Reply(
+            headers=JSON | reuse_headers(done[0].report), content=dumps(payload), outcome=outcome(done[0], counted)
+        )
 
     def choices(
         self,
@@ -245,7 +249,7 @@ class Local(Backend):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         outputs = run(self.engine, choices, self.admission)
         first = await anext(outputs)
-        reply = Reply(headers=reuse_headers(first[1]) | (headers or {}), close=outputs.aclose)
+        reply = Reply(headers=reuse_headers(first[1].report) | (headers or {}), close=outputs.aclose)
 
         def event(choice: dict[str, Any]) -> bytes:
             chunk = {**head, "choices": [choice]}
@@ -267,7 +271,7 @@ class Local(Backend):
                         whole.add(out)
                     for choice in render(index, out):
                         yield event(choice)
-                counted = usage(prompt_tokens, completion_tokens, first[1].cached_tokens)
+                counted = usage(prompt_tokens, completion_tokens, first[1].report.reused)
                 if include_usage:
                     yield sse({**head, "choices": [], "usage": counted}).encode()
                 if ended is not None:

@@ -14,7 +14,7 @@ from fastapi.responses import Response
 
 from kvgate.gateway.backend import Backend, Call
 from kvgate.gateway.errors import APIError
-from kvgate.gateway.messages_output import Translator, message_of, new_id, skeleton
+from kvgate.gateway.messages_output import MessagesTranslator, message_of, new_id, skeleton
 from kvgate.gateway.messages_protocol import CountRequest, MessagesRequest, chat_body, refuse_unsupported
 from kvgate.gateway.programs import HEADER, program_of
 from kvgate.gateway.protocol import ChatCompletionRequest
@@ -39,14 +39,26 @@ async def create(request: Request) -> Response:
     parsed = validated(ChatCompletionRequest, chat, strict=True)
     program = program_of(request.headers.get(HEADER), body)
     tenant, request_id = request.state.tenant, request.state.request_id
-    got = await generate(request, Call(CHAT, chat, dumps(chat), req.model, tenant, request_id, program, parsed))
+    got = await generate(
+        request,
+        Call(
+            path=CHAT,
+            body=chat,
+            raw=dumps(chat),
+            model=req.model,
+            tenant=tenant,
+            request_id=request_id,
+            program=program,
+            parsed=parsed,
+        ),
+    )
     message_id, stops = new_id(), req.stop_sequences or []
     if got.reply.status != 200:  # an upstream's refusal, in Anthropic's shape
         raise refused(got.reply.status, await whole(request, got), plain(got.headers))
     if got.reply.events is None:
         message = message_of(chat_answer(await whole(request, got)), message_id, req.model, stops)
         return Response(dumps(message), headers=plain(got.headers) | JSON)
-    events = Translator(skeleton(message_id, req.model), stops).events(chat_chunks(relay(request, got)))
+    events = MessagesTranslator(skeleton(message_id, req.model), stops).events(chat_chunks(relay(request, got)))
     return Relayed(events, got.reply, headers=SSE_HEADERS | plain(got.headers))
 
 
@@ -61,7 +73,17 @@ async def count_tokens(request: Request) -> dict[str, Any]:
     parsed = validated(ChatCompletionRequest, chat, strict=True)
     backend: Backend = request.app.state.backend
     tenant, request_id = request.state.tenant, request.state.request_id
-    tokens = await backend.count_tokens(Call(TOKENIZE, chat, dumps(chat), req.model, tenant, request_id, None, parsed))
+    tokens = await backend.count_tokens(
+        Call(
+            path=TOKENIZE,
+            body=chat,
+            raw=dumps(chat),
+            model=req.model,
+            tenant=tenant,
+            request_id=request_id,
+            parsed=parsed,
+        )
+    )
     return {"input_tokens": tokens}
 
 

@@ -87,7 +87,7 @@ def event(name: str, data: dict[str, Any]) -> bytes:
     return f"event: {name}\ndata: {json.dumps({'type': name, **data}, ensure_ascii=False)}\n\n".encode()
 
 
-class Translator:
+class MessagesTranslator:
     """A Message's stream from its chat chunks: message_start, a ping, each content block started,
     its text or input JSON in deltas, stopped; message_delta with the stop reason and usage;
     message_stop. An error mid-stream is an `error` event, as Anthropic sends it."""

@@ -14,6 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvgate.runtime.reuse_report import ReuseReport
+
 disable_created_metrics()  # the *_created series double the output and say little
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -81,12 +83,12 @@ class Metrics:
         self.prompt_tokens.labels(self.model(model)).inc(prompt)
         self.completion_tokens.labels(self.model(model)).inc(completion)
 
-    def reuse(self, mode: str, reused: int, recomputed: int) -> None:
-        if reused <= 0:
+    def reuse(self, report: ReuseReport) -> None:
+        if report.reused <= 0:
             return
-        self.reused.labels(mode.split(";")[0] or "unknown").inc(reused)
-        self.recomputed.inc(recomputed)
-        self.recompute_ratio.observe(recomputed / reused)
+        self.reused.labels(report.mode or "unknown").inc(report.reused)
+        self.recomputed.inc(report.recomputed)
+        self.recompute_ratio.observe(report.recomputed / report.reused)
 
     def watch(self, read: Callable[[], Iterator[Metric]]) -> None:
         """Add metrics read at scrape time."""

@@ -13,7 +13,7 @@ from typing import Protocol, TypeVar
 
 from redis.exceptions import RedisError
 
-from kvgate.gateway.shared import REDIS_DOWN, connect
+from kvgate.gateway.redis_state import REDIS_DOWN, connect
 
 MAX_COUNT = 65536
 TTL_S = 600.0

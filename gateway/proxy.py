@@ -24,7 +24,7 @@ from kvgate.gateway.relay import Relay, whole
 from kvgate.gateway.replica_load import ReplicaLoads
 from kvgate.gateway.routing import Router, conversation_key
 from kvgate.gateway.settings import Settings
-from kvgate.gateway.upstreams import Opened, Pool, Upstream
+from kvgate.gateway.upstreams import OpenedStream, Upstream, UpstreamPool
 
 PASSED_ON = ("content-type", "retry-after")  # and every x-kvgate-* header
 DOCUMENT_OWNERS = 65536  # document ids remembered with the worker that stored them
@@ -36,7 +36,7 @@ class Upstreams(Backend):
     validates = False  # a body kvgate cannot read is forwarded: the upstream judges it
 
     def __init__(self, settings: Settings, workers: tuple[Upstream, ...] = ()) -> None:
-        self.pool = Pool(settings.proxy_config(workers))
+        self.pool = UpstreamPool(settings.proxy_config(workers))
         names = [u.name for u in self.pool.config.upstreams if not u.fallback]
         kept = placements(settings.redis_url, settings.proxy.route_conversations, settings.proxy.route_ttl_s)
         self.router = Router(names, kept, settings.proxy.spill_at, settings.proxy.routing)
@@ -253,6 +253,6 @@ def text_key(text: str) -> str:
     return "text:" + hashlib.sha256(text.encode()).hexdigest()
 
 
-def passed_on(opened: Opened) -> dict[str, str]:
+def passed_on(opened: OpenedStream) -> dict[str, str]:
     found = {k: v for k, v in opened.headers.items() if k in PASSED_ON or k.startswith("x-kvgate-")}
     return {**found, "x-kvgate-upstream": opened.upstream.name}

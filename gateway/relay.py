@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from kvgate.gateway.backend import Outcome
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.render import sse
-from kvgate.gateway.upstreams import Opened, UpstreamFailed, UpstreamTimeout
+from kvgate.gateway.upstreams import OpenedStream, UpstreamFailed, UpstreamTimeout
 
 # A line ends with CRLF, LF or CR (SSE allows each); an empty line ends the event. A CR ends a line by
 # itself only once the next byte is known not to be an LF: a CRLF split between two reads is one line end.
@@ -18,7 +18,7 @@ LINE_END = rb"(?:\r\n|\r(?=[^\n])|\n)"
 EVENT_END = re.compile(LINE_END + LINE_END)
 
 
-async def whole(opened: Opened, limit: int) -> bytes:
+async def whole(opened: OpenedStream, limit: int) -> bytes:
     """The rest of an answer that is not streamed (the route lets the upstream go if the client leaves):
     more than `limit` bytes is a 502, and nothing more is read."""
     try:
@@ -38,12 +38,12 @@ async def whole(opened: Opened, limit: int) -> bytes:
         await opened.close()
 
 
-def too_large(opened: Opened, limit: int, what: str) -> APIError:
+def too_large(opened: OpenedStream, limit: int, what: str) -> APIError:
     said = f"upstream {opened.upstream.name} sent more than {limit} bytes in {what} (proxy_max_response_bytes)"
     return APIError(502, said, code="upstream_response_too_large")
 
 
-def failed(opened: Opened, exc: UpstreamFailed, where: str) -> APIError:
+def failed(opened: OpenedStream, exc: UpstreamFailed, where: str) -> APIError:
     """An upstream that failed after its first bytes (`where`: mid-answer, mid-stream): nothing is
     retried, the client is told."""
     status = 504 if isinstance(exc, UpstreamTimeout) else 502
@@ -101,7 +101,7 @@ class Relay:
     failing mid-stream (or sending an event over `limit` bytes) ending it with an error event. What it
     came to is its `outcome`; the text kept of it (`keep_text`) is at most `limit` bytes too."""
 
-    def __init__(self, opened: Opened, keep_usage: bool, keep_text: bool, limit: int) -> None:
+    def __init__(self, opened: OpenedStream, keep_usage: bool, keep_text: bool, limit: int) -> None:
         self.opened, self.keep_usage, self.keep_text, self.limit = opened, keep_usage, keep_text, limit
         self.outcome = Outcome()
         self.text: list[str] = []

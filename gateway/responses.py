@@ -27,7 +27,7 @@ from kvgate.gateway.render import SSE_HEADERS, dumps
 from kvgate.gateway.responses_output import answered, new_id, skeleton
 from kvgate.gateway.responses_protocol import ResponsesRequest, chat_body, messages_of, refuse_unsupported
 from kvgate.gateway.responses_store import ResponseStore, Stored
-from kvgate.gateway.responses_stream import Translator, chat_chunks
+from kvgate.gateway.responses_stream import ResponsesTranslator, chat_chunks
 from kvgate.gateway.routes import Generated, Relayed, check_model, generate, read, relay, settle, validated
 
 router = APIRouter()
@@ -44,7 +44,7 @@ RENAMED = {
 
 
 @dataclass
-class Turn:
+class ResponseTurn:
     """One response in the making: the conversation it answers and the agent program it runs in."""
 
     id: str
@@ -70,7 +70,16 @@ async def create(request: Request) -> Response:
     turn = await begin(request, req, body)
     chat = chat_body(req, body, turn.messages)
     parsed = chat_request(chat)
-    call = Call(CHAT, chat, dumps(chat), req.model, turn.tenant, request.state.request_id, turn.program, parsed)
+    call = Call(
+        path=CHAT,
+        body=chat,
+        raw=dumps(chat),
+        model=req.model,
+        tenant=turn.tenant,
+        request_id=request.state.request_id,
+        program=turn.program,
+        parsed=parsed,
+    )
     got = await generate(request, call)
     response = skeleton(req, turn.id, req.model)
     if got.reply.status != 200:  # an upstream's refusal, passed on as it came
@@ -79,7 +88,7 @@ async def create(request: Request) -> Response:
         done = answered(response, chat_answer(await whole(request, got)))
         await turn.keep(done)
         return Response(dumps(done), headers=plain(got.headers) | JSON)
-    events = Translator(response, turn.keep).events(chat_chunks(relay(request, got)))
+    events = ResponsesTranslator(response, turn.keep).events(chat_chunks(relay(request, got)))
     return Relayed(events, got.reply, headers=SSE_HEADERS | plain(got.headers))
 
 
@@ -98,7 +107,7 @@ async def delete(response_id: str, request: Request) -> Response:
     return Response(dumps({"id": response_id, "object": "response", "deleted": True}), headers=JSON)
 
 
-async def begin(request: Request, req: ResponsesRequest, body: dict[str, Any]) -> Turn:
+async def begin(request: Request, req: ResponsesRequest, body: dict[str, Any]) -> ResponseTurn:
     """The turn a request asks for: the conversation so far and its input, in the program the client
     names, else that of the chain it continues; a new conversation (kept) starts a chain of its own;
     a history from elsewhere gets none here (the local backend finds a conversation by its messages)."""
@@ -111,7 +120,7 @@ async def begin(request: Request, req: ResponsesRequest, body: dict[str, Any]) -
     program = program_of(request.headers.get(HEADER), body) or program
     if program is None and req.store and not has_history(messages):
         program = chain(response_id)
-    return Turn(response_id, req, tenant, messages, program, store)
+    return ResponseTurn(response_id, req, tenant, messages, program, store)
 
 
 async def history(store: ResponseStore, tenant: str, req: ResponsesRequest) -> tuple[list[dict[str, Any]], str | None]:

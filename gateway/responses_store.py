@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from kvgate.gateway.shared import REDIS_DOWN, connect
+from kvgate.gateway.redis_state import REDIS_DOWN, connect
 
 MAX_COUNT = 4096
 TTL_S = 3600.0

@@ -43,7 +43,7 @@ def data_of(event: bytes) -> dict[str, Any] | str | None:
     return data if isinstance(data, dict) else None
 
 
-class Translator:
+class ResponsesTranslator:
     """One response's events, from its chat chunks. `keep` is awaited with the finished response
     before the event that says it finished goes out (a client may continue it at once)."""
 

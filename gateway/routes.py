@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -56,7 +56,15 @@ async def tokenize(request: Request) -> dict[str, Any]:
     parsed = validated(ChatCompletionRequest, body, strict=True)
     check_model(request, body["model"])
     backend: Backend = request.app.state.backend
-    call = Call("/tokenize", body, raw, body["model"], request.state.tenant, request.state.request_id, None, parsed)
+    call = Call(
+        path="/tokenize",
+        body=body,
+        raw=raw,
+        model=body["model"],
+        tenant=request.state.tenant,
+        request_id=request.state.request_id,
+        parsed=parsed,
+    )
     return {"count": await backend.count_tokens(call)}
 
 
@@ -190,7 +198,16 @@ async def answer(request: Request, path: str, kind: type[BaseModel] | None) -> R
     model: str = body["model"]
     check_model(request, model)
     program = program_of(request.headers.get(HEADER), body)
-    call = Call(path, body, raw, model, request.state.tenant, request.state.request_id, program, parsed)
+    call = Call(
+        path=path,
+        body=body,
+        raw=raw,
+        model=model,
+        tenant=request.state.tenant,
+        request_id=request.state.request_id,
+        program=program,
+        parsed=parsed,
+    )
     return await passed_on(request, await generate(request, call))
 
 
@@ -229,7 +246,7 @@ async def generate(request: Request, call: Call) -> Generated:
     cached = semantic.Consult(headers={"x-kvgate-cache": "bypass"})
     if isinstance(call.parsed, ChatCompletionRequest):
         cached = semantic.plan(request, cache, backend.identity(call.model), call.parsed)
-    call.keep = cached.store
+    call = replace(call, keep=cached.store)
     if cached.status != "look":
         return Generated(call, cached, await unless_gone(request, backend.generate(call)))
     if not request.app.state.settings.semantic_cache.race:
@@ -317,7 +334,7 @@ async def settle(request: Request, got: Generated) -> None:
     outcome = got.reply.outcome
     metrics = request.app.state.metrics
     metrics.usage(got.call.model, outcome.usage)
-    metrics.reuse(outcome.reuse, outcome.reused_tokens, outcome.recomputed_tokens)
+    metrics.reuse(outcome.report)
     await spend(request, outcome.usage.get("total_tokens") or 0)
     if got.looking is None:
         await keep(request, got)

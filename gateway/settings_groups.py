@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
+from kvgate.runtime.config import BlendSelect, EngineConfig, QueueOrder
 from kvgate.semantic_cache.guards import GUARDS
 
 
@@ -34,7 +35,7 @@ class EngineSettings(Group):
     max_num_seqs: int = Field(16, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=16)
     threads: int = Field(0, ge=0)
-    queue_order: Literal["fcfs", "program"] = "program"  # the runtime's admission queue
+    queue_order: QueueOrder = EngineConfig.queue_order  # the runtime's admission queue
     # end: a tool call the model writes again word for word ends its answer before it (a small model's loop);
     # keep: every call as written, as OpenAI and vLLM pass them on
     repeated_tool_calls: Literal["end", "keep"] = "end"
@@ -58,7 +59,7 @@ class CacheSettings(Group):
     shipped_calibration: bool = True  # no `kvgate calibrate` result here: the one kvgate ships for the model
     # Which reused tokens blend recomputes: by the question's attention (measured closer to full prefill than by
     # key deviation, at the same speed: BENCHMARKS.md), or by key deviation (CacheBlend's).
-    blend_select: Literal["deviation", "attention"] = "attention"
+    blend_select: BlendSelect = EngineConfig.blend_select
     # A prompt of mostly new documents is prefilled in full and their KV kept as it computed them
     # (within a tenant's scope); false: each new document is computed alone and blended.
     documents_in_context: bool = True

@@ -13,7 +13,7 @@ import json
 import time
 
 from kvgate.agents.predictor import ANY, Follows, Seen
-from kvgate.gateway.shared import connect_blocking
+from kvgate.gateway.redis_state import connect_blocking
 
 PREFIX = "kvgate:tools:"
 MAX_FOLLOWS = 4096

@@ -28,7 +28,7 @@ def call_id() -> str:
 
 
 @dataclass
-class Call:
+class StreamedCall:
     index: int
     id: str
     name: str
@@ -44,8 +44,8 @@ class CallStream:
     incremental: bool
     buffer: str = ""
     inside: bool = False  # within an open call
-    current: Call | None = None  # the call being streamed (incremental)
-    calls: list[Call] = field(default_factory=list)
+    current: StreamedCall | None = None  # the call being streamed (incremental)
+    calls: list[StreamedCall] = field(default_factory=list)
     space: str = ""  # whitespace after a call, held until more than whitespace follows
 
     def __post_init__(self) -> None:
@@ -138,7 +138,7 @@ class CallStream:
         return content(text)
 
     def open_call(self, name: str) -> Delta:
-        self.current = Call(len(self.calls), call_id(), name)
+        self.current = StreamedCall(len(self.calls), call_id(), name)
         self.calls.append(self.current)
         header = {"index": self.current.index, "id": self.current.id, "type": "function"}
         return {"tool_calls": [header | {"function": {"name": name, "arguments": ""}}]}
@@ -183,7 +183,7 @@ def content(text: str) -> list[Delta]:
     return [{"content": text}] if text else []
 
 
-def write(call: Call, fragment: str) -> Delta:
+def write(call: StreamedCall, fragment: str) -> Delta:
     call.arguments += fragment
     return {"tool_calls": [{"index": call.index, "function": {"arguments": fragment}}]}
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import anyio
 
-from kvgate.gateway.admission import Gate
+from kvgate.gateway.admission import ConcurrencyGate
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.routing import Ring
 
@@ -68,7 +68,7 @@ class UpstreamTimeout(UpstreamFailed):
 
 
 @dataclass
-class Opened:
+class OpenedStream:
     """An upstream's answer whose status, headers and first body bytes have arrived. It holds a slot of
     the upstream's gate until closed."""
 
@@ -78,7 +78,7 @@ class Opened:
     headers: dict[str, str]  # names in lower case
     first: bytes
     chunks: AsyncIterator[bytes] = field(repr=False)  # the rest of the body
-    gate: Gate = field(repr=False)
+    gate: ConcurrencyGate = field(repr=False)
     closed: bool = False
 
     async def close(self) -> None:
@@ -133,11 +133,11 @@ def retry_after(value: str | None) -> float | None:
         return None  # an HTTP date: not worth parsing for a wait capped at seconds
 
 
-class Pool:
+class UpstreamPool:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         self.upstreams = {u.name: u for u in config.upstreams}
-        self.gates = {u.name: Gate(u.max_in_flight) for u in config.upstreams}
+        self.gates = {u.name: ConcurrencyGate(u.max_in_flight) for u in config.upstreams}
         self.ring = Ring([u.name for u in config.upstreams if u.worker])
         self._session: aiohttp.ClientSession | None = None
 
@@ -179,7 +179,7 @@ class Pool:
         method: str = "POST",
         rank: float | None = None,
         stream: bool = False,
-    ) -> Opened:
+    ) -> OpenedStream:
         """Send to the first upstream that answers, waiting at its gate in `rank` order. An error status
         not worth retrying (or the last one left) is returned as the answer. Raises APIError 502/504 when
         none answered at all. A stream's first bytes must come within the first-byte timeout; a whole
@@ -213,7 +213,7 @@ class Pool:
                         too_late = after is not None and after > self.config.max_backoff_s
                         if status not in RETRYABLE or (upstream is order[-1] and (last_try or too_late)):
                             handed = True  # the answer holds the slot now
-                            return Opened(upstream, response, status, said, first, rest, gate)
+                            return OpenedStream(upstream, response, status, said, first, rest, gate)
                         let_go(response)
                         log.warning("upstream %s: status %d (try %d)", upstream.name, status, attempt + 1)
                         if too_late:

@@ -85,7 +85,16 @@ class LLM(_Base[ChatCompletion, "LLMStream"]):
             program = program_of(None, body)
         except APIError as exc:
             raise error_for(exc.status, exc.body()) from None
-        call = Call("/v1/chat/completions", body, b"", body["model"], self.tenant, uuid.uuid4().hex, program, parsed)
+        call = Call(
+            path="/v1/chat/completions",
+            body=body,
+            raw=b"",
+            model=body["model"],
+            tenant=self.tenant,
+            request_id=uuid.uuid4().hex,
+            program=program,
+            parsed=parsed,
+        )
         reply = self._run(self.backend.generate(call))
         if reply.events is None:
             return ChatCompletion(json.loads(reply.content or b"{}"), Reuse.from_headers(reply.headers))

@@ -21,7 +21,7 @@ from kvgate.runtime.errors import DataError
 from kvgate.runtime.fidelity import Item, Scores, load_items, make_reuser, measure
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.report import table, write_section
-from kvgate.runtime.reuse import Reuse, Reuser
+from kvgate.runtime.reuse import ReuseMode, Reuser
 
 MARGIN = 1.5  # deviation limit = MARGIN x the largest per-item deviation seen at the chosen ratio
 Curve = dict[float, Scores]  # recompute ratio -> the scores measured at it
@@ -107,7 +107,7 @@ def curve(loaded: LoadedModel, reuser: Reuser, job: Calibrating, docs: int) -> t
     if job.document_kv == "context":
         others = load_items(loaded, job.data, docs, job.limit, not job.shuffle, job.offset, job.words)
     ratios = sorted(set(job.ratios))
-    modes = [Reuse("blend", r) for r in ratios]
+    modes = [ReuseMode("blend", r) for r in ratios]
     decode = loaded.tokenizer.decode
     scores = measure(reuser, found, modes, loaded.eos_token_ids, decode, answers=False, others=others)
     return dict(zip(ratios, scores.values())), found

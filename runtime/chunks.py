@@ -29,7 +29,7 @@ from transformers import PreTrainedTokenizerBase
 from kvgate.chunk_cache import ChunkKV, ChunkStore
 from kvgate.runtime.config import ChunkConfig
 from kvgate.runtime.kv import KVCache
-from kvgate.runtime.shared import local
+from kvgate.runtime.spans import local
 
 MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # an odd 64-bit constant (as a signed int64): multiplying mixes bits up
 PRIME = 1_000_003

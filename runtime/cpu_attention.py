@@ -33,6 +33,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,27 +52,26 @@ HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_bf16.h", "cpu_b
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
 
+def bound(library: ctypes.CDLL, name: str, *argtypes: Any) -> Any:
+    """`library`'s function `name` taking `argtypes` and returning an int, from a prototype (the library's own
+    function object left as it is)."""
+    return ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)((name, library))
+
+
 class Kernel:
     def __init__(self, library: ctypes.CDLL) -> None:
-        library.fast.argtypes = [ctypes.c_int]
-        self.fast = {dtype: bool(library.fast(dtype == torch.bfloat16)) for dtype in SIZES}
+        self.fast = {dtype: bool(library.fast(int(dtype == torch.bfloat16))) for dtype in SIZES}
         if library.block() != BLOCK:
             raise ImportError(f"cpu attention: a kernel of {library.block()}-position blocks for KV of {BLOCK}")
-        self._attend = library.attend
-        self._attend.restype = ctypes.c_int
-        i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+        i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
         tensors = [ptr, i64, i64, ptr, i64, ptr, i64, i64]  # q and strides, blocks table and stride, out and strides
-        self._attend.argtypes = [i32, *tensors, i32, i32, i32, i32, i32, ctypes.c_float, i32]
+        self._attend = bound(library, "attend", i32, *tensors, i32, i32, i32, i32, i32, f32, i32)
         self.decodes = bool(library.decode_fast())
-        self._decode = library.decode
-        self._decode.restype = ctypes.c_int
-        tensors = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i32, ptr, ptr]  # q, k, v and strides; tables, layer, ends, out
-        self._decode.argtypes = [i32, *tensors, i32, i32, i32, i32, ctypes.c_float, i32, i32]
-
-        self._norm, self._rope, self._gated = library.rms_norm, library.rope, library.silu_mul
-        self._norm.argtypes = [i32, ptr, i64, ptr, ptr, i32, i32, ctypes.c_float, i32]
-        self._rope.argtypes = [i32, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32]
-        self._gated.argtypes = [i32, ptr, i64, ptr, i32, i32, i32]
+        tensors = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i32, ptr, ptr]  # q, k, v, strides; tables, layer, ends, out
+        self._decode = bound(library, "decode", i32, *tensors, i32, i32, i32, i32, f32, i32, i32)
+        self._norm = bound(library, "rms_norm", i32, ptr, i64, ptr, ptr, i32, i32, f32, i32)
+        self._rope = bound(library, "rope", i32, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32)
+        self._gated = bound(library, "silu_mul", i32, ptr, i64, ptr, i32, i32, i32)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
                  out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip

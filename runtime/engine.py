@@ -26,13 +26,13 @@ from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.model import Run, forward, grid_of
 from kvgate.runtime.outbox import Outbox
 from kvgate.runtime.planner import Planner
-from kvgate.runtime.quality import Gate, Standing
+from kvgate.runtime.quality import QualityGate, Standing
 from kvgate.runtime.request import Output, Plan, Request, Result, check_fits
 from kvgate.runtime.sampling import SamplingParams, choose, logprob_of, penalise, preselect
 from kvgate.runtime.scheduler import Scheduler
 from kvgate.runtime.sequence import Sequence
 from kvgate.runtime.shadow import Shadow
-from kvgate.runtime.shared import Spans
+from kvgate.runtime.spans import Spans
 from kvgate.runtime.threads import Teams, claim, hand_over, switchable
 from kvgate.runtime.timing import StepTimes
 from kvgate.runtime.weights import decoder_of
@@ -88,7 +88,7 @@ class Engine:
         self.times, self.teams = StepTimes(), Teams(torch.get_num_threads() if switchable() else 1)
         self.anchors = AnchorPool(c.anchors) if c.anchors is not None else None
         self.spans = Spans(self.reuser, self.anchors, cost=self.prefill_s)
-        self.gate = Gate(c.quality, {"blend": self.reuser.blend.ratio, "kvcomm": c.kvcomm_ratio})
+        self.gate = QualityGate(c.quality, {"blend": self.reuser.blend.ratio, "kvcomm": c.kvcomm_ratio})
         self.shadow = Shadow(self.gate, self.reuser, self.spans)
         self.caches = make_caches(
             c, self.reuser, self.spans, self.gate, self.calibration, self.prefill_s, self.exact, grid
@@ -116,9 +116,8 @@ class Engine:
         params = request.params
         self.check(len(request.prompt_ids), params.max_tokens)
         kv = KVCache(*self.kv_shape, self.model.dtype, self.config.device, self.max_model_len, self.pool)
-        seq = Sequence.of(request, kv, self.loaded.eos_token_ids, self.max_model_len)
-        if params.grammar is not None:
-            seq.matcher = self.grammars.matcher(params.grammar)
+        matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
+        seq = Sequence.of(request, kv, self.loaded.eos_token_ids, self.max_model_len, matcher)
         with self.lock:
             self.inbox.append((seq, callback))
         self.wake.set()
@@ -165,7 +164,7 @@ class Engine:
         cached = 0
         request = Request(token_ids, SamplingParams(max_tokens=1), plan, tenant=tenant, ingest=True)
         async for out in self.generate(request):
-            cached = out.cached_tokens
+            cached = out.report.reused
         return cached
 
     def generate_sync(self, prompt_ids: list[int], params: SamplingParams, plan: Plan | None = None) -> Result:
@@ -338,7 +337,7 @@ class Engine:
             self.sample(seq, got)
             return None
         if got is None and seq.ingest:  # its documents are stored, their tokens remembered to find them by id
-            seq.finish_reason = "stop"
+            seq.stop()
             callback = self.callbacks[seq.id]
             self.finish(seq)
             if (out := seq.take_output()) is not None:
@@ -366,8 +365,8 @@ class Engine:
             self.grammars.consume(seq.matcher, token)
         logprob = logprob_of(logits, token, params.logprobs) if params.logprobs is not None else None
         seq.add(token, logprob, self.tokenizer)
-        if seq.matcher is not None and seq.matcher.is_stopped() and seq.finish_reason is None:
-            seq.finish_reason = "stop"  # the grammar is complete: nothing may follow
+        if seq.matcher is not None and seq.matcher.is_stopped():
+            seq.stop()  # the grammar is complete: nothing may follow
         first = len(seq.output_ids) == 1  # the prompt's KV is whole (sampling leaves it as it is)
         callback = self.callbacks[seq.id]
         if seq.finish_reason is not None:

@@ -25,7 +25,7 @@ from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.prefix import Blocks
-from kvgate.runtime.reuse import Prefilled, Reuse, Reuser
+from kvgate.runtime.reuse import Prefilled, ReuseMode, Reuser
 
 # The shared evaluation data beside the project (../shared/data): its MuSiQue RAG set.
 MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_rag_dev.jsonl"
@@ -74,7 +74,7 @@ def items(
             yield Item(pieces, [False, *([True] * len(passages)), False])
 
 
-def mode_name(reuse: Reuse) -> str:
+def mode_name(reuse: ReuseMode) -> str:
     return reuse.mode if reuse.mode != "blend" else f"blend {reuse.ratio:.0%}"
 
 
@@ -92,7 +92,7 @@ class Scores:
         return statistics.fmean(values) if values else float("nan")
 
 
-def start(reuser: Reuser, item: Item, reuse: Reuse) -> tuple[KVCache, torch.Tensor, Prefilled]:
+def start(reuser: Reuser, item: Item, reuse: ReuseMode) -> tuple[KVCache, torch.Tensor, Prefilled]:
     """The prompt's KV under `reuse`, the first answer token's logits, and what the reuse prefill did.
 
     The first token's logits exist once this returns: it is what time to first token measures."""
@@ -186,7 +186,7 @@ def top1(forced: torch.Tensor, answer: list[int]) -> float:
 def measure(
     reuser: Reuser,
     data: list[Item],
-    modes: list[Reuse],
+    modes: list[ReuseMode],
     eos: frozenset[int],
     decode: Callable[[list[int]], str],
     answers: bool = True,
@@ -202,7 +202,7 @@ def measure(
     for n, item in enumerate(data):
         if others is not None:
             keep_context(reuser, others[n])
-        ref_kv, ref_first, _ = start(reuser, item, Reuse("full"))
+        ref_kv, ref_first, _ = start(reuser, item, ReuseMode("full"))
         prompt_len = len(ref_kv)
         ref_answer, ref_logits = greedy(reuser, ref_kv, ref_first, eos, answer)
         ref_logits = torch.stack(ref_logits)

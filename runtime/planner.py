@@ -1,8 +1,8 @@
-"""Reuse planning: a chat request's prompt, in pieces the engine knows how to reuse.
+"""ReuseMode planning: a chat request's prompt, in pieces the engine knows how to reuse.
 
 A request with documents becomes [head][document 1]...[document n][tail] (runtime/documents.py),
 each document's KV found by its content; an agent program's request is cut at its messages'
-contents, which may be spans other programs read or wrote (runtime/shared.py); anything else is
+contents, which may be spans other programs read or wrote (runtime/spans.py); anything else is
 the chat template's plain prompt. Which reuse runs is decided here, below the gateway."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from kvgate.chunk_cache import Tier, fingerprint
 from kvgate.runtime.documents import chat_pieces, document_ids, message_pieces
 from kvgate.runtime.errors import DocumentNotFound, TemplateError
 from kvgate.runtime.request import Plan
-from kvgate.runtime.reuse import Reuse, Reuser
+from kvgate.runtime.reuse import ReuseMode, Reuser
 from kvgate.runtime.tokens import chat_prompt
 
 PREFIX = "doc-"  # a document's id is PREFIX + its chunk key
@@ -55,7 +55,7 @@ class Planner:
             return [t for piece in plan.pieces for t in piece], plan
         prompt = chat_prompt(self.tokenizer, chat.messages, chat.add_generation_prompt, chat.tools)
         if chat.mode is not None:  # a plain prompt (a program's too), the reuse asked kept: "prefix" finds no chunk
-            return prompt, Plan([prompt], [False], Reuse(chat.mode, chat.ratio), chat.scope)
+            return prompt, Plan([prompt], [False], ReuseMode(chat.mode, chat.ratio), chat.scope)
         return prompt, None
 
     def documents(self, chat: Chat) -> Plan:
@@ -68,7 +68,7 @@ class Planner:
                 docs.append(list(self.find(ref["id"], chat.scope, i)[1]))
         head, tail = chat_pieces(self.tokenizer, chat.messages, chat.add_generation_prompt, chat.tools)
         mode = "blend" if chat.mode in (None, "kvcomm") else chat.mode
-        return Plan([head, *docs, tail], [False, *[True] * len(docs), False], Reuse(mode, chat.ratio), chat.scope)
+        return Plan([head, *docs, tail], [False, *[True] * len(docs), False], ReuseMode(mode, chat.ratio), chat.scope)
 
     def spans(self, chat: Chat) -> Plan | None:
         """A program's prompt cut at its messages' contents. None: the program reuses only its own
@@ -82,7 +82,7 @@ class Planner:
         except TemplateError:
             return None
         agent = agent_of(chat.messages, chat.tools)
-        return Plan(pieces, [False] * len(pieces), Reuse(mode, chat.ratio), chat.tenant, spans, agent)
+        return Plan(pieces, [False] * len(pieces), ReuseMode(mode, chat.ratio), chat.tenant, spans, agent)
 
     # ---- stored documents -----------------------------------------------------------------
 

@@ -23,8 +23,9 @@ from kvgate.runtime.model import Run
 from kvgate.runtime.prefix import Blocks
 from kvgate.runtime.quality import FULL
 from kvgate.runtime.request import Plan
-from kvgate.runtime.reuse import Reuse
-from kvgate.runtime.shared import Shared
+from kvgate.runtime.reuse import ReuseMode
+from kvgate.runtime.reuse_report import NOTHING, Fidelity, ReuseReport
+from kvgate.runtime.spans import Shared
 
 log = logging.getLogger("kvgate.engine")
 
@@ -70,10 +71,7 @@ class PromptKV:
     reusing: Steps[torch.Tensor | None] | None = None  # the reuse underway, spread over steps
     gated: tuple[str, float] | None = None  # the gate's key served (a mode or KVCOMM shape) and its ratio (FULL: none)
     shared: Shared | None = None  # a span prefill whose lessons wait for the prompt's KV to complete
-    cached_tokens: int = 0  # prompt tokens whose KV came from a cache and was kept
-    recomputed_tokens: int = 0  # cached prompt tokens computed again (blend)
-    reuse: str = ""  # how the prompt's KV was made (x-kvgate-reuse)
-    fidelity: str = ""  # how far that moves the first token, as last measured (x-kvgate-fidelity)
+    report: ReuseReport = NOTHING  # what reuse made of the prompt's KV, and how far that moves its first token
 
     # ---- what the engine asks and tells ---------------------------------------------------
 
@@ -133,7 +131,8 @@ class PromptKV:
         for ids, is_document in zip(plan.pieces, plan.documents):
             if is_document:
                 caches.reuser.remember(caches.reuser.key(ids, plan.scope), ids)
-        self.cached_tokens = len(self.prompt_ids) - sum(len(entry.token_ids) for entry in self.fresh.values())
+        found = len(self.prompt_ids) - sum(len(entry.token_ids) for entry in self.fresh.values())
+        self.report = ReuseReport(reused=found)
 
     # ---- the exact head and the documents lacking -----------------------------------------
 
@@ -147,7 +146,7 @@ class PromptKV:
         if not self.ingest and (plan.reuse.mode not in ("naive", "blend") or not reuser.shiftable):
             return []
         found = reuser.missing(plan.pieces, plan.documents, plan.scope)
-        if caches.in_context and found and not self.ingest and plan.scope and plan.reuse == Reuse("blend"):
+        if caches.in_context and found and not self.ingest and plan.scope and plan.reuse == ReuseMode("blend"):
             # Mostly new documents, reuse left to the server: the prompt is prefilled in full (its answer
             # exact) and their KV kept as this context computed it. Only within a scope: that KV
             # carries its context.
@@ -162,15 +161,15 @@ class PromptKV:
         continues, then the prefix blocks that continue that (every prompt stores its exact blocks)."""
         if self.ingest:
             return
-        turn, reuse, kv = self.turn, self.reuse, self.kv
+        turn, mode, kv, cached = self.turn, "", self.kv, 0
         if turn is not None and turn.resume:
             context = caches.reuser.resume(kv, self.prompt_ids, turn.resume)
             if caches.exact and context.exact == context.tokens and context.tokens % caches.grid:
                 kv.truncate(context.tokens - context.tokens % caches.grid)  # the rest from where a prefill would be
-            self.cached_tokens = len(kv)
             if context.exact < len(kv):  # it holds decoded rows
                 self.bitwise = context.exact
-            reuse = "program" if self.cached_tokens else ""
+            cached = len(kv)
+            mode = "program" if cached else ""
             if turn.keep:  # the KV now lives in the sequence: the stored copy would count twice
                 caches.reuser.store.delete(turn.resume)
         resumed = len(kv)
@@ -180,12 +179,11 @@ class PromptKV:
         self.matched = attached.matched if attached is not None else 0
         if attached is not None and attached.exact < len(kv) and self.bitwise >= resumed:
             self.bitwise = attached.exact  # the first row read that is not full prefill's own
-        self.cached_tokens += found
-        self.reuse = reuse or ("prefix" if found else "")
         self.exact = len(kv)
         # Blocks found need not be stored again: only from the block where the found ones end.
         self.kept = 0 if resumed or blocks is None else found - found % blocks.size
-        self.fidelity = self.read(caches)
+        self.report = ReuseReport(mode or ("prefix" if found else ""), reused=cached + found)
+        self.report = replace(self.report, fidelity=self.read(caches))
         again = self.blended_for(caches)
         read = again.attach(kv, self.prompt_ids, self.tenant).tokens if again is not None else 0
         if read and len(kv) <= self.matched:  # no further than the exact blocks went: computed exactly
@@ -193,9 +191,9 @@ class PromptKV:
             read = 0
         if read:
             self.blended = read
-            self.cached_tokens += read
-            self.reuse = f"blend; {read} tokens as a blend of the same tokens left them"
-            self.fidelity = caches.fidelity("blend", caches.reuser.blend.ratio, 0)
+            note = f"{read} tokens as a blend of the same tokens left them"
+            fidelity = caches.fidelity("blend", caches.reuser.blend.ratio, 0)
+            self.report = ReuseReport("blend", (note,), self.report.reused + read, fidelity=fidelity)
         self.plan = self.chunks_after_head(caches)
 
     def chunks_after_head(self, caches: Caches) -> Plan | None:
@@ -207,9 +205,9 @@ class PromptKV:
         if plan is not None and (any(plan.documents) or plan.reuse.mode == "full"):
             return plan
         spans = plan is not None and bool(plan.spans)
-        reuse = plan.reuse if plan is not None else Reuse()
+        reuse = plan.reuse if plan is not None else ReuseMode()
         if reuse.mode == "kvcomm":  # chunks have no anchors: blended
-            reuse = Reuse("blend", reuse.ratio)
+            reuse = ReuseMode("blend", reuse.ratio)
         chunks = self.chunks_for(caches)
         if chunks is None or reuse.mode not in ("naive", "blend") or not caches.reuser.shiftable:
             return plan if spans else None
@@ -250,9 +248,9 @@ class PromptKV:
         documents = any(plan.documents) and plan.scope != chunks.scope(self.tenant)  # not chunks found
         return None if documents or plan.reuse.mode == "full" else chunks
 
-    def read(self, caches: Caches) -> str:
+    def read(self, caches: Caches) -> Fidelity | None:
         """The fidelity of KV read as it was stored (prefix blocks, a program's context)."""
-        return caches.read(self.cached_tokens, len(self.kv) - min(self.bitwise, len(self.kv)))
+        return caches.read(self.report.reused, len(self.kv) - min(self.bitwise, len(self.kv)))
 
     # ---- the reuse after the head ------------------------------------------------------------
 
@@ -274,39 +272,40 @@ class PromptKV:
                 self.kv, plan.pieces, plan.spans, reuse.mode, plan.agent, plan.scope, ratio
             )
             done = self.shared.prefilled
-            label = self.reuse if done.mode == "full" else done.mode  # "full": no span reused
-            self.cached_tokens, self.recomputed_tokens = done.reused, done.recomputed
-            self.reuse = "; ".join(x for x in (label, done.note, why) if x)
+            # "full": no span reused, the head's report goes on
+            mode, notes = (self.report.mode, self.report.notes) if done.mode == "full" else (done.mode, ())
             spans = done.reused > head and done.mode != "full"
             withheld = self.gated is not None and self.gated[1] == FULL
             if not (spans or (withheld and any(s.source is not None for s in self.shared.spans))):
                 self.gated = None  # nothing reused, or nothing to reuse: a check would compare dense with dense
             self.exact = head if spans else len(self.prompt_ids)
             key = self.gated[0] if self.gated is not None else "kvcomm"
-            self.fidelity = caches.fidelity(key, ratio, 0) if spans else self.read(caches)
+            self.report = ReuseReport(mode, (*notes, done.note, why), done.reused, done.recomputed)
+            self.report = replace(self.report, fidelity=caches.fidelity(key, ratio, 0) if spans else self.read(caches))
             return done.logits
         rest = plan.after(head)
         if self.matched > head:  # documents wholly inside what the blocks matched (cut by the grid): computed
             ends = (head + n for n in itertools.accumulate(len(p) for p in rest.pieces))
             documents = [d and end > self.matched for d, end in zip(rest.documents, ends)]
             rest = replace(rest, documents=documents)
-        reuse, why = self.choose(caches, rest) if any(rest.documents) else (Reuse("full"), "")
+        reuse, why = self.choose(caches, rest) if any(rest.documents) else (ReuseMode("full"), "")
         done = yield from caches.reuser.prefilling(self.kv, rest.pieces, rest.documents, reuse, plan.scope, self.fresh)
         self.planned = True
-        self.cached_tokens, self.recomputed_tokens = head + done.reused, done.recomputed
         blended = done.mode in ("naive", "blend")
-        label = done.mode if blended or not head else self.reuse  # else all it reused: the exact head
-        self.reuse = "; ".join(x for x in (label, plan.note, done.note, why) if x)
+        # Else all it reused: the exact head, its report going on
+        mode, notes = (done.mode, ()) if blended or not head else (self.report.mode, self.report.notes)
+        notes = (*notes, plan.note, done.note, why)
+        self.report = ReuseReport(mode, notes, head + done.reused, done.recomputed, self.report.fidelity)
         if not self.blended:  # else exact up to where a blend's blocks were read, as start() left it
             self.exact = len(self.prompt_ids)
             if blended:  # exact up to the head: a blend computes the tokens before its first document its own way
                 self.exact = head
         if done.reused:
             key = self.gated[0] if self.gated is not None else done.mode
-            self.fidelity = caches.fidelity(key, done.ratio, sum(rest.documents))
+            self.report = replace(self.report, fidelity=caches.fidelity(key, done.ratio, sum(rest.documents)))
         return done.logits
 
-    def choose(self, caches: Caches, plan: Plan) -> tuple[Reuse, str]:
+    def choose(self, caches: Caches, plan: Plan) -> tuple[ReuseMode, str]:
         """The reuse to run and why (Caches.choose), and the quality check it may be due (`gated`)."""
         program = self.turn is not None
         reuse, why, gated = caches.choose(plan, len(self.kv), len(self.prompt_ids), bool(self.in_context), program)
@@ -326,7 +325,7 @@ class PromptKV:
             if blocks := self.blocks_for(caches):
                 self.kept = blocks.keep(kv, ids[: self.exact], tenant, self.kept, self.bitwise)
             again = self.blended_for(caches)
-            if again is not None and self.exact < len(ids) and self.cached_tokens > self.exact:
+            if again is not None and self.exact < len(ids) and self.report.reused > self.exact:
                 read = self.exact + self.blended if self.blended else 0  # the chain's blocks from its first
                 again.keep(kv, ids, tenant, read)
             if chunks := self.chunks_for(caches):

@@ -82,6 +82,11 @@ class Totals:
     answered: int = 0  # checks that compared the answer's leading tokens
     answer: float = 0.0  # their share of leading tokens equal, summed
 
+    def add(self, kl: float, agree: bool, answer: float | None) -> None:
+        self.checks, self.kl, self.agree = self.checks + 1, self.kl + kl, self.agree + agree
+        if answer is not None:
+            self.answered, self.answer = self.answered + 1, self.answer + answer
+
 
 class Ladder:
     """One reuse mode's (or shape's) rungs, where it stands, and the checks of that rung."""
@@ -107,7 +112,7 @@ class Ladder:
             if config.shadow_rate <= 0:
                 self.why = "uncalibrated: no shadow checks (quality.shadow_rate 0) to measure this agent's blend"
         self.totals = Totals()
-        self.asked = 0  # checks made due at this rung, less those that came to nothing (`Gate.void`)
+        self.asked = 0  # checks made due at this rung, less those that came to nothing (`QualityGate.void`)
 
     @property
     def ratio(self) -> float:
@@ -125,6 +130,15 @@ class Ladder:
     def learning(self) -> bool:
         """Whether each request is checked (up to min_checks of the rung probed): an online ladder calibrating."""
         return self.trial is not None and not self.exhausted
+
+    def ask(self) -> int:
+        """A check is made due at this rung: how many are now."""
+        self.asked += 1
+        return self.asked
+
+    def unask(self) -> None:
+        """A check made due came to nothing."""
+        self.asked = max(0, self.asked - 1)
 
     def try_rung(self, trial: int, why: str) -> None:
         """An online ladder at full prefill, probing rung `trial` (past the largest below full prefill: the
@@ -194,7 +208,7 @@ def mode_of(key: str) -> str:
     return key.split("/", 1)[0]
 
 
-class Gate:
+class QualityGate:
     """The ladders of the gated reuse modes, and of agent programs' shapes, by key (`shape_key`). Read from
     any thread, moved by the engine's."""
 
@@ -265,8 +279,7 @@ class Gate:
             with self.lock:
                 ladder = self.ladder(key) if key != mode_of(key) else self.ladders.get(key)
                 if ladder is not None and (key != mode_of(key) or ladder.learning):
-                    learning = ladder.asked < self.config.min_checks
-                    ladder.asked += 1
+                    learning = ladder.ask() <= self.config.min_checks
         if not learning:
             self.credit += self.config.shadow_rate
             if self.credit < 1.0:
@@ -284,8 +297,8 @@ class Gate:
         ladder still probes that rung, it is asked again, so a shape earns its reuse from checks that compared."""
         with self.lock:
             ladder = self.ladder(key)
-            if ladder.probe == ratio and ladder.asked:
-                ladder.asked -= 1
+            if ladder.probe == ratio:
+                ladder.unask()
 
     def record(self, key: str, ratio: float, kl: float, agree: bool, answer: float | None = None) -> None:
         """A check of `key` at `ratio` (the rung it probed when it was taken); `answer`: the share of the
@@ -294,10 +307,7 @@ class Gate:
         c = self.config
         with self.lock:
             ladder = self.ladder(key)
-            totals = ladder.totals
-            totals.checks, totals.kl, totals.agree = totals.checks + 1, totals.kl + kl, totals.agree + agree
-            if answer is not None:
-                totals.answered, totals.answer = totals.answered + 1, totals.answer + answer
+            ladder.totals.add(kl, agree, answer)
             if ratio != ladder.probe:
                 return
             ladder.checks.append((kl, agree))

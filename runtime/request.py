@@ -6,7 +6,8 @@ from dataclasses import dataclass, field, replace
 
 from kvgate.agents.programs import Turn
 from kvgate.runtime.errors import InvalidPrompt, PromptTooLong
-from kvgate.runtime.reuse import Reuse
+from kvgate.runtime.reuse import ReuseMode
+from kvgate.runtime.reuse_report import NOTHING, ReuseReport
 from kvgate.runtime.sampling import SamplingParams, TokenLogprob
 
 
@@ -16,9 +17,9 @@ class Plan:
 
     pieces: list[list[int]]
     documents: list[bool]
-    reuse: Reuse = Reuse()
+    reuse: ReuseMode = ReuseMode()
     scope: str = ""
-    # Which pieces are message contents agents share (runtime/shared.py), and who reads them: the
+    # Which pieces are message contents agents share (runtime/spans.py), and who reads them: the
     # agent as its prefix identifies it, the same across its tasks.
     spans: list[bool] = field(default_factory=list)
     agent: str = ""
@@ -62,10 +63,7 @@ class Output:
     prompt_tokens: int
     completion_tokens: int
     stop_reason: str | int | None = None  # what stopped it, as vLLM says: the stop string or token id matched
-    cached_tokens: int = 0  # prompt tokens whose KV came from a cache and was kept
-    recomputed_tokens: int = 0  # cached prompt tokens computed again (blend)
-    reuse: str = ""  # how the prompt's KV was made, when documents were reused; and why if not as asked
-    fidelity: str = ""  # how far that reuse moves the first token, as last measured (runtime/caching.py)
+    report: ReuseReport = NOTHING  # what reuse made of the prompt's KV
 
 
 @dataclass
@@ -79,19 +77,14 @@ class Result:
     stop_reason: str | int | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cached_tokens: int = 0
-    recomputed_tokens: int = 0
-    reuse: str = ""
-    fidelity: str = ""
+    report: ReuseReport = NOTHING
 
     def add(self, out: Output) -> None:
         self.text += out.text
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs
         self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
-        self.prompt_tokens, self.completion_tokens = out.prompt_tokens, out.completion_tokens
-        self.cached_tokens, self.recomputed_tokens, self.reuse = out.cached_tokens, out.recomputed_tokens, out.reuse
-        self.fidelity = out.fidelity
+        self.prompt_tokens, self.completion_tokens, self.report = out.prompt_tokens, out.completion_tokens, out.report
 
 
 def check_fits(prompt_tokens: int, max_tokens: int | None, window: int) -> None:

@@ -32,7 +32,7 @@ from transformers import PreTrainedTokenizerBase
 from kvgate.runtime.documents import chat_pieces, document_ids
 from kvgate.runtime.fidelity import MUSIQUE, Item, greedy, keep_context, keep_prefix, mode_name, start
 from kvgate.runtime.loader import LoadedModel
-from kvgate.runtime.reuse import Reuse, Reuser
+from kvgate.runtime.reuse import ReuseMode, Reuser
 
 ANSWER_TOKENS = 8  # greedy tokens decoded: a 4-digit number and its punctuation fit
 WORDS = 100  # words per document: ~1k-token prompts of 6 documents, which the default model mostly solves
@@ -174,7 +174,7 @@ def accuracy(
     reuser: Reuser,
     found: list[Task],
     items: list[Item],
-    modes: list[Reuse],
+    modes: list[ReuseMode],
     eos: frozenset[int],
     decode: Callable[[list[int]], str],
     stored: list[Item] | None = None,
@@ -188,7 +188,7 @@ def accuracy(
     for n, (task, item) in enumerate(zip(found, items)):
         if stored is not None:
             keep_context(reuser, stored[n])
-        kv, first, _ = start(reuser, item, Reuse("full"))
+        kv, first, _ = start(reuser, item, ReuseMode("full"))
         truth, _ = greedy(reuser, kv, first, eos, tokens)
         keep_prefix(reuser, kv, item)  # what an earlier identical request leaves, for `prefix`
         scores["full"].correct.append(correct(task, decode(truth)))
@@ -205,7 +205,7 @@ def accuracy(
 def measure_tasks(
     loaded: LoadedModel,
     reuser: Reuser,
-    modes: list[Reuse],
+    modes: list[ReuseMode],
     count: int,
     seed: int,
     docs: int = 6,
@@ -235,6 +235,6 @@ def blend_curve(
     `kvgate calibrate` reports beside KL and top-1 (a ratio's share of full prefill's right answers kept:
     `kept(full, curve[ratio])`)."""
     ordered = sorted(set(ratios))
-    scores, _ = measure_tasks(loaded, reuser, [Reuse("blend", r) for r in ordered], count, CALIBRATION_SEED,
+    scores, _ = measure_tasks(loaded, reuser, [ReuseMode("blend", r) for r in ordered], count, CALIBRATION_SEED,
                               docs, WORDS, data, context)  # fmt: skip
-    return scores["full"], {r: scores[mode_name(Reuse("blend", r))] for r in ordered}
+    return scores["full"], {r: scores[mode_name(ReuseMode("blend", r))] for r in ordered}

@@ -32,7 +32,7 @@ EMPTY: Mapping[str, ChunkKV] = MappingProxyType({})
 
 
 @dataclass(frozen=True)
-class Reuse:
+class ReuseMode:
     mode: str = "blend"
     ratio: float | None = None  # None: the calibrated ratio
 
@@ -283,7 +283,7 @@ class Reuser:
     # ---- the modes ----------------------------------------------------------------------
 
     def prefill(
-        self, kv: KVCache, pieces: list[list[int]], documents: list[bool], reuse: Reuse, scope: str = ""
+        self, kv: KVCache, pieces: list[list[int]], documents: list[bool], reuse: ReuseMode, scope: str = ""
     ) -> Prefilled:
         return drain(self.prefilling(kv, pieces, documents, reuse, scope))
 
@@ -292,7 +292,7 @@ class Reuser:
         kv: KVCache,
         pieces: list[list[int]],
         documents: list[bool],
-        reuse: Reuse,
+        reuse: ReuseMode,
         scope: str = "",
         fresh: Mapping[str, ChunkKV] = EMPTY,
     ) -> Steps[Prefilled]:

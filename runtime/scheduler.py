@@ -26,7 +26,7 @@ from kvgate.agents.queue import FairQueue
 from kvgate.runtime.sequence import Sequence, Status
 
 
-class Gate(Protocol):
+class FlightGate(Protocol):
     def room(self) -> bool: ...
 
     def start(self, scope: str, program: str) -> None: ...
@@ -44,7 +44,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         order: str = "fcfs",
         reserve: int | None = None,
-        gate: Gate | None = None,
+        gate: FlightGate | None = None,
         grid: int = 1,
     ) -> None:
         self.max_num_seqs = max_num_seqs
@@ -109,7 +109,7 @@ class Scheduler:
             self.waiting_tokens -= len(seq.prompt_ids)
         else:
             self.held.remove(seq)  # withdrawn before the gate let it through, if it was held
-        seq.status = Status.FINISHED
+        seq.end()
 
     @property
     def passable_tokens(self) -> int:
@@ -151,7 +151,7 @@ class Scheduler:
                 budget -= len(tokens)
         while budget >= self.grid and self.admittable():
             seq = self.admit()
-            seq.status = Status.RUNNING
+            seq.admit()
             self.running.append(seq)
             if tokens := seq.next_run(budget, self.grid):
                 batch.append((seq, tokens))

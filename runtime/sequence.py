@@ -55,7 +55,7 @@ class Sequence:
     prompt: PromptKV = field(init=False)  # what its prompt's KV reuses and leaves (the one writer of that state)
 
     @classmethod
-    def of(cls, request: Request, kv: KVCache, eos_ids: frozenset[int], max_len: int) -> Sequence:
+    def of(cls, request: Request, kv: KVCache, eos_ids: frozenset[int], max_len: int, matcher: Any = None) -> Sequence:
         r = request
         return cls(
             list(r.prompt_ids),
@@ -67,6 +67,7 @@ class Sequence:
             turn=r.turn,
             tenant=r.tenant,
             ingest=r.ingest,
+            matcher=matcher,
         )
 
     def __post_init__(self, plan: Plan | None) -> None:
@@ -86,6 +87,19 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         return len(self.kv) < len(self.prompt_ids)
+
+    def admit(self) -> None:
+        """The scheduler took it into its running batch."""
+        self.status = Status.RUNNING
+
+    def end(self) -> None:
+        """The scheduler let it go."""
+        self.status = Status.FINISHED
+
+    def stop(self) -> None:
+        """Nothing may follow (its documents stored, its grammar complete): it ends as stopped, unless it ended."""
+        if self.finish_reason is None:
+            self.finish_reason = "stop"
 
     def next_run(self, budget: int, grid: int = 1) -> list[int]:
         """The tokens to compute in the next step: a prompt chunk, or the last sampled token. A chunk that
@@ -175,10 +189,7 @@ class Sequence:
             stop_reason=self.stop_reason,
             prompt_tokens=len(self.prompt_ids),
             completion_tokens=len(self.output_ids),
-            cached_tokens=self.prompt.cached_tokens,
-            recomputed_tokens=self.prompt.recomputed_tokens,
-            reuse=self.prompt.reuse,
-            fidelity=self.prompt.fidelity,
+            report=self.prompt.report,
         )
         self.sent, self.pending_ids, self.pending_logprobs = end, [], []
         return out

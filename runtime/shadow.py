@@ -30,11 +30,11 @@ import torch
 
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.model import Run, forward
-from kvgate.runtime.quality import FULL, Gate, mode_of
+from kvgate.runtime.quality import FULL, QualityGate, mode_of
 from kvgate.runtime.request import Plan
-from kvgate.runtime.reuse import Reuse, Reuser
+from kvgate.runtime.reuse import ReuseMode, Reuser
 from kvgate.runtime.sequence import Sequence
-from kvgate.runtime.shared import Spans
+from kvgate.runtime.spans import Spans
 
 log = logging.getLogger("kvgate.engine")
 
@@ -73,7 +73,7 @@ def common(a: list[int], b: list[int]) -> int:
 
 
 class Shadow:
-    def __init__(self, gate: Gate, reuser: Reuser, spans: Spans) -> None:
+    def __init__(self, gate: QualityGate, reuser: Reuser, spans: Spans) -> None:
         self.gate, self.reuser, self.spans = gate, reuser, spans
         self.jobs: deque[Job] = deque()
         self.running: Generator[float | Run, torch.Tensor | None, None] | None = None
@@ -256,7 +256,7 @@ class Shadow:
     ) -> Generator[float | Run, torch.Tensor | None, tuple[KVCache, torch.Tensor] | None]:
         """The withheld reuse's KV and first-token logits; None where it would reuse nothing."""
         plan, kv = job.plan, self.reuser.new_kv()
-        asked = Reuse("blend", None if ratio == self.gate.base(job.mode) else ratio)
+        asked = ReuseMode("blend", None if ratio == self.gate.base(job.mode) else ratio)
         if mode_of(job.mode) == "kvcomm":
             done = self.spans.prefill(kv, plan.pieces, plan.spans, "kvcomm", plan.agent, plan.scope, ratio).prefilled
             if done.mode == "full":

@@ -13,9 +13,9 @@ from kvgate.runtime.calibration import Calibration
 from kvgate.runtime.chunks import Breaks, Chunks
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.prefix import Blocks
-from kvgate.runtime.quality import Gate
+from kvgate.runtime.quality import QualityGate
 from kvgate.runtime.reuse import Reuser
-from kvgate.runtime.shared import Spans
+from kvgate.runtime.spans import Spans
 
 
 def make_reuser(
@@ -38,7 +38,7 @@ def make_caches(
     config: EngineConfig,
     reuser: Reuser,
     spans: Spans,
-    gate: Gate,
+    gate: QualityGate,
     calibration: Calibration | None,
     cost: Callable[[int], float],
     exact: bool = False,

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvgate.gateway.admission import Admission, Gate, ProgramClock, fan_out
+from kvgate.gateway.admission import Admission, ConcurrencyGate, ProgramClock, fan_out
 from kvgate.gateway.choices import Choice, collect, run
 from kvgate.gateway.errors import APIError
 from kvgate.runtime.errors import EngineError
@@ -20,7 +20,7 @@ from kvgate.runtime.sampling import SamplingParams
 
 def test_waiters_are_let_through_by_rank_not_arrival():
     async def scenario() -> list[str]:
-        gate, order = Gate(1), []
+        gate, order = ConcurrencyGate(1), []
         await gate.acquire(0.0)  # the slot is taken
 
         async def wait(tag: str, rank: float) -> None:
@@ -41,7 +41,7 @@ def test_waiters_are_let_through_by_rank_not_arrival():
 
 def test_a_waiter_that_gives_up_does_not_keep_the_slot():
     async def scenario() -> int:
-        gate = Gate(1)
+        gate = ConcurrencyGate(1)
         await gate.acquire(0.0)
         quitter = asyncio.create_task(gate.acquire(1.0))
         await asyncio.sleep(0.01)

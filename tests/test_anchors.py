@@ -1,5 +1,5 @@
 """The anchor pool alone, on hand-made KV: the mix, the gate, eviction. (The real model's spans,
-through the pool, are in test_shared.py.)"""
+through the pool, are in test_spans.py.)"""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from kvgate.runtime.blend import BlendConfig, Piece, prefill
 from kvgate.runtime.documents import chat_pieces, document_ids
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.model import Run, forward
-from kvgate.runtime.reuse import Reuse, Reuser
+from kvgate.runtime.reuse import ReuseMode, Reuser
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_naive_reuse_computes_only_the_fresh_tokens_and_moves_the_answer(
         if is_doc:
             reuser.document(ids)  # stored before: reused counts only KV found in the cache
     kv = reuser.new_kv()
-    done = reuser.prefill(kv, pieces, documents, Reuse("naive"))
+    done = reuser.prefill(kv, pieces, documents, ReuseMode("naive"))
     assert done.recomputed == 0 and done.reused == sum(len(p) for p, d in zip(pieces, documents) if d)
     # Without the attention across documents the distribution moves, measurably but not wildly: KL 0.026
     # measured on this item (the generated corpus, 0.025-0.11 over its first six items); bounds /5 and x3.
@@ -98,7 +98,8 @@ def test_more_recompute_moves_the_answer_less(musique: Path, reuser: Reuser, loa
     pieces, documents = item(musique, loaded, 1, docs=4, words=150)
     reference = full_logits(reuser, pieces)
     kls = [
-        kl(reference, reuser.prefill(reuser.new_kv(), pieces, documents, Reuse("blend", r)).logits) for r in (0, 0.5)
+        kl(reference, reuser.prefill(reuser.new_kv(), pieces, documents, ReuseMode("blend", r)).logits)
+        for r in (0, 0.5)
     ]
     assert kls[1] < kls[0]
 
@@ -121,7 +122,7 @@ def test_a_document_is_computed_once_then_found(reuser: Reuser, loaded: LoadedMo
 def test_rope_types_that_cannot_shift_fall_back_to_full_prefill(loaded: LoadedModel) -> None:
     reuser = Reuser(loaded.model, loaded.tokenizer, ChunkStore.from_config(), fingerprint("t"), BlendConfig())
     reuser.shiftable = False  # a yarn-scaled model would say so; none is small enough to load here
-    done = reuser.prefill(reuser.new_kv(), [[1, 2], [3, 4], [5]], [False, True, False], Reuse("blend"))
+    done = reuser.prefill(reuser.new_kv(), [[1, 2], [3, 4], [5]], [False, True, False], ReuseMode("blend"))
     assert done.mode == "full" and done.logits is None and "cannot shift" in done.note
 
 
@@ -144,12 +145,12 @@ def test_a_request_deviating_beyond_calibration_gets_a_larger_ratio(musique: Pat
     doc_tokens = sum(len(p) for p, d in zip(pieces, documents) if d)
     for ids in (p for p, d in zip(pieces, documents) if d):
         calm.document(ids)  # stored before: only KV found in the cache counts
-    usual = calm.prefill(calm.new_kv(), pieces, documents, Reuse("blend"))
-    raised = wary.prefill(wary.new_kv(), pieces, documents, Reuse("blend"))
+    usual = calm.prefill(calm.new_kv(), pieces, documents, ReuseMode("blend"))
+    raised = wary.prefill(wary.new_kv(), pieces, documents, ReuseMode("blend"))
     assert usual.note == "" and usual.recomputed == round(0.1 * doc_tokens)
     assert "above the calibrated" in raised.note and raised.recomputed == round(wary.max_ratio * doc_tokens)
     # A ratio the client chose is the client's: no escalation.
-    chosen = wary.prefill(wary.new_kv(), pieces, documents, Reuse("blend", 0.1))
+    chosen = wary.prefill(wary.new_kv(), pieces, documents, ReuseMode("blend", 0.1))
     assert chosen.note == "" and chosen.recomputed == round(0.1 * doc_tokens)
 
 
@@ -174,11 +175,11 @@ def test_documents_read_from_disk_layer_by_layer_blend_exactly_as_from_memory(
     warm = reuser_on(ChunkStore([MemoryTier(1 << 30), DiskTier(tmp_path, 1 << 30)]))
     for ids in (p for p, d in zip(pieces, documents) if d):
         warm.document(ids)
-    in_memory = warm.prefill(warm.new_kv(), pieces, documents, Reuse("blend", 0.15))
+    in_memory = warm.prefill(warm.new_kv(), pieces, documents, ReuseMode("blend", 0.15))
     warm.store.close()  # every document now also on disk
 
     cold = reuser_on(ChunkStore([MemoryTier(1 << 30), DiskTier(tmp_path, 1 << 30)]))  # a restarted process
-    from_disk = cold.prefill(cold.new_kv(), pieces, documents, Reuse("blend", 0.15))
+    from_disk = cold.prefill(cold.new_kv(), pieces, documents, ReuseMode("blend", 0.15))
     assert torch.equal(from_disk.logits, in_memory.logits) and from_disk.reused == in_memory.reused
     disk = cold.store.stats()["tiers"][1]
     assert disk["hits"] == 3 and disk["bytes_read"] > 0
@@ -191,6 +192,6 @@ def test_documents_read_from_disk_layer_by_layer_blend_exactly_as_from_memory(
     data = bytearray(victim.read_bytes())
     data[-100] ^= 0xFF
     victim.write_bytes(bytes(data))
-    again = cold.prefill(cold.new_kv(), pieces, documents, Reuse("blend", 0.15))
+    again = cold.prefill(cold.new_kv(), pieces, documents, ReuseMode("blend", 0.15))
     assert "could not be read" in again.note and torch.equal(again.logits, in_memory.logits)
     cold.store.close()

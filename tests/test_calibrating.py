@@ -18,7 +18,8 @@ from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.planner import Planner
-from kvgate.runtime.quality import FULL, STATES, Gate, QualityConfig, Standing, shape_key
+from kvgate.runtime.quality import FULL, STATES, QualityConfig, QualityGate, Standing, shape_key
+from kvgate.runtime.reuse_report import Fidelity
 from tests import loopback
 from tests.corpus import musique_rows
 from tests.servers import serving
@@ -30,9 +31,9 @@ CONFIG = QualityConfig(shadow_rate=0.25, window=4, min_checks=2, ratios=(0.3, 0.
 GOOD, BAD = (0.001, True), (0.4, False)
 
 
-def online(config: QualityConfig = CONFIG) -> Gate:
+def online(config: QualityConfig = CONFIG) -> QualityGate:
     """The gate of an engine with no calibration: its blends are calibrated online (runtime/caching.py)."""
-    return Gate(config, {"blend": 0.15, "kvcomm": 0.0}, online={"blend"})
+    return QualityGate(config, {"blend": 0.15, "kvcomm": 0.0}, online={"blend"})
 
 
 def test_an_uncalibrated_blend_is_full_prefill_until_its_checks_open_the_lowest_ratio() -> None:
@@ -89,7 +90,7 @@ def test_with_no_shadow_checks_an_uncalibrated_blend_is_never_served_and_says_so
     shape = shape_key("blend", "agent-critic")  # chunks found in an agent's prompt: withheld too
     ratio, why = gate.serve(shape)
     assert ratio == FULL and "no shadow checks" in why
-    assert Gate(unchecked, {"blend": 0.15}).serve(shape) == (0.15, "")  # a calibrated mode's shapes: as before
+    assert QualityGate(unchecked, {"blend": 0.15}).serve(shape) == (0.15, "")  # a calibrated mode's shapes: as before
 
 
 def test_kvgate_ships_the_default_models_table_in_bfloat16_too(settings, tmp_path) -> None:
@@ -121,20 +122,25 @@ def test_checks_that_miss_keep_an_uncalibrated_engine_from_blending(strict) -> N
     engine, planner = strict
     assert engine.calibration is None and engine.caches.standing().state == "calibrating"
     served = [ask(engine, planner, f"Question {i}: who kept the lamp?", DOCS[:: 1 - 2 * (i % 2)]) for i in range(3)]
-    assert [r.reuse.split(" (")[0] for r in served] == [
+    assert [str(r.report).split(" (")[0] for r in served] == [
         "full; uncalibrated: calibrating online",
         "full; uncalibrated: calibrating online",  # of a 50% blend: 15% missed
         "full; uncalibrated: no recompute ratio up to 50% met the fidelity target in shadow checks",
     ]
     assert "of a 50% blend; first-token KL" in served[1].reuse
-    assert all(r.cached_tokens == r.recomputed_tokens == 0 and r.fidelity == "" for r in served)
+    assert all(r.report.reused == r.report.recomputed == 0 and r.report.fidelity is None for r in served)
     assert dict(engine.gate.stats())["blend"]["checks"] == 3  # each compared the blend with the full prefill served
     assert engine.caches.standing().state == "unmet"
     asked = ask(engine, planner, "Who kept the lamp, again?", DOCS, ratio=0.3)  # a ratio asked: run as asked
-    assert asked.reuse == "blend" and asked.cached_tokens > 0 and asked.fidelity == "ratio=0.3; source=none"
+    assert (
+        asked.report.mode == "blend"
+        and not asked.report.notes
+        and asked.report.reused > 0
+        and asked.report.fidelity == Fidelity("unmeasured", 0.3)
+    )
     due = engine.gate.due_count
     tiny = ask(engine, planner, "Hi?", ["Tiny."])  # a blend slower than full prefill would open nothing: unchecked
-    assert tiny.reuse.startswith("full; reuse would be slower than full prefill") and engine.gate.due_count == due
+    assert str(tiny.report).startswith("full; reuse would be slower than full prefill") and engine.gate.due_count == due
 
 
 SYSTEM = (  # over one prefix block (64 tokens): what a reordered prompt can read exactly

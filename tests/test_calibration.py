@@ -184,10 +184,10 @@ def test_the_engine_serves_what_the_table_says_and_full_prefill_where_nothing_me
     try:
         planner = Planner(engine.reuser)
         two = ask(engine, planner, "Who kept the lamp?")  # TABLE's 2 documents: 15% meets the target
-        assert two.reuse.startswith("blend") and "no calibrated" not in two.reuse
+        assert two.report.mode == "blend" and "no calibrated" not in str(two.report)
         one = ask(engine, planner, "Who kept the lamp?", DOCS[:1])
-        assert one.reuse.startswith("full") and "no calibrated recompute ratio meets" in one.reuse
-        assert one.cached_tokens == 0
+        assert one.report.mode == "full" and "no calibrated recompute ratio meets" in str(one.report)
+        assert one.report.reused == 0
     finally:
         engine.shutdown()
 
@@ -220,12 +220,12 @@ def test_the_engine_blends_as_its_stored_calibration_says(
         planner = Planner(engine.reuser)
         ask(engine, planner, "Who kept the lamp?")  # the documents' KV computed and stored
         blended = ask(engine, planner, "Who kept the lamp?")
-        reused = blended.cached_tokens + blended.recomputed_tokens  # the documents' tokens, all from the cache
+        reused = blended.report.reused + blended.report.recomputed  # the documents' tokens, all from the cache
         if recomputed is None:  # computed in full, and the header says why (tests/test_calibrating.py: online)
-            assert blended.reuse.startswith("full; uncalibrated: no shadow checks") and reused == 0
+            assert str(blended.report).startswith("full; uncalibrated: no shadow checks") and reused == 0
             return
-        assert blended.reuse.startswith("blend") and reused > 0
-        assert blended.recomputed_tokens == round(recomputed * reused)
+        assert blended.report.mode == "blend" and reused > 0
+        assert blended.report.recomputed == round(recomputed * reused)
     finally:
         engine.shutdown()
 

@@ -12,7 +12,7 @@ from kvgate.chunk_cache import ChunkStore, chunk_key, fingerprint
 from kvgate.runtime.chunks import Breaks, Chunks, cut
 from kvgate.runtime.config import ChunkConfig
 from kvgate.runtime.loader import LoadedModel
-from kvgate.runtime.shared import local
+from kvgate.runtime.spans import local
 from tests.kv import prefilled
 
 SMALL = ChunkConfig(average=16, minimum=4, maximum=48)  # short texts here span several chunks

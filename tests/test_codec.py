@@ -32,7 +32,7 @@ from kvgate.runtime.blend import BlendConfig
 from kvgate.runtime.documents import chat_pieces, document_ids
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.model import Run, forward
-from kvgate.runtime.reuse import Reuse, Reuser
+from kvgate.runtime.reuse import ReuseMode, Reuser
 from tests.entries import chunk, rewritten, same
 
 # A raw entry written by kvgate before codecs existed (2 layers, 1 kv head, 3 tokens, head_dim 2;
@@ -250,7 +250,7 @@ def test_a_blend_from_compressed_disk_entries_stays_close_to_one_from_raw_entrie
         reuser = Reuser(loaded.model, loaded.tokenizer, store, fingerprint("test"), BlendConfig())
         for ids in (p for p, d in zip(pieces, documents) if d):
             store.tiers[1].put(reuser.document(ids)[0])
-        done = reuser.prefill(reuser.new_kv(), pieces, documents, Reuse("blend", 0.15))
+        done = reuser.prefill(reuser.new_kv(), pieces, documents, ReuseMode("blend", 0.15))
         disk = store.stats()["tiers"][1]
         store.close()
         assert done.reused > 0 and disk["hits"] == 3 and disk["corrupt"] == 0

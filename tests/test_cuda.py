@@ -22,9 +22,9 @@ from kvgate.runtime.loader import load
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.quality import QualityConfig
 from kvgate.runtime.request import Plan
-from kvgate.runtime.reuse import Reuse, Reuser
+from kvgate.runtime.reuse import ReuseMode, Reuser
 from kvgate.runtime.sampling import SamplingParams
-from kvgate.runtime.shared import Spans
+from kvgate.runtime.spans import Spans
 from kvgate.runtime.tokens import chat_prompt
 from tests.test_families import FAMILIES, build, new_kv, prompt, saved
 
@@ -87,7 +87,7 @@ def test_the_engine_on_cuda_decodes_like_generate_on_the_cpu(name: str, tmp_path
     finally:
         engine.shutdown()
     assert len(ids) > 128 and first.token_ids == ref == again.token_ids
-    assert first.cached_tokens == 0 and again.cached_tokens >= 128
+    assert first.report.reused == 0 and again.report.reused >= 128
 
 
 def test_a_grammar_masks_cuda_logits_on_their_device_as_on_the_cpu(tmp_path: Path) -> None:
@@ -122,7 +122,7 @@ def test_blend_on_cuda_over_kv_read_from_disk_equals_the_cpu(tmp_path: Path) -> 
             if is_doc:
                 reuser.document(ids)
         store.flush()
-        done[device] = {mode: reuser.prefill(reuser.new_kv(), pieces, documents, Reuse(mode, 0.25))
+        done[device] = {mode: reuser.prefill(reuser.new_kv(), pieces, documents, ReuseMode(mode, 0.25))
                         for mode in ("naive", "blend")}  # fmt: skip
         store.close()
     for mode in ("naive", "blend"):
@@ -150,8 +150,8 @@ def test_the_engine_on_cuda_reuses_documents_as_on_the_cpu(tmp_path: Path) -> No
     shadow-checked against full prefill; the same tokens and the same reuse on both."""
     saved(FAMILIES["llama"], tmp_path / "model")
     head, tail, docs = prompt(4, seed=11), prompt(5, seed=12), [prompt(70, seed=13), prompt(50, seed=14)]
-    plans = [Plan([head, docs[0], docs[1], tail], [False, True, True, False], Reuse("blend", 0.2)),
-             Plan([tail, docs[1], docs[0], head], [False, True, True, False], Reuse("blend", 0.2))]  # fmt: skip
+    plans = [Plan([head, docs[0], docs[1], tail], [False, True, True, False], ReuseMode("blend", 0.2)),
+             Plan([tail, docs[1], docs[0], head], [False, True, True, False], ReuseMode("blend", 0.2))]  # fmt: skip
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     seen = {}
     for device in ("cpu", "cuda"):
@@ -162,7 +162,7 @@ def test_the_engine_on_cuda_reuses_documents_as_on_the_cpu(tmp_path: Path) -> No
             results = [engine.generate_sync([t for p in plan.pieces for t in p], params, plan) for plan in plans]
         finally:
             engine.shutdown()
-        seen[device] = [(r.token_ids, r.cached_tokens, r.recomputed_tokens, r.reuse) for r in results]
+        seen[device] = [(r.token_ids, r.report.reused, r.report.recomputed, str(r.report)) for r in results]
     assert seen["cuda"] == seen["cpu"]
     assert seen["cuda"][1][1] > 0 and seen["cuda"][1][2] > 0  # the second reused and recomputed some
 

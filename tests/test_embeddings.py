@@ -178,7 +178,7 @@ def loaded(settings: Settings, embedder: MiniLM, **kw) -> Embeddings:
 
 def call(text: str) -> Call:
     body = {"model": NAME, "input": text, "encoding_format": "float"}
-    return Call("/v1/embeddings", body, b"", NAME, "tenant", "id")
+    return Call(path="/v1/embeddings", body=body, raw=b"", model=NAME, tenant="tenant", request_id="id")
 
 
 def vector(reply: Reply) -> list[float]:

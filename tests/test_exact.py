@@ -21,7 +21,8 @@ from kvgate.runtime.engine import Engine
 from kvgate.runtime.invariance import probe_floor
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.request import Plan, Request, Result
-from kvgate.runtime.reuse import Reuse
+from kvgate.runtime.reuse import ReuseMode
+from kvgate.runtime.reuse_report import Fidelity
 from kvgate.runtime.sampling import SamplingParams
 from kvgate.runtime.weights import Linear
 
@@ -74,15 +75,15 @@ def test_a_prompt_continued_from_its_prefix_blocks_is_its_full_prefill_bit_for_b
         first, second = system + [11, 12, 13], system + [rng.randrange(100, 40000) for _ in range(100)]
         other = [rng.randrange(100, 40000) for _ in range(50)]
         ask(engine, [(first, None)])  # leaves the system prompt's blocks
-        full = Plan([second], [False], Reuse("full"))
+        full = Plan([second], [False], ReuseMode("full"))
         beside, _ = ask(engine, [(second, None), (other, None)])  # prefilled beside another sequence's steps
         (truth,) = ask(engine, [(second, full)])  # alone, and in one chunk fewer
         (reused,) = ask(engine, [(second, None)])
         # read to a multiple of the grid: 64, or 1 where the CPU kernel attends (runtime/model.py grid_of)
         grid = engine.scheduler.grid
-        assert beside.cached_tokens == 200 - 200 % grid  # 200 shared
-        assert reused.cached_tokens == 299 - 299 % grid  # its own blocks now, up to its last token
-        assert beside.fidelity == reused.fidelity == "exact" and truth.cached_tokens == 0
+        assert beside.report.reused == 200 - 200 % grid  # 200 shared
+        assert reused.report.reused == 299 - 299 % grid  # its own blocks now, up to its last token
+        assert beside.report.fidelity == reused.report.fidelity == Fidelity("exact") and truth.report.reused == 0
         assert logprobs(beside)[0] == logprobs(truth)[0]  # the first token, bit for bit, whatever the step held
         assert reused.token_ids == truth.token_ids
         assert logprobs(reused) == logprobs(truth)  # every logprob, bit for bit
@@ -99,7 +100,9 @@ def test_deterministic_decode_steps_do_not_depend_on_the_batch(
         rng = random.Random(2)
         one, two, three = ([rng.randrange(100, 40000) for _ in range(40)] for _ in range(3))
         together = ask(engine, [(one, None), (two, None), (three, None)], tokens=12)
-        alone = [ask(engine, [(ids, Plan([ids], [False], Reuse("full")))], tokens=12)[0] for ids in (one, two, three)]
+        alone = [
+            ask(engine, [(ids, Plan([ids], [False], ReuseMode("full")))], tokens=12)[0] for ids in (one, two, three)
+        ]
         assert [logprobs(r) for r in together] == [logprobs(r) for r in alone]
     finally:
         engine.shutdown()
@@ -112,10 +115,11 @@ def test_kv_a_decode_computed_is_read_again_but_not_called_exact(loaded: LoadedM
         prompt = [rng.randrange(100, 40000) for _ in range(120)]
         (turn,) = ask(engine, [(prompt, None)], tokens=80)  # its answer's blocks are kept, decoded
         (next_turn,) = ask(engine, [(prompt + turn.token_ids + [5, 6, 7], None)])
-        assert next_turn.cached_tokens > len(prompt)  # the answer's KV was read
-        assert next_turn.fidelity.startswith("numerics; rows=") and "source=none" in next_turn.fidelity
+        assert next_turn.report.reused > len(prompt)  # the answer's KV was read
+        assert next_turn.report.fidelity is not None and next_turn.report.fidelity.kind == "numerics"
+        assert next_turn.report.fidelity.lossy_rows > 0
         (same_prompt,) = ask(engine, [(prompt, None)])
-        assert same_prompt.fidelity == "exact"  # the prompt's own blocks are
+        assert same_prompt.report.fidelity == Fidelity("exact")  # the prompt's own blocks are
     finally:
         engine.shutdown()
 

@@ -18,7 +18,7 @@ from kvgate.runtime.engine import Engine
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import load
 from kvgate.runtime.model import Run, forward
-from kvgate.runtime.reuse import Reuse, Reuser
+from kvgate.runtime.reuse import ReuseMode, Reuser
 from kvgate.runtime.rope import angles, can_shift, rope_type, shift
 from kvgate.runtime.sampling import SamplingParams
 from kvgate.runtime.tokens import chat_prompt
@@ -175,7 +175,7 @@ def test_rope_types_that_cannot_shift_say_so(name: str, tmp_path: Path) -> None:
         angles(model, 3, torch.device("cpu"))
     reuser = Reuser(model, loaded.tokenizer, ChunkStore.from_config(), fingerprint(name), BlendConfig())
     assert not reuser.shiftable
-    done = reuser.prefill(reuser.new_kv(), [[1, 2], [3, 4], [5]], [False, True, False], Reuse("blend"))
+    done = reuser.prefill(reuser.new_kv(), [[1, 2], [3, 4], [5]], [False, True, False], ReuseMode("blend"))
     assert done.mode == "full" and done.logits is None and f"rope type {name} cannot shift" in done.note
 
 

@@ -1,4 +1,4 @@
-"""Every reuse reports how far it moved the answer (`x-kvgate-fidelity`, `Result.fidelity`): the latest
+"""Every reuse reports how far it moved the answer (`x-kvgate-fidelity`, `Result.report.fidelity`): the latest
 shadow checks of the ratio served, else what calibration measured there, else that nothing measured it.
 A reuse of the very KV full prefill computes (an exact prefix, a program's own context) is "exact"."""
 
@@ -16,6 +16,7 @@ from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.planner import Planner
 from kvgate.runtime.quality import QualityConfig
+from kvgate.runtime.reuse_report import Fidelity
 
 DOCS = [
     "The ferry from Calder Bay to Orrin Island leaves at seven each morning and returns at dusk.",
@@ -41,13 +42,13 @@ def engine(loaded: LoadedModel, tmp_path: Path):
 def test_a_blend_reports_the_shadow_checks_of_the_ratio_it_ran(engine: Engine) -> None:
     planner = Planner(engine.reuser)
     first = ask(engine, planner, "When does the ferry leave?", DOCS)
-    assert first.cached_tokens == 0 and first.fidelity == ""  # documents new to the cache: nothing reused
+    assert first.report.reused == 0 and first.report.fidelity is None  # documents new to the cache: nothing reused
 
     window = dict(engine.gate.stats())["blend"]  # the first request's check, done while the engine idled
     assert window["checks"] == 1
     served = ask(engine, planner, "Who kept the lighthouse?", DOCS)
-    assert served.cached_tokens > 0
-    assert fields(served.fidelity) == {
+    assert served.report.reused > 0
+    assert fields(str(served.report.fidelity)) == {
         "kl": f"{window['window_kl']:.4f}",
         "top1": f"{window['window_top1']:.3f}",
         "answer": f"{window['answer']:.3f}",  # one token answered: whether it was full prefill's
@@ -63,7 +64,7 @@ def test_a_ratio_the_checks_did_not_measure_reports_calibration_or_nothing(
     planner = Planner(engine.reuser)
     ask(engine, planner, "When does the ferry leave?", DOCS)  # checked at the gate's rung
     asked = ask(engine, planner, "Where are the logbooks kept?", DOCS, ratio=0.4)  # asked: never checked
-    assert asked.cached_tokens > 0 and asked.fidelity == "ratio=0.4; source=none"
+    assert asked.report.reused > 0 and asked.report.fidelity == Fidelity("unmeasured", 0.4)
 
     # A calibration that measured 40% on two documents: an engine that loads it reports its numbers.
     table = {"2": {"0.4": {"kl": 0.0123, "top1": 0.975}}}
@@ -73,6 +74,8 @@ def test_a_ratio_the_checks_did_not_measure_reports_calibration_or_nothing(
     try:
         for question in ("When does the ferry leave?", "Who kept the lighthouse?"):
             served = ask(calibrated, Planner(calibrated.reuser), question, DOCS)
-        assert served.cached_tokens > 0 and served.fidelity == "kl=0.0123; top1=0.975; ratio=0.4; source=calibration"
+        assert served.report.reused > 0 and served.report.fidelity == Fidelity(
+            "measured", 0.4, 0.0123, 0.975, source="calibration"
+        )
     finally:
         calibrated.shutdown()

@@ -14,9 +14,9 @@ from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.planner import Planner
-from kvgate.runtime.quality import FULL, Gate, QualityConfig, shape_key
+from kvgate.runtime.quality import FULL, QualityConfig, QualityGate, shape_key
 from kvgate.runtime.request import Plan, Request, Result
-from kvgate.runtime.reuse import Reuse
+from kvgate.runtime.reuse import ReuseMode
 from kvgate.runtime.sampling import SamplingParams
 from kvgate.runtime.sequence import Sequence
 from kvgate.runtime.shadow import compare
@@ -26,7 +26,7 @@ GOOD, BAD = (0.001, True), (0.4, False)
 MEH = (0.08, True)  # over the KL target, but one more perfect check would bring the mean under it
 
 
-def earned(gate: Gate, key: str) -> None:
+def earned(gate: QualityGate, key: str) -> None:
     """A new shape is withheld until its checks (of the reuse it withholds) keep answers: min_checks of them."""
     for _ in range(gate.config.min_checks):
         gate.record(key, gate.probe(key), *GOOD, 1.0)
@@ -34,7 +34,7 @@ def earned(gate: Gate, key: str) -> None:
 
 
 def test_a_mode_climbs_one_rung_per_min_checks_missed_and_names_why() -> None:
-    gate = Gate(CONFIG, {"blend": 0.15})
+    gate = QualityGate(CONFIG, {"blend": 0.15})
     assert gate.serve("blend") == (0.15, "")
     gate.record("blend", 0.15, *MEH)
     assert gate.serve("blend")[0] == 0.15  # one check is not enough while the next could still make up for it
@@ -49,7 +49,7 @@ def test_a_mode_climbs_one_rung_per_min_checks_missed_and_names_why() -> None:
 
 def test_a_rung_climbs_before_min_checks_once_no_perfect_check_could_save_it() -> None:
     config = replace(CONFIG, min_checks=4)
-    gate = Gate(config, {"blend": 0.15, "kvcomm": 0.0})
+    gate = QualityGate(config, {"blend": 0.15, "kvcomm": 0.0})
     gate.record("blend", 0.15, *BAD)  # KL 0.4 over 4 checks is 0.1 at best: over 0.05
     ratio, why = gate.serve("blend")
     assert ratio == 0.5 and "over the last 1 shadow checks" in why
@@ -64,7 +64,7 @@ def test_a_rung_climbs_before_min_checks_once_no_perfect_check_could_save_it() -
 
 
 def test_at_full_prefill_checks_probe_the_rung_below_and_reopen_it() -> None:
-    gate = Gate(CONFIG, {"blend": 0.15})
+    gate = QualityGate(CONFIG, {"blend": 0.15})
     for ratio in (0.15, 0.15, 0.5, 0.5):
         gate.record("blend", ratio, *BAD)
     assert gate.serve("blend")[0] == FULL and gate.probe("blend") == 0.5
@@ -79,7 +79,7 @@ def test_at_full_prefill_checks_probe_the_rung_below_and_reopen_it() -> None:
 
 
 def test_a_check_of_a_rung_left_meanwhile_only_counts_in_the_totals() -> None:
-    gate = Gate(CONFIG, {"blend": 0.15})
+    gate = QualityGate(CONFIG, {"blend": 0.15})
     gate.record("blend", 0.15, *BAD)
     gate.record("blend", 0.15, *BAD)  # climbs to 50%
     gate.record("blend", 0.15, *BAD)  # taken at 15%, landed after the climb
@@ -89,31 +89,31 @@ def test_a_check_of_a_rung_left_meanwhile_only_counts_in_the_totals() -> None:
 
 
 def test_top1_alone_can_close_the_gate() -> None:
-    gate = Gate(CONFIG, {"blend": 0.15})
+    gate = QualityGate(CONFIG, {"blend": 0.15})
     gate.record("blend", 0.15, 0.0, False)
     gate.record("blend", 0.15, 0.0, True)
     assert gate.serve("blend")[0] == 0.5  # 50% agreement is under 95%, whatever the KL
 
 
 def test_the_shadow_rate_checks_evenly_and_zero_never() -> None:
-    gate = Gate(QualityConfig(shadow_rate=0.25), {"blend": 0.15})
+    gate = QualityGate(QualityConfig(shadow_rate=0.25), {"blend": 0.15})
     assert [gate.due() for _ in range(8)] == [False, False, False, True] * 2
-    assert not any(Gate(QualityConfig(), {"blend": 0.15}).due() for _ in range(100))
+    assert not any(QualityGate(QualityConfig(), {"blend": 0.15}).due() for _ in range(100))
 
 
 def test_a_shapes_rung_checked_fewer_than_min_checks_times_is_checked_on_every_request() -> None:
-    gate = Gate(QualityConfig(shadow_rate=0.25, min_checks=2, window=4), {"blend": 0.15})
+    gate = QualityGate(QualityConfig(shadow_rate=0.25, min_checks=2, window=4), {"blend": 0.15})
     shape = shape_key("blend", "agent-critic")
     assert [gate.due(shape) for _ in range(6)] == [True, True, False, False, False, True]
     earned(gate, shape)  # comes down to its reuse: the new rung is unknown, so checked at once again
     assert [gate.due(shape) for _ in range(3)] == [True, True, False]
-    fresh = Gate(QualityConfig(shadow_rate=0.25, min_checks=2, window=4), {"blend": 0.15})
+    fresh = QualityGate(QualityConfig(shadow_rate=0.25, min_checks=2, window=4), {"blend": 0.15})
     assert [fresh.due("blend") for _ in range(4)] == [False, False, False, True]  # the mode's own: the rate alone
-    assert not any(Gate(QualityConfig(), {"blend": 0.15}).due(shape) for _ in range(100))
+    assert not any(QualityGate(QualityConfig(), {"blend": 0.15}).due(shape) for _ in range(100))
 
 
 def test_a_check_that_came_to_nothing_is_asked_again_while_its_rung_stands() -> None:
-    gate = Gate(QualityConfig(shadow_rate=0.25, min_checks=2, window=4), {"kvcomm": 0.0})
+    gate = QualityGate(QualityConfig(shadow_rate=0.25, min_checks=2, window=4), {"kvcomm": 0.0})
     shape = shape_key("kvcomm", "reviewer")
     assert gate.due(shape) and gate.due(shape)
     gate.void(shape, gate.probe(shape))  # dropped, or its prompt had nothing to reuse
@@ -124,7 +124,7 @@ def test_a_check_that_came_to_nothing_is_asked_again_while_its_rung_stands() -> 
 
 
 def test_a_new_shape_is_withheld_until_its_checks_keep_answers_where_checks_run() -> None:
-    gate = Gate(CONFIG, {"kvcomm": 0.0})
+    gate = QualityGate(CONFIG, {"kvcomm": 0.0})
     shape = shape_key("kvcomm", "reviewer")
     ratio, why = gate.serve(shape)
     assert ratio == FULL and "a new agent's reuse, served once 2 shadow checks meet the targets" in why
@@ -135,12 +135,12 @@ def test_a_new_shape_is_withheld_until_its_checks_keep_answers_where_checks_run(
     for _ in range(CONFIG.window):  # the latest checks, up to a window, decide
         gate.record(shape, 0.0, *GOOD, 1.0)
     assert gate.serve(shape) == (0.0, "")
-    unchecked = Gate(replace(CONFIG, shadow_rate=0.0), {"kvcomm": 0.0})
+    unchecked = QualityGate(replace(CONFIG, shadow_rate=0.0), {"kvcomm": 0.0})
     assert unchecked.serve(shape) == (0.0, "")  # no checks: nothing could earn it, so reuse is served
 
 
 def test_kvcomm_shapes_climb_apart_and_say_so() -> None:
-    gate = Gate(CONFIG, {"blend": 0.15, "kvcomm": 0.0})
+    gate = QualityGate(CONFIG, {"blend": 0.15, "kvcomm": 0.0})
     bad, good = shape_key("kvcomm", "reviewer-reads-support"), shape_key("kvcomm", "critic-reads-solver")
     earned(gate, bad)
     earned(gate, good)
@@ -156,7 +156,7 @@ def test_kvcomm_shapes_climb_apart_and_say_so() -> None:
 
 
 def test_a_shape_is_also_held_to_its_answers_the_modes_own_ladder_is_not() -> None:
-    gate = Gate(CONFIG, {"blend": 0.15, "kvcomm": 0.0})
+    gate = QualityGate(CONFIG, {"blend": 0.15, "kvcomm": 0.0})
     shape = shape_key("kvcomm", "reviewer-reads-support")
     earned(gate, shape)
     for key in (shape, "blend"):  # first tokens as full prefill's, answers apart after a few tokens
@@ -176,7 +176,7 @@ def test_a_shape_is_also_held_to_its_answers_the_modes_own_ladder_is_not() -> No
 
 
 def test_shapes_are_bounded_the_least_recently_served_goes() -> None:
-    gate = Gate(replace(CONFIG, shapes=2), {"kvcomm": 0.0})
+    gate = QualityGate(replace(CONFIG, shapes=2), {"kvcomm": 0.0})
     for shape in ("a", "b", "a", "c"):
         gate.serve(shape_key("kvcomm", shape))
     assert list(gate.shapes) == ["kvcomm/a", "kvcomm/c"]
@@ -228,7 +228,7 @@ def test_perturbed_document_kv_closes_the_gate_and_sound_kv_reopens_it(gated) ->
     engine, planner = gated
     questions = [f"Question {i}: who kept the lamp on Mirren Point?" for i in range(40)]
     first = ask(engine, planner, questions[0])
-    assert first.reuse.startswith("blend") and "quality gate" not in first.reuse
+    assert first.report.mode == "blend" and "quality gate" not in str(first.report)
     assert dict(engine.gate.stats())["blend"]["checks"] == 1
 
     # A fault no real part produces on demand: stored document KV perturbed in place.
@@ -237,8 +237,8 @@ def test_perturbed_document_kv_closes_the_gate_and_sound_kv_reopens_it(gated) ->
     for e in entries:
         e.values.mul_(-3.0)
     served = [ask(engine, planner, q) for q in questions[1:9]]
-    assert served[-1].reuse.startswith("full") and "quality gate" in served[-1].reuse
-    assert served[-1].cached_tokens == 0
+    assert served[-1].report.mode == "full" and "quality gate" in str(served[-1].report)
+    assert served[-1].report.reused == 0
     assert dict(engine.gate.stats())["blend"]["ratio"] == FULL
 
     for e, (k, v) in zip(entries, saved):
@@ -247,42 +247,42 @@ def test_perturbed_document_kv_closes_the_gate_and_sound_kv_reopens_it(gated) ->
     served = []
     for q in questions[9:40]:  # until the gate lets a blend read the documents' KV again
         served.append(ask(engine, planner, q))
-        if "quality gate" not in served[-1].reuse and served[-1].cached_tokens > 0:
+        if "quality gate" not in str(served[-1].report) and served[-1].report.reused > 0:
             break
-    reopened = next(i for i, r in enumerate(served) if "quality gate" not in r.reuse)
+    reopened = next(i for i, r in enumerate(served) if "quality gate" not in str(r.report))
     assert reopened <= 2 * CONFIG.window
-    assert served[-1].reuse.startswith("blend") and served[-1].cached_tokens > 0
+    assert served[-1].report.mode == "blend" and served[-1].report.reused > 0
 
 
 def test_a_blend_slower_than_full_prefill_is_not_run_and_says_why(gated) -> None:
     engine, planner = gated
     result = ask(engine, planner, "Hi?", ["Tiny."])
-    assert result.reuse.startswith("full") and "slower than full prefill" in result.reuse
-    assert result.cached_tokens == 0
+    assert result.report.mode == "full" and "slower than full prefill" in str(result.report)
+    assert result.report.reused == 0
 
 
 def test_kvcomm_spans_climb_the_ladder_of_their_reader(gated) -> None:
     engine, _ = gated
-    plan = Plan([[1, 2], [3, 4]], [False, False], Reuse("kvcomm"), spans=[False, True], agent="agent-reviewer")
+    plan = Plan([[1, 2], [3, 4]], [False, False], ReuseMode("kvcomm"), spans=[False, True], agent="agent-reviewer")
     seq = Sequence([1, 2, 3, 4], SamplingParams(), engine.reuser.new_kv(), frozenset(), 100, plan=plan)
     key = engine.caches.ladder(plan, "kvcomm", program=False)
     reuse, why = seq.prompt.choose(engine.caches, plan)  # a new reader: its spans' reuse checked before it is served
-    assert reuse == Reuse("full") and "a new agent's reuse" in why and seq.prompt.gated == (key, FULL)
+    assert reuse == ReuseMode("full") and "a new agent's reuse" in why and seq.prompt.gated == (key, FULL)
     earned(engine.gate, key)
-    assert seq.prompt.choose(engine.caches, plan) == (Reuse("kvcomm"), "") and seq.prompt.gated == (key, 0.0)
+    assert seq.prompt.choose(engine.caches, plan) == (ReuseMode("kvcomm"), "") and seq.prompt.gated == (key, 0.0)
     blend = dict(engine.gate.stats())["blend"]["ratio"]
     for _ in range(2):
         engine.gate.record(key, 0.0, 0.5, False)
     reuse, why = seq.prompt.choose(engine.caches, plan)  # a shape's rungs: its reuse, or the prompt after its head
-    assert reuse == Reuse("full") and "quality gate (this agent)" in why and seq.prompt.gated == (key, FULL)
+    assert reuse == ReuseMode("full") and "quality gate (this agent)" in why and seq.prompt.gated == (key, FULL)
     assert dict(engine.gate.stats())["blend"]["ratio"] == blend  # one mode's checks never move another
-    asked = Plan(plan.pieces, plan.documents, Reuse("kvcomm", 0.0), spans=plan.spans, agent=plan.agent)
-    assert seq.prompt.choose(engine.caches, asked) == (Reuse("kvcomm", 0.0), "")  # a ratio asked is not gated
+    asked = Plan(plan.pieces, plan.documents, ReuseMode("kvcomm", 0.0), spans=plan.spans, agent=plan.agent)
+    assert seq.prompt.choose(engine.caches, asked) == (ReuseMode("kvcomm", 0.0), "")  # a ratio asked is not gated
 
     # Another reader of the same span climbs its own ladder.
-    other = Plan(plan.pieces, plan.documents, Reuse("kvcomm"), spans=plan.spans, agent="agent-critic")
+    other = Plan(plan.pieces, plan.documents, ReuseMode("kvcomm"), spans=plan.spans, agent="agent-critic")
     earned(engine.gate, engine.caches.ladder(other, "kvcomm", program=False))
-    assert seq.prompt.choose(engine.caches, other) == (Reuse("kvcomm"), "")
+    assert seq.prompt.choose(engine.caches, other) == (ReuseMode("kvcomm"), "")
 
 
 def test_a_span_prefill_that_reused_no_span_is_not_checked(gated) -> None:
@@ -290,7 +290,7 @@ def test_a_span_prefill_that_reused_no_span_is_not_checked(gated) -> None:
     compare full prefill with itself, vouching for a shape that reused nothing."""
     engine, _ = gated
     ids = engine.reuser.tokenizer.encode("A message no agent has read before, about granite.")
-    plan = Plan([ids[:3], ids[3:]], [False, False], Reuse("kvcomm"), spans=[False, True], agent="agent-new")
+    plan = Plan([ids[:3], ids[3:]], [False, False], ReuseMode("kvcomm"), spans=[False, True], agent="agent-new")
     due = engine.gate.due_count
 
     async def first() -> None:
@@ -303,6 +303,6 @@ def test_a_span_prefill_that_reused_no_span_is_not_checked(gated) -> None:
 
 def test_chunks_found_in_a_programs_prompt_climb_the_ladder_of_its_reader(gated) -> None:
     engine, _ = gated
-    chunks = Plan([[1, 2], [3, 4]], [False, True], Reuse("blend"), agent="agent-critic")
+    chunks = Plan([[1, 2], [3, 4]], [False, True], ReuseMode("blend"), agent="agent-critic")
     assert engine.caches.ladder(chunks, "blend", program=False) == "blend"  # a plain prompt: the server's blend
     assert engine.caches.ladder(chunks, "blend", program=True) == shape_key("blend", "agent-critic")  # a turn's

@@ -31,9 +31,9 @@ from kvgate.runtime.blend import BlendConfig
 from kvgate.runtime.kernels import rope_shift
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.model import Run, forward
-from kvgate.runtime.reuse import Reuse, Reuser
+from kvgate.runtime.reuse import ReuseMode, Reuser
 from kvgate.runtime.rope import SHIFTABLE, angles, can_shift, rope_type, shift
-from kvgate.runtime.shared import Spans
+from kvgate.runtime.spans import Spans
 
 EPS = torch.finfo(torch.float32).eps
 SMALL = dict(
@@ -151,7 +151,7 @@ def test_shifted_keys_equal_the_models_rotation_at_the_new_positions(name: str) 
 @pytest.mark.parametrize("name", list(SHIFTING))
 def test_kvgate_forward_keys_moved_back_and_forth_equal_keys_computed_there(name: str) -> None:
     """Layer 0's keys depend only on each token and its position: a document's keys computed after
-    a prefix, moved to another prefix's end (as runtime/shared.py's `local` moves them to 0), are the
+    a prefix, moved to another prefix's end (as runtime/spans.py's `local` moves them to 0), are the
     keys computed there."""
     model = build(SHIFTING[name])
     doc = torch.randint(0, SMALL["vocab_size"], (9,), generator=torch.Generator().manual_seed(2)).tolist()
@@ -204,7 +204,7 @@ def test_a_model_whose_rope_cannot_shift_falls_back_to_full_prefill(name: str) -
     head, doc, tail = [1, 2, 3], list(range(10, 90)), [4, 5]  # 85 tokens: past longrope's 64
     for mode in ("blend", "naive"):
         kv = reuser.new_kv()
-        done = reuser.prefill(kv, [head, doc, tail], [False, True, False], Reuse(mode))
+        done = reuser.prefill(kv, [head, doc, tail], [False, True, False], ReuseMode(mode))
         # Nothing reused, nothing computed: the caller prefills the whole prompt from len(kv) = 0.
         assert (done.mode, done.logits, done.reused, done.note) == ("full", None, 0, note)
         assert len(kv) == 0 and reuser.key(doc) not in store  # no document computed, none stored
@@ -213,7 +213,7 @@ def test_a_model_whose_rope_cannot_shift_falls_back_to_full_prefill(name: str) -
         reference = model(torch.tensor([prompt])).logits[0]
     assert torch.allclose(forward(model, [Run(kv, prompt, 0)], every=True), reference, atol=1e-5)
 
-    # Spans (runtime/shared.py): after the exact prefix the cache holds, the rest is left to the caller too.
+    # Spans (runtime/spans.py): after the exact prefix the cache holds, the rest is left to the caller too.
     spans = Spans(reuser)
     kv = reuser.new_kv()
     forward(model, [Run(kv, head, 0)])

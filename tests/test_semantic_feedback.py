@@ -140,7 +140,9 @@ def test_checks_beside_hits_are_bounded_and_wait_only_so_long_for_an_idle_backen
 
     async def run() -> dict[str, int]:
         checks = Checks(limit=2, patience_s=0.2)
-        call = Call("/v1/chat/completions", {"stream": True}, b"{}", "m", "t", "r")
+        call = Call(
+            path="/v1/chat/completions", body={"stream": True}, raw=b"{}", model="m", tenant="t", request_id="r"
+        )
         for _ in range(3):
             checks.offer(Busy(), None, call, None)  # type: ignore[arg-type]
         assert checks.stats()["waiting"] == 2 and checks.counts["dropped"] == 1  # the third: no room

@@ -17,9 +17,9 @@ from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.planner import Chat, Planner
-from kvgate.runtime.quality import FULL, Gate, QualityConfig, shape_key
+from kvgate.runtime.quality import FULL, QualityConfig, QualityGate, shape_key
 from kvgate.runtime.request import Output, Plan, Request
-from kvgate.runtime.reuse import Reuse
+from kvgate.runtime.reuse import ReuseMode
 from kvgate.runtime.sampling import SamplingParams
 from kvgate.runtime.shadow import ANSWER, MAX_BUDGET_S, Job, Shadow, common
 from tests.conftest import QUESTIONS
@@ -67,7 +67,7 @@ def blend(engine: Engine) -> None:
 
     async def first() -> None:
         async for out in engine.generate(Request(ids, SamplingParams(max_tokens=1, temperature=0.0), plan)):
-            assert not out.reuse or out.reuse.startswith("blend")
+            assert not str(out.report) or out.report.mode == "blend"
 
     asyncio.run(first())
 
@@ -158,7 +158,7 @@ def test_a_check_counts_the_answers_leading_tokens_full_prefill_would_choose_too
         ids, plan = planner.chat(Chat(messages, documents=[{"text": d} for d in DOCS]))
         served = greedy(engine, ids, plan)
         wait_until(lambda: checks(engine) == 2 and not engine.shadow.busy, 60, "the answer's check")
-        truth = greedy(engine, ids, Plan([ids], [False], Reuse("full")))
+        truth = greedy(engine, ids, Plan([ids], [False], ReuseMode("full")))
         assert truth != served
         assert engine.gate.ladders["blend"].answers[-1] == common(truth, served) / len(served)
     finally:
@@ -168,7 +168,7 @@ def test_a_check_counts_the_answers_leading_tokens_full_prefill_would_choose_too
 def test_an_answer_is_compared_token_by_token_up_to_where_the_choices_part(engine: Engine, chat_ids) -> None:
     shadow = Shadow(engine.gate, engine.reuser, engine.spans)
     ids = chat_ids(QUESTIONS[4])
-    truth = greedy(engine, ids, Plan([ids], [False], Reuse("full")))
+    truth = greedy(engine, ids, Plan([ids], [False], ReuseMode("full")))
     for greedy_choices, share in ((truth, 1.0), (truth[:5] + [0] * 3, 5 / 8)):
         kv, logits = run(shadow.full(ids), engine.model)[1]
         job = Job(0, ids, Plan([ids], [False]), "blend", 0.15, logits, truth, greedy_choices)
@@ -176,10 +176,10 @@ def test_an_answer_is_compared_token_by_token_up_to_where_the_choices_part(engin
 
 
 def test_a_check_compares_the_answer_once_it_is_written_or_its_sequence_ended(engine: Engine, chat_ids) -> None:
-    gate = Gate(QualityConfig(), {"blend": 0.15})
+    gate = QualityGate(QualityConfig(), {"blend": 0.15})
     shadow = Shadow(gate, engine.reuser, engine.spans)
     ids = chat_ids(QUESTIONS[5])
-    truth = greedy(engine, ids, Plan([ids], [False], Reuse("full")), tokens=ANSWER)
+    truth = greedy(engine, ids, Plan([ids], [False], ReuseMode("full")), tokens=ANSWER)
     for written in (ANSWER, 3):
         logits = forward(engine.model, [Run(new_kv(engine.loaded), ids, 0)])[0]
         job = Job(0, ids, Plan([ids], [False]), "blend", 0.15, logits, truth[:1], truth[:1])
@@ -201,11 +201,11 @@ def test_a_check_compares_the_answer_once_it_is_written_or_its_sequence_ended(en
 def test_a_check_of_withheld_reuse_that_would_reuse_nothing_records_nothing(engine: Engine, chat_ids) -> None:
     """Served at full prefill, a shape's check computes the reuse withheld; where its spans have nothing to
     reuse, that is full prefill again, and a check would vouch for a reuse it never saw."""
-    gate = Gate(QualityConfig(shadow_rate=1.0), {"kvcomm": 0.0})
+    gate = QualityGate(QualityConfig(shadow_rate=1.0), {"kvcomm": 0.0})
     shadow = Shadow(gate, engine.reuser, engine.spans)
     ids = chat_ids("A message no agent has written before, about basalt columns.")
     key = shape_key("kvcomm", "agent-unread")
-    plan = Plan([ids[:4], ids[4:]], [False, False], Reuse("kvcomm"), spans=[False, True], agent="agent-unread")
+    plan = Plan([ids[:4], ids[4:]], [False, False], ReuseMode("kvcomm"), spans=[False, True], agent="agent-unread")
     logits = forward(engine.model, [Run(new_kv(engine.loaded), ids, 0)])[0]
     assert gate.due(key)
     run(shadow.check(Job(0, ids, plan, key, FULL, logits, [], [], over=True)), engine.model)
@@ -216,7 +216,7 @@ def test_a_check_of_withheld_reuse_that_would_reuse_nothing_records_nothing(engi
 def test_checks_run_newest_first_and_one_of_a_rung_left_since_is_dropped_unrun(engine: Engine) -> None:
     """Under a backlog the latest served say most of where the gate stands; a check of a rung the ladder has
     left would only count in the totals, so it is dropped unrun and its budget goes to one that decides."""
-    gate = Gate(QualityConfig(shadow_rate=1.0), {"blend": 0.15})
+    gate = QualityGate(QualityConfig(shadow_rate=1.0), {"blend": 0.15})
     shadow = Shadow(gate, engine.reuser, engine.spans)
 
     def job(seq: int, written: int) -> Job:

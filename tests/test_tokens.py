@@ -16,7 +16,8 @@ def streamed(loaded: LoadedModel, ids: list[int]) -> str:
 def test_byte_level_text_a_token_at_a_time_equals_the_whole_decode(loaded: LoadedModel) -> None:
     tokenizer = loaded.tokenizer
     assert Detokenizer(tokenizer).pieces is not None  # the default tokenizer takes the byte path
-    text = tokenizer.encode("Ünïcode: 日本語テキスト, emoji 🤖🎉, accents e\u0301 and tabs\t\n", add_special_tokens=False)
+    sample = "Ünïcode: 日本語テキスト, emoji 🤖🎉, accents e\u0301 and tabs\t\n"
+    text = tokenizer.encode(sample, add_special_tokens=False)
     special = sorted(tokenizer.all_special_ids)
     rng = random.Random(0)
     cases = [

@@ -17,7 +17,7 @@ from kvgate.runtime.errors import TemplateError
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.reuse import Reuser
-from kvgate.runtime.shared import Shared, Span, Spans, local
+from kvgate.runtime.spans import Shared, Span, Spans, local
 
 SOLVER = "You are a careful math tutor. Solve the problem step by step."
 CHECKER = "You are a strict reviewer. Check the solution above and give the final number."

@@ -1,4 +1,4 @@
-"""gateway/shared.py: one way to connect to the Redis the fronts share, a single server or a Redis Cluster
+"""gateway/redis_state.py: one way to connect to the Redis the fronts share, a single server or a Redis Cluster
 alike. On a real (one-node) Redis Cluster, every store the fronts share passes the tests it passes on a
 single server: keys, placements, responses, answered turns, tool durations."""
 
@@ -16,7 +16,7 @@ import tests.test_key_store as keys
 import tests.test_placement as placements
 import tests.test_responses_store as responses
 import tests.test_tool_times as tool_times
-from kvgate.gateway.shared import clustered, connect
+from kvgate.gateway.redis_state import clustered, connect
 from tests.redis_server import RedisServer
 from tests.servers import free_port
 
