@@ -31,7 +31,6 @@ STILL = {
     "runtime/fidelity.py": 1,
     "gateway/toolcalls.py": 1,
     "gateway/metrics.py": 1,
-    "gateway/routes.py": 1,
     "gateway/admission.py": 1,
     "agents/queue.py": 1,
     "agents/anchors.py": 1,
