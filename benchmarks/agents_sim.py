@@ -129,6 +129,12 @@ class SimSeq:
     def prefilling(self) -> bool:
         return self.computed < len(self.prompt_ids)
 
+    def admit(self) -> None:
+        self.status = Status.RUNNING
+
+    def end(self) -> None:
+        self.status = Status.FINISHED
+
     def next_run(self, budget: int, grid: int = 1) -> range:
         if not self.prefilling:
             return range(1)

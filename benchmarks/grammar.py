@@ -26,6 +26,19 @@ from kvgate.runtime.report import pct, table, write_section
 WORDS = ["city", "count", "title", "tags", "price", "active", "when", "owner", "level", "notes", "kind", "score"]
 
 
+def chat_call(model: str, parsed: Any) -> Call:
+    """A chat completion as the gateway hands one to a backend: `parsed` its validated request."""
+    return Call(
+        path="/v1/chat/completions",
+        body={},
+        raw=b"",
+        model=model,
+        tenant="bench",
+        request_id=uuid.uuid4().hex,
+        parsed=parsed,
+    )
+
+
 def field(rng: random.Random, depth: int) -> dict[str, Any]:
     kinds = ["string", "enum", "integer", "number", "boolean", "array", "pattern", "anyof"]
     if depth < 2:
@@ -106,7 +119,7 @@ async def forced(local: Local, total: int, batch: int, mode: str, seed: int, max
         work = [request(i, rng, local.name, mode, max_tokens) for i in range(start, min(start + batch, total))]
 
         async def one(body: ChatCompletionRequest, shape: dict[str, Any]) -> str:
-            call = Call("/v1/chat/completions", {}, b"", local.name, "bench", uuid.uuid4().hex, None, body)
+            call = chat_call(local.name, body)
             reply = await local.generate(call)
             return judge(json.loads(reply.content or b"{}"), shape, mode)
 
@@ -128,7 +141,7 @@ async def step_cost(local: Local, batch: int, tokens: int, constrained: bool) ->
         for i in range(batch)
     ]
     steps, spent, start = engine.steps, engine.grammars.spent_s, time.perf_counter()
-    calls = [Call("/v1/chat/completions", {}, b"", local.name, "bench", uuid.uuid4().hex, None, b) for b in bodies]
+    calls = [chat_call(local.name, b) for b in bodies]
     await asyncio.gather(*(local.generate(c) for c in calls))
     n = engine.steps - steps
     return (time.perf_counter() - start) / n, (engine.grammars.spent_s - spent) / n, n

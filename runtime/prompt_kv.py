@@ -47,6 +47,11 @@ def run_end(computed: int, budget: int, length: int, grid: int = 1) -> int:
     return stop if stop == length else max(computed, stop - stop % grid)
 
 
+def said(*notes: str) -> tuple[str, ...]:
+    """A report's notes: those that say something."""
+    return tuple(note for note in notes if note)
+
+
 @dataclass
 class PromptKV:
     seq: int  # its sequence's id, for the log
@@ -280,7 +285,7 @@ class PromptKV:
                 self.gated = None  # nothing reused, or nothing to reuse: a check would compare dense with dense
             self.exact = head if spans else len(self.prompt_ids)
             key = self.gated[0] if self.gated is not None else "kvcomm"
-            self.report = ReuseReport(mode, (*notes, done.note, why), done.reused, done.recomputed)
+            self.report = ReuseReport(mode, said(*notes, done.note, why), done.reused, done.recomputed)
             self.report = replace(self.report, fidelity=caches.fidelity(key, ratio, 0) if spans else self.read(caches))
             return done.logits
         rest = plan.after(head)
@@ -294,7 +299,7 @@ class PromptKV:
         blended = done.mode in ("naive", "blend")
         # Else all it reused: the exact head, its report going on
         mode, notes = (done.mode, ()) if blended or not head else (self.report.mode, self.report.notes)
-        notes = (*notes, plan.note, done.note, why)
+        notes = said(*notes, plan.note, done.note, why)
         self.report = ReuseReport(mode, notes, head + done.reused, done.recomputed, self.report.fidelity)
         if not self.blended:  # else exact up to where a blend's blocks were read, as start() left it
             self.exact = len(self.prompt_ids)

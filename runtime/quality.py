@@ -1,34 +1,33 @@
 """The online quality gate: how far reuse moves answers, measured while serving, and what it allows.
 
-A share of the requests served with reuse (`shadow_rate`) is checked: the engine prefills the
-same prompt in full, on idle capacity and on a share of its busy time (`shadow_share`), and
-compares the two first-token distributions (runtime/shadow.py). Each reuse mode climbs a ladder
-of recompute ratios: its own (calibrated) ratio, the larger `ratios`, then full prefill. The
-checks of the rung being served decide: missing the target after `min_checks` (or sooner, once
-even perfect checks to come could not meet it), the mode climbs one rung; meeting it with a
-margin over a whole `window`, it steps one down. At full prefill nothing is reused, so there the
-checks run the other way: the reuse one rung below is computed on spare capacity and compared
-with the full prefill that was served, so the gate learns when reuse has recovered.
+A share of the requests served with reuse (`shadow_rate`) is checked: the engine prefills the same prompt in full,
+on idle capacity and on a share of its busy time (`shadow_share`), and compares the two first-token distributions
+(runtime/shadow.py). Each reuse mode climbs a ladder of recompute ratios: its own (calibrated) ratio, the larger
+`ratios`, then full prefill. The checks of the rung being served decide: missing the target after `min_checks` (or
+sooner, once even perfect checks to come could not meet it), the mode climbs one rung; meeting it with a margin over
+a whole `window`, it steps one down. At full prefill nothing is reused, so there the checks run the other way: the
+reuse one rung below is computed on spare capacity and compared with the full prefill that was served, so the gate
+learns when reuse has recovered.
 
-A program's prompt climbs a ladder of its shape, per reuse mode: its reading agent (the agent pairs that end
-at it; keyed by the pairs themselves, a pipeline's 7 readers made 26 ladders, because which spans have a
-source varies from request to request, and each learnt slower), so a pipeline whose reuse does not generalise
-is withheld alone. A shape's ladder also holds the answer to `target_answer` (agents read each other's
-answers: a drift compounds down the pipeline), and has two rungs, its reuse and none (the prompt after its
-exact prefix computed): a recompute ratio rarely pays on short agent prompts, and each rung would take another
-`min_checks` checks of a shape seen far more rarely than the server's one blend. A new shape starts withheld
-and earns its reuse: its first `min_checks` checks (of the reuse it withholds, computed on spare capacity)
-must keep answers, since by the time a served reuse shows it moved them, the next agent has read them. A
-shape's rung checked fewer than `min_checks` times is checked on every request it serves, then at
-`shadow_rate`. With no checks (`shadow_rate` 0) nothing could earn it: shapes start at their reuse.
+A program's prompt climbs a ladder of its shape, per reuse mode: its reading agent (the agent pairs that end at it;
+keyed by the pairs themselves, a pipeline's 7 readers made 26 ladders, because which spans have a source varies from
+request to request, and each learnt slower), so a pipeline whose reuse does not generalise is withheld alone. A
+shape's ladder also holds the answer to `target_answer` (agents read each other's answers: a drift compounds down
+the pipeline), and has two rungs, its reuse and none (the prompt after its exact prefix computed): a recompute ratio
+rarely pays on short agent prompts, and each rung would take another `min_checks` checks of a shape seen far more
+rarely than the server's one blend. A new shape starts withheld and earns its reuse: its first `min_checks` checks
+(of the reuse it withholds, computed on spare capacity) must keep answers, since by the time a served reuse shows it
+moved them, the next agent has read them. A shape's rung checked fewer than `min_checks` times is checked on every
+request it serves, then at `shadow_rate`. With no checks (`shadow_rate` 0) nothing could earn it: shapes start at
+their reuse.
 
 A mode with no calibration (no table for this model's fingerprint, no operator's ratio: runtime/wiring.py
-`make_caches`) is calibrated online: its ladder never serves a rung its checks have not measured. It starts
-at full prefill, and its checks compute the blend at its lowest rung on spare capacity, every request until
-`min_checks` of them (then at `shadow_rate`); once they meet the targets (with the margin a rung is left
-downward with) that rung opens and is served, its fidelity reported from those checks; a rung they miss passes
-the probe to the next one up. An open rung whose checks miss goes back to full prefill, probing the next rung
-up: never a lower one, which no check measured. A shape of such a mode starts withheld even with no checks.
+`make_caches`) is calibrated online: its ladder never serves a rung its checks have not measured. It starts at full
+prefill, and its checks compute the blend at its lowest rung on spare capacity, every request until `min_checks` of
+them (then at `shadow_rate`); once they meet the targets (with the margin a rung is left downward with) that rung
+opens and is served, its fidelity reported from those checks; a rung they miss passes the probe to the next one up.
+An open rung whose checks miss goes back to full prefill, probing the next rung up: never a lower one, which no
+check measured. A shape of such a mode starts withheld even with no checks.
 """
 
 from __future__ import annotations
@@ -84,8 +83,7 @@ class Totals:
 
     def add(self, kl: float, agree: bool, answer: float | None) -> None:
         self.checks, self.kl, self.agree = self.checks + 1, self.kl + kl, self.agree + agree
-        if answer is not None:
-            self.answered, self.answer = self.answered + 1, self.answer + answer
+        self.answered, self.answer = self.answered + (answer is not None), self.answer + (answer or 0.0)
 
 
 class Ladder:
@@ -131,14 +129,10 @@ class Ladder:
         """Whether each request is checked (up to min_checks of the rung probed): an online ladder calibrating."""
         return self.trial is not None and not self.exhausted
 
-    def ask(self) -> int:
-        """A check is made due at this rung: how many are now."""
-        self.asked += 1
+    def ask(self, by: int = 1) -> int:
+        """A check made due at this rung (-1: one came to nothing): how many are now."""
+        self.asked = max(0, self.asked + by)
         return self.asked
-
-    def unask(self) -> None:
-        """A check made due came to nothing."""
-        self.asked = max(0, self.asked - 1)
 
     def try_rung(self, trial: int, why: str) -> None:
         """An online ladder at full prefill, probing rung `trial` (past the largest below full prefill: the
@@ -169,17 +163,14 @@ class Ladder:
     def meets(self, config: QualityConfig, margin: float = 1.0, pad: int = 0) -> bool:
         """Whether the rung's checks meet the targets (KL with `margin` under its own); with `pad` perfect
         checks more, whether it still can."""
-        kl, top1 = self.means(pad)
-        answer = self.answer(pad)
+        (kl, top1), answer = self.means(pad), self.answer(pad)
         answered = answer is None or answer >= self.target_answer  # a mean of 0.0 is a miss, not "none"
         return kl <= margin * config.target_kl and top1 >= config.target_top1 and answered
 
     def move(self, by: int, why: str = "") -> None:
-        self.at += by
+        self.at, self.asked, self.why = self.at + by, 0, why if self.at + by else ""
         self.checks.clear()
         self.answers.clear()
-        self.asked = 0
-        self.why = why if self.at else ""
 
 
 @dataclass(frozen=True)
@@ -298,7 +289,7 @@ class QualityGate:
         with self.lock:
             ladder = self.ladder(key)
             if ladder.probe == ratio:
-                ladder.unask()
+                ladder.ask(-1)
 
     def record(self, key: str, ratio: float, kl: float, agree: bool, answer: float | None = None) -> None:
         """A check of `key` at `ratio` (the rung it probed when it was taken); `answer`: the share of the

@@ -39,7 +39,7 @@ CALIBRATION = Calibration(ratio=0.15, deviation_limit=1e9, target=0.95, metric="
 def engine(loaded: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     cache_dir = tmp_path_factory.mktemp("caching")
     save(CALIBRATION, path(Path(cache_dir), model_fingerprint(loaded)))
-    engine = Engine(EngineConfig(cache_dir=cache_dir), loaded)
+    engine = Engine(EngineConfig(cache_dir=cache_dir, blend_select="deviation"), loaded)
     yield engine
     engine.shutdown()
 

@@ -112,7 +112,9 @@ def strict(loaded: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Ite
     # No table in the run's cache, no operator's ratio: calibrated online, against a KL no blend meets. No
     # prefix blocks: each request's documents are a blend's to reuse, whatever order came before.
     quality = QualityConfig(shadow_rate=1.0, target_kl=1e-6, window=4, min_checks=2, ratios=(0.5,))
-    config = EngineConfig(cache_dir=tmp_path_factory.mktemp("strict"), quality=quality, prefix_caching=False)
+    config = EngineConfig(
+        cache_dir=tmp_path_factory.mktemp("strict"), quality=quality, prefix_caching=False, blend_select="deviation"
+    )
     engine = Engine(config, loaded)
     yield engine, Planner(engine.reuser)
     engine.shutdown()
@@ -127,7 +129,7 @@ def test_checks_that_miss_keep_an_uncalibrated_engine_from_blending(strict) -> N
         "full; uncalibrated: calibrating online",  # of a 50% blend: 15% missed
         "full; uncalibrated: no recompute ratio up to 50% met the fidelity target in shadow checks",
     ]
-    assert "of a 50% blend; first-token KL" in served[1].reuse
+    assert "of a 50% blend; first-token KL" in str(served[1].report)
     assert all(r.report.reused == r.report.recomputed == 0 and r.report.fidelity is None for r in served)
     assert dict(engine.gate.stats())["blend"]["checks"] == 3  # each compared the blend with the full prefill served
     assert engine.caches.standing().state == "unmet"

@@ -180,7 +180,9 @@ def test_the_engine_serves_what_the_table_says_and_full_prefill_where_nothing_me
         replace(sample(), table={"1": {"0.15": {"kl": 0.2, "top1": 0.5}}, "2": TABLE["2"]}),
         path(tmp_path, model_fingerprint(loaded)),
     )
-    engine = Engine(EngineConfig(cache_dir=tmp_path, prefix_caching=False), loaded)  # blends are the subject
+    engine = Engine(
+        EngineConfig(cache_dir=tmp_path, prefix_caching=False, blend_select="deviation"), loaded
+    )  # blends: the subject
     try:
         planner = Planner(engine.reuser)
         two = ask(engine, planner, "Who kept the lamp?")  # TABLE's 2 documents: 15% meets the target
@@ -214,7 +216,9 @@ def test_the_engine_blends_as_its_stored_calibration_says(
 ) -> None:
     if stored is not None:
         save(stored, path(tmp_path, model_fingerprint(loaded)))
-    config = EngineConfig(cache_dir=tmp_path, recompute_ratio=configured, prefix_caching=False)  # blends: the subject
+    config = EngineConfig(
+        cache_dir=tmp_path, recompute_ratio=configured, prefix_caching=False, blend_select="deviation"
+    )
     engine = Engine(config, loaded)
     try:
         planner = Planner(engine.reuser)

@@ -34,7 +34,9 @@ def fields(fidelity: str) -> dict[str, str]:
 def engine(loaded: LoadedModel, tmp_path: Path):
     # Blends at an operator's ratio: an uncalibrated engine's report of the ratio its checks opened is
     # tests/test_calibrating.py's.
-    made = Engine(EngineConfig(cache_dir=tmp_path, quality=CHECKED, recompute_ratio=0.15), loaded)
+    made = Engine(
+        EngineConfig(cache_dir=tmp_path, quality=CHECKED, recompute_ratio=0.15, blend_select="deviation"), loaded
+    )
     yield made
     made.shutdown()
 
@@ -70,7 +72,7 @@ def test_a_ratio_the_checks_did_not_measure_reports_calibration_or_nothing(
     table = {"2": {"0.4": {"kl": 0.0123, "top1": 0.975}}}
     stored = Calibration(0.4, None, 0.05, "kl", 2, table=table)
     save(stored, calibration_path(tmp_path, model_fingerprint(loaded)))
-    calibrated = Engine(EngineConfig(cache_dir=tmp_path, quality=QualityConfig()), loaded)
+    calibrated = Engine(EngineConfig(cache_dir=tmp_path, quality=QualityConfig(), blend_select="deviation"), loaded)
     try:
         for question in ("When does the ferry leave?", "Who kept the lighthouse?"):
             served = ask(calibrated, Planner(calibrated.reuser), question, DOCS)
