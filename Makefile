@@ -24,14 +24,14 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 # lmcache pins numpy<=2.2.6 and pulls more: torch named again so pip keeps the CPU build.
 # AutoGen without its dependencies: autogen-core pins protobuf~=5.29, lmcache (via google-cloud-bigtable)
-# needs protobuf>=6.33; AutoGen runs on 6 (tests/test_frameworks_autogen.py), the rest is in [test].
+# needs protobuf>=6.33; AutoGen runs on 6 (tests/frameworks/test_frameworks_autogen.py), the rest is in [test].
 $(TEST_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet torch==2.13.0 -e '.[test,lmcache]'
 	$(BIN)/pip install --quiet --no-deps autogen-agentchat==0.7.5 autogen-core==0.7.5 autogen-ext==0.7.5
 	touch $@
 
 # CrewAI in a virtualenv of its own: crewai 1.15 needs the openai SDK below 3 and kvgate's test extras pin 3;
-# tests/test_frameworks_crewai.py runs a crew in it as a subprocess (about 1 GB, 95 s to install).
+# tests/frameworks/test_frameworks_crewai.py runs a crew in it as a subprocess (about 1 GB, 95 s to install).
 CREWAI := .venv-crewai
 $(CREWAI)/.installed:
 	$(PYTHON) -m venv $(CREWAI)

@@ -7,7 +7,7 @@ Here each (sequence, KV head) reads its keys in `splits` parts side by side (at 
 query heads of its group together (one `tl.dot` of [16, head_dim] by [head_dim, 64]); the parts' outputs are
 merged by their log-sum-exp. Every shape depends on the batch's shape alone, so a CUDA graph replays it.
 The torch twin, `decode_attention_torch`, is SDPA over the same mask (what a CPU runs); tests compare the two
-under TRITON_INTERPRET=1 (tests/test_kernels.py).
+under TRITON_INTERPRET=1 (tests/unit/test_kernels.py).
 """
 
 from __future__ import annotations

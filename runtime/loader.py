@@ -186,7 +186,7 @@ def dtype_of(config: EngineConfig) -> torch.dtype:
 # entries each by default. The engine's shapes are not a fixed set: a step's row count M is whatever its prefill
 # chunks and decodes add up to, and each new M is a new entry for each of a layer's weight shapes (5 in a Llama:
 # q and o, k and v, gate and up, down, the LM head). Measured on a 2-core AVX512-BF16 CPU (torch 2.13, the default
-# model, tests/test_load.py's load of 8 questions from 6 clients, 5 s rounds): ~0.6 MiB a shape in the two caches
+# model, tests/server/test_load.py's load of 8 questions from 6 clients, 5 s rounds): ~0.6 MiB a shape in the two caches
 # together, whatever the weight's size (576x192 to 576x49152), so a bf16 server's RSS rose ~1.5 MiB a second, +120
 # MiB over its first 170 requests and still rising, towards ~700 MiB when both caches hold 1024 entries; a float32
 # one stayed flat, and so did bf16 with the caches off (but at 0.7x the requests a second: every layer compiled its

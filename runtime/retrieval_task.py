@@ -11,7 +11,7 @@ CacheClip judge reuse so, on needle and RULER-style tasks).
 
 Filler: passages of the shared MuSiQue set (../shared/data/musique_rag_dev.jsonl) when it is there,
 picked by the seed, else sentences made here from a fixed vocabulary (a smoke run needs no data). Names
-and numbers are made here by the seed: nothing in the tests' corpus (tests/corpus.py) or in MuSiQue holds
+and numbers are made here by the seed: nothing in the tests' corpus (tests/helpers/corpus.py) or in MuSiQue holds
 them, so a model cannot answer from memory. Deterministic: the same arguments give the same tasks.
 
 `kvgate bench fidelity --retrieval N` reports it per reuse mode (`measure_tasks`); `kvgate calibrate` can

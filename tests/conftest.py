@@ -13,8 +13,8 @@ import pytest
 
 from kvgate.gateway import settings_flat
 from kvgate.gateway.settings import Settings, user_cache_dir
-from tests import corpus, questions
-from tests.redis_server import RedisServer
+from tests.helpers import corpus, questions
+from tests.helpers.redis_server import RedisServer
 
 if TYPE_CHECKING:  # imported by the fixtures that use them: pytest-xdist's controller, which runs no test,
     # loads this file before it starts the workers, and torch with transformers would hold them back ~10 s
@@ -26,27 +26,27 @@ if TYPE_CHECKING:  # imported by the fixtures that use them: pytest-xdist's cont
 # default it orders files by their number of tests, which left the slowest, a few long tests each, to the end,
 # and the run then ended on one worker with a minute of work left while the other idled).
 SLOWEST_FIRST = (
-    "test_fuzz.py",
-    "test_cli.py",
-    "test_tiers.py",
-    "test_tools_gateway.py",
-    "test_semantic_gateway.py",
-    "test_load.py",
+    "server/test_fuzz.py",
+    "server/test_cli.py",
+    "server/test_tiers.py",
+    "server/test_tools_gateway.py",
+    "server/test_semantic_gateway.py",
+    "server/test_load.py",
     "abuse/test_workers_abuse.py",
-    "test_chunks_gateway.py",
-    "test_responses.py",
-    "test_blend.py",
-    "test_tenant_kv.py",
+    "server/test_chunks_gateway.py",
+    "server/test_responses.py",
+    "unit/test_blend.py",
+    "server/test_tenant_kv.py",
     "abuse/test_caches.py",
-    "test_agents_gateway.py",
-    "test_engine.py",
-    "test_workers.py",
-    "test_fleet.py",
-    "test_gateway.py",
-    "test_semantic_redis.py",
+    "server/test_agents_gateway.py",
+    "unit/test_engine.py",
+    "server/test_workers.py",
+    "server/test_fleet.py",
+    "server/test_gateway.py",
+    "unit/test_semantic_redis.py",
     "abuse/test_flood.py",
     "abuse/test_stalls.py",
-    "test_frameworks_crewai.py",
+    "frameworks/test_frameworks_crewai.py",
 )
 LINKED = ("models", "bench")  # made once, shared: the converted model, the benchmarks' embeddings
 COPIED = ("digests",)  # the files' hashes (the model's is seconds of sha256): copied, so never written back
@@ -85,14 +85,14 @@ def run_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         # With no calibration a server blends only at ratios its shadow checks opened (runtime/quality.py), and
         # these servers check nothing (`settings` below): blends left to them run at an operator's 15%, the
         # ratio of an uncalibrated engine before, as the tests of what a blend does expect. A server's own
-        # choice is tested on servers that set it back (tests/test_calibrating.py, test_calibration.py).
+        # choice is tested on servers that set it back (tests/server/test_calibrating.py, unit/test_calibration.py).
         env.setenv("KVGATE_CACHES__RECOMPUTE_RATIO", "0.15")
         yield ours
 
 
 @pytest.fixture(scope="session", autouse=True)
 def grouped_names() -> Iterator[None]:
-    """The suite spells settings by their groups: only tests/test_settings.py uses the flat names of before
+    """The suite spells settings by their groups: only tests/unit/test_settings.py uses the flat names of before
     (a developer's own KVGATE_* variables aside)."""
     yield
     flat = sorted(name for name in settings_flat.noticed if not name.startswith("KVGATE_"))
@@ -101,7 +101,7 @@ def grouped_names() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where the generated evaluation text is written, once per run (tests/corpus.py)."""
+    """Where the generated evaluation text is written, once per run (tests/helpers/corpus.py)."""
     return tmp_path_factory.mktemp("corpus")
 
 
@@ -127,14 +127,14 @@ def qqp(corpus_dir: Path) -> Path:
 def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
     # Document KV on disk starts empty each run; the cache directory is the run's own (run_cache).
     # The semantic cache is off here: these tests send the same temperature-0 requests again and
-    # compare what the model does; tests/test_semantic_gateway.py runs servers with it on.
+    # compare what the model does; tests/server/test_semantic_gateway.py runs servers with it on.
     # Prefix caching and content-defined chunks are off here too: these tests count the reuse of what they
-    # are about (documents, programs, spans) and compare first turns with nothing reused; tests/test_prefix*.py,
-    # test_chunks*.py, test_documents.py and test_tenant_kv.py run a server with both on (`prefix_engine`),
-    # as every server has them by default.
+    # are about (documents, programs, spans) and compare first turns with nothing reused;
+    # tests/*/test_prefix*.py, test_chunks*.py, server/test_documents.py and server/test_tenant_kv.py run a server
+    # with both on (`prefix_engine`), as every server has them by default.
     # The quality gate checks nothing on these shared servers: what it withholds would depend on the tests
     # run before (an agent's first requests are all checked); it is tested on engines of its own
-    # (test_quality.py, test_shadow.py, test_fidelity.py).
+    # (unit/test_quality.py, unit/test_shadow.py, unit/test_fidelity.py).
     chunks = tmp_path_factory.mktemp("chunks")
     caches = {"dir": chunks, "prefix_caching": False, "content_chunks": False}
     off = {"semantic_cache": {"enabled": False}, "quality": {"shadow_rate": 0.0}}

@@ -28,11 +28,11 @@ from kvgate.chunk_cache.disk_tier import LOCK
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel, load
-from tests import loopback
-from tests.entries import chunk
-from tests.servers import free_port, serving
-from tests.test_families import FAMILIES, saved
-from tests.waiting import wait_healthy
+from tests.helpers import loopback
+from tests.helpers.entries import chunk
+from tests.helpers.servers import free_port, serving
+from tests.helpers.waiting import wait_healthy
+from tests.unit.test_families import FAMILIES, saved
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = (
@@ -195,7 +195,7 @@ def test_a_memory_only_document_says_it_is_not_durable(loaded: LoadedModel, tmp_
 WRITER = """
 import sys
 from kvgate.chunk_cache import DiskTier
-from tests.entries import chunk
+from tests.helpers.entries import chunk
 root, budget, name, count, tokens = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 disk = DiskTier(root, budget)
 print("open", flush=True)

@@ -22,7 +22,7 @@ from kvgate.gateway.local import Local
 from kvgate.gateway.proxy import Upstreams
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
-from tests import loopback, servers
+from tests.helpers import loopback, servers
 
 KEYS = {"sk-flood": "flood", "sk-calm": "calm", "sk-third": "third"}
 SHARE, TOTAL = 32, 40  # sequences in flight: per tenant, in all

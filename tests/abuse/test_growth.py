@@ -11,8 +11,8 @@ from kvgate.chunk_cache import ChunkStore, MemoryTier
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.prefix import Blocks
 from kvgate.runtime.reuse import Remembered
-from tests.test_chunk_cache import Clock
-from tests.test_programs import CALL, RESULT, FixedCosts, keep
+from tests.unit.test_chunk_cache import Clock
+from tests.unit.test_programs import CALL, RESULT, FixedCosts, keep
 
 
 def test_programs_past_the_bound_are_forgotten_oldest_first_and_their_pins_released() -> None:

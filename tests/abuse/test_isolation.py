@@ -15,7 +15,7 @@ import pytest
 
 from kvgate.gateway.keys import SECRET_FILE
 from kvgate.gateway.settings import Settings
-from tests.servers import serving
+from tests.helpers.servers import serving
 
 ADMIN = "sk-iso-admin"
 KEYS = {

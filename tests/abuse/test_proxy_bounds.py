@@ -20,9 +20,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvgate.gateway.settings import Settings
-from tests import loopback
-from tests.servers import free_port, serving
-from tests.waiting import wait_until
+from tests.helpers import loopback
+from tests.helpers.servers import free_port, serving
+from tests.helpers.waiting import wait_until
 
 LIMIT = 1 << 20  # the front's proxy_max_response_bytes here
 PIECE = 64 << 10

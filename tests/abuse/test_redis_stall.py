@@ -16,8 +16,8 @@ import pytest
 import redis
 
 from kvgate.gateway.settings import Settings
-from tests.redis_server import RedisServer
-from tests.servers import serving
+from tests.helpers.redis_server import RedisServer
+from tests.helpers.servers import serving
 
 PASSWORD = "s3cret-pw-4711"
 ADMIN = "sk-stall-admin"

@@ -22,7 +22,7 @@ from kvgate.runtime.engine import Engine
 from kvgate.semantic_cache import Category, MiniLM, SemanticCache, SemanticCacheConfig, refusal
 from kvgate.semantic_cache.guards import words
 from kvgate.semantic_cache.index import Flat, Graph
-from tests.servers import serving
+from tests.helpers.servers import serving
 
 QUESTION = "What is the capital of France?"
 ADMIN = "admin-secret"

@@ -18,8 +18,8 @@ from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.model import Run, forward
-from tests import loopback
-from tests.servers import serving
+from tests.helpers import loopback
+from tests.helpers.servers import serving
 
 BUDGET = 32  # tokens a step computes: a 600-token document takes 16 steps or more
 TEXT = " ".join(f"Entry {i}: the {('red', 'green', 'blue', 'amber')[i % 4]} lamp number {i * 7}." for i in range(50))

@@ -23,8 +23,8 @@ import pytest
 
 from kvgate.bench.upstream import serve_upstream
 from kvgate.gateway.workers import Worker, serving
-from tests import loopback
-from tests.waiting import wait_until
+from tests.helpers import loopback
+from tests.helpers.waiting import wait_until
 
 FRONT = {
     "proxy": {"workers": 1},

@@ -1,0 +1,1 @@
+"""The real frameworks and SDKs as clients of a real kvgate server."""

@@ -1,0 +1,1 @@
+"""What the tests share: servers on loopback, Redis, corpora, waiting, fakes that inject failures."""
