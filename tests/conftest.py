@@ -159,7 +159,7 @@ def engine(settings: Settings, loaded: LoadedModel) -> Iterator[Engine]:
 
 @pytest.fixture(scope="session")
 def base_url(settings: Settings, engine: Engine) -> Iterator[str]:
-    from tests.servers import serving
+    from tests.helpers.servers import serving
 
     with serving(settings, engine) as url:
         yield url
@@ -182,7 +182,7 @@ def prefix_engine(prefix_settings: Settings, loaded: LoadedModel) -> Iterator[En
 
 @pytest.fixture(scope="session")
 def prefix_base_url(prefix_settings: Settings, prefix_engine: Engine) -> Iterator[str]:
-    from tests.servers import serving
+    from tests.helpers.servers import serving
 
     with serving(prefix_settings, prefix_engine) as url:
         yield url
