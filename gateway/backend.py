@@ -6,6 +6,7 @@ accounting, a client that hangs up. A backend turns an OpenAI request into an Op
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -44,7 +45,7 @@ class Call:
         return self.body.get("stream") is True
 
 
-@dataclass
+@dataclass(frozen=True)
 class Outcome:
     """What an answer came to, once it ended: what the gateway counts and keeps."""
 
@@ -55,17 +56,26 @@ class Outcome:
     done: bool = False  # the answer ended as it should (not an error, not cut short)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Reply:
-    """A backend's answer: whole (`content`) or an SSE stream (`events`, then `outcome` is filled).
-    `close` lets go of whatever the answer holds (an upstream's connection, the engine's sequences)."""
+    """A backend's answer: whole (`content`) or an SSE stream (`events`). `settled`: what it came to, a whole
+    answer's at once, a stream's a future its events settle as they end. `close` lets go of whatever the answer
+    holds (an upstream's connection, the engine's sequences)."""
 
     status: int = 200
     headers: dict[str, str] = field(default_factory=dict)
     content: bytes | None = None
     events: AsyncIterator[bytes] | None = None
-    outcome: Outcome = field(default_factory=Outcome)
+    settled: Outcome | asyncio.Future[Outcome] = field(default_factory=Outcome)
     close: Callable[[], Awaitable[None]] | None = None
+
+    @property
+    def outcome(self) -> Outcome:
+        """What the answer came to; a stream not ended (or ended by an error) came to nothing done."""
+        settled = self.settled
+        if isinstance(settled, Outcome):
+            return settled
+        return settled.result() if settled.done() and not settled.cancelled() else Outcome()
 
 
 class Backend(ABC):

@@ -28,7 +28,7 @@ import numpy as np
 from fastapi.exceptions import RequestValidationError
 from pydantic import Field, ValidationError, field_validator
 
-from kvgate.gateway.backend import Call, Reply
+from kvgate.gateway.backend import Call, Outcome, Reply
 from kvgate.gateway.errors import APIError, bad_request, from_validation
 from kvgate.gateway.protocol import Body
 from kvgate.gateway.render import dumps
@@ -204,9 +204,7 @@ class Embeddings:
         tokens = sum(counts)
         usage = {"prompt_tokens": tokens, "total_tokens": tokens}
         content = await asyncio.to_thread(render, vectors, body.encoding_format, self.name, usage)
-        reply = Reply(headers=JSON, content=content)
-        reply.outcome.usage, reply.outcome.done = usage, True
-        return reply
+        return Reply(headers=JSON, content=content, settled=Outcome(usage=usage, done=True))
 
 
 def count_tokens(embedder: Embedder, texts: list[str]) -> list[int]:

@@ -16,7 +16,7 @@ from prometheus_client.core import Metric
 from kvgate.agents import Turn
 from kvgate.gateway.admission import Admission
 from kvgate.gateway.agent_turns import AgentTurns, Ended
-from kvgate.gateway.backend import Backend, Call, Reply
+from kvgate.gateway.backend import Backend, Call, Outcome, Reply
 from kvgate.gateway.choices import (
     CHAT_CHUNK,
     COMPLETION_CHUNK,
@@ -151,7 +151,7 @@ class Local(Backend):
         return Reply(
             headers=JSON | reuse_headers(done[0].report) | headers,
             content=dumps(payload),
-            outcome=outcome(done[0], counted),
+            settled=outcome(done[0], counted),
         )
 
     async def complete(self, call: Call, body: CompletionRequest) -> Reply:
@@ -174,7 +174,7 @@ class Local(Backend):
         counted = usage(prompt_tokens, sum(f.completion_tokens for f in done.values()))
         payload = completion_answer(head, done, counted, echo, self.token_bytes if body.logprobs is not None else None)
         return Reply(
-            headers=JSON | reuse_headers(done[0].report), content=dumps(payload), outcome=outcome(done[0], counted)
+            headers=JSON | reuse_headers(done[0].report), content=dumps(payload), settled=outcome(done[0], counted)
         )
 
     def choices(
@@ -197,8 +197,7 @@ class Local(Backend):
             try:
                 self.engine.check(len(ids), max_tokens)
             except InvalidPrompt as exc:
-                exc.at(param)
-                raise
+                raise exc.at(param) from exc
             limit = max_tokens or self.engine.max_model_len - len(ids)
             for i in range(body.n):
                 index = p * body.n + i
@@ -249,7 +248,7 @@ class Local(Backend):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         outputs = run(self.engine, choices, self.admission)
         first = await anext(outputs)
-        reply = Reply(headers=reuse_headers(first[1].report) | (headers or {}), close=outputs.aclose)
+        settled: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
 
         def event(choice: dict[str, Any]) -> bytes:
             chunk = {**head, "choices": [choice]}
@@ -276,13 +275,13 @@ class Local(Backend):
                     yield sse({**head, "choices": [], "usage": counted}).encode()
                 if ended is not None:
                     await ended(whole.text)
-                reply.outcome = outcome(whole, counted)
+                settled.set_result(outcome(whole, counted))
             except Exception as exc:
                 yield sse_error(exc).encode()
             yield sse("[DONE]").encode()
 
-        reply.events = events()
-        return reply
+        headers = reuse_headers(first[1].report) | (headers or {})
+        return Reply(headers=headers, events=events(), settled=settled, close=outputs.aclose)
 
     # ---- documents -----------------------------------------------------------------------
 

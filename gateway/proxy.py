@@ -9,6 +9,7 @@ import json
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import replace
 from functools import partial
 from typing import Any
 from urllib.parse import quote
@@ -101,9 +102,8 @@ class Upstreams(Backend):
             raise
         if reply.events is None:
             held.close()
-        else:
-            reply.close = releasing(reply.close, held.close)
-        return reply
+            return reply
+        return replace(reply, close=releasing(reply.close, held.close))
 
     async def forward(self, call: Call) -> Reply:
         body, model = call.body, call.model
@@ -138,13 +138,12 @@ class Upstreams(Backend):
         )
         await self.router.served(key, opened.upstream.name)  # the next turn goes where this one's KV is
         relay = Relay(opened, keep_usage=asked_usage, keep_text=call.keep, limit=self.limit)
-        reply = Reply(opened.status, passed_on(opened), outcome=relay.outcome, close=opened.close)
         if not call.stream or opened.status != 200:
-            reply.content = await whole(opened, self.limit)
-            relay.read_whole(reply.content)
-        else:
-            reply.events = relay.events()
-        return reply
+            content = await whole(opened, self.limit)
+            return Reply(
+                opened.status, passed_on(opened), content, settled=relay.read_whole(content), close=opened.close
+            )
+        return Reply(opened.status, passed_on(opened), events=relay.events(), settled=relay.settled, close=opened.close)
 
     async def count_tokens(self, call: Call) -> int:
         """Counted where the model is, by the upstream's /tokenize (vLLM's, SGLang's and kvgate's): the chat

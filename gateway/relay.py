@@ -3,9 +3,11 @@ its SSE events as they arrive, each passed on at once, its usage and text noted.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
+from typing import Any
 
 from kvgate.gateway.backend import Outcome
 from kvgate.gateway.errors import APIError
@@ -99,14 +101,22 @@ class Relay:
     """An upstream's answer on its way to the client: a whole one read at once; a stream passed on
     event by event, its usage chunk read (and dropped if the client did not ask for it), an upstream
     failing mid-stream (or sending an event over `limit` bytes) ending it with an error event. What it
-    came to is its `outcome`; the text kept of it (`keep_text`) is at most `limit` bytes too."""
+    came to settles `settled` as the stream ends (`outcome`); the text kept of it (`keep_text`) is at most `limit`
+    bytes too."""
 
     def __init__(self, opened: OpenedStream, keep_usage: bool, keep_text: bool, limit: int) -> None:
         self.opened, self.keep_usage, self.keep_text, self.limit = opened, keep_usage, keep_text, limit
-        self.outcome = Outcome()
+        self.settled: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         self.text: list[str] = []
         self.kept = 0  # the text's length so far
         self.cut = False  # the text outgrew the limit: not kept, the outcome is not whole
+        self.usage: dict[str, Any] = {}
+        self.finish_reason: str | None = None
+        self.done = False  # [DONE] came, the text whole
+
+    def outcome(self) -> Outcome:
+        text = "".join(self.text) if self.done else ""
+        return Outcome(text, self.finish_reason, self.usage, done=self.done)
 
     async def events(self) -> AsyncIterator[bytes]:
         events = Events(self.limit)
@@ -121,7 +131,7 @@ class Relay:
                 if (passed := self.read(event)) is not None:
                     yield passed + b"\n\n"
         except (UpstreamFailed, OverflowError) as exc:
-            self.outcome.done = False
+            self.done = False
             if isinstance(exc, UpstreamFailed):
                 error = failed(self.opened, exc, "mid-stream")
             else:
@@ -129,11 +139,11 @@ class Relay:
             yield sse(error.body()).encode()
             yield sse("[DONE]").encode()
         finally:
+            self.settled.set_result(self.outcome())
             await self.opened.close()
 
     def read(self, event: bytes) -> bytes | None:
         """Note what an event says; what of it to pass on (None: nothing)."""
-        outcome = self.outcome
         data = event_data(event)
         if data is None:
             # SSE dispatches no event without data; the openai SDK reads one with an `id:` as an empty
@@ -141,7 +151,7 @@ class Relay:
             comments = [line for line in event.splitlines() if line.startswith(b":")]
             return b"\n".join(comments) or None
         if data.strip() == b"[DONE]":
-            outcome.done, outcome.text = not self.cut, "".join(self.text)
+            self.done = not self.cut
             return event
         if not self.keep_text and b'"usage"' not in data:
             return event
@@ -152,13 +162,13 @@ class Relay:
         if not isinstance(chunk, dict):
             return event
         if isinstance(chunk.get("usage"), dict):
-            outcome.usage = chunk["usage"]
+            self.usage = chunk["usage"]
             if not chunk.get("choices"):
                 return event if self.keep_usage else None
         for choice in chunk.get("choices") or ():
             if isinstance(choice, dict) and choice.get("index", 0) == 0:
                 self.keep((choice.get("delta") or {}).get("content") or "")
-                outcome.finish_reason = choice.get("finish_reason") or outcome.finish_reason
+                self.finish_reason = choice.get("finish_reason") or self.finish_reason
         return event
 
     def keep(self, text: str) -> None:
@@ -167,17 +177,19 @@ class Relay:
         if self.kept > self.limit:
             self.keep_text, self.cut, self.text = False, True, []
 
-    def read_whole(self, content: bytes) -> None:
+    def read_whole(self, content: bytes) -> Outcome:
+        """What a whole answer came to."""
         if self.opened.status != 200:
-            return
+            return Outcome()
         try:
             answer = json.loads(content)
         except ValueError:
-            return
+            return Outcome()
         if not isinstance(answer, dict):
-            return
-        self.outcome.usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else {}
+            return Outcome()
+        usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else {}
         choice = (answer.get("choices") or [{}])[0]
-        if isinstance(choice, dict):
-            self.outcome.text = (choice.get("message") or {}).get("content") or ""
-            self.outcome.finish_reason, self.outcome.done = choice.get("finish_reason"), True
+        if not isinstance(choice, dict):
+            return Outcome(usage=usage)
+        text = (choice.get("message") or {}).get("content") or ""
+        return Outcome(text, choice.get("finish_reason"), usage, done=True)

@@ -154,11 +154,11 @@ def chat_request(chat: dict[str, Any]) -> ChatCompletionRequest:
     except APIError as exc:
         said, (head, _, rest) = exc.param or "", (exc.param or "").partition(".")
         if head == "messages":
-            exc.param = "input"
-        elif head in RENAMED:
+            raise exc.named("input", exc.message) from exc
+        if head in RENAMED:
             name, nested = RENAMED[head]
-            exc.param = ".".join(p for p in (name, rest.replace(nested, "", 1) if nested else rest) if p)
-            exc.message = exc.message.replace(f"'{said}'", f"'{exc.param}'")
+            param = ".".join(p for p in (name, rest.replace(nested, "", 1) if nested else rest) if p)
+            raise exc.named(param, exc.message.replace(f"'{said}'", f"'{param}'")) from exc
         raise
 
 

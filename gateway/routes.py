@@ -250,7 +250,7 @@ async def generate(request: Request, call: Call) -> Generated:
     if cached.status != "look":
         return Generated(call, cached, await unless_gone(request, backend.generate(call)))
     if not request.app.state.settings.semantic_cache.race:
-        await semantic.look(request, cache, cached, backend.queued())
+        cached = await semantic.look(request, cache, cached, backend.queued())
         if cached.status == "hit":
             return served(request, call, cached)
         return Generated(call, cached, await unless_gone(request, backend.generate(call)))
@@ -258,9 +258,11 @@ async def generate(request: Request, call: Call) -> Generated:
     answering = asyncio.create_task(unless_gone(request, backend.generate(call)))
     try:
         await asyncio.wait({looking, answering}, return_when=asyncio.FIRST_COMPLETED)
-        if looking.done() and not looking.exception() and cached.status == "hit":
-            await withdraw(answering)
-            return served(request, call, cached)
+        if looking.done() and not looking.exception():
+            cached = looking.result()
+            if cached.status == "hit":
+                await withdraw(answering)
+                return served(request, call, cached)
         return Generated(call, cached, await answering, looking=looking)
     except BaseException:
         looking.cancel()
@@ -345,13 +347,14 @@ async def keep(request: Request, got: Generated) -> None:
     it, if any: what it found decides what is learnt)."""
     if got.hit or not got.reply.outcome.done:
         return
+    cached = got.cached
     if got.looking is not None:
         try:
-            await got.looking
+            cached = await got.looking
         except Exception:
             log.warning("semantic cache: the lookup beside request %s failed", got.call.request_id, exc_info=True)
             return
-    await semantic.keep(request.app.state.semantic, got.cached, got.reply.outcome)
+    await semantic.keep(request.app.state.semantic, cached, got.reply.outcome)
 
 
 class Relayed(StreamingResponse):

@@ -34,7 +34,7 @@ PIECE = re.compile(r"\s*\S+\s*|\s+")  # how a cached answer is cut into streamed
 QUERY_CHARS = 800
 
 
-@dataclass
+@dataclass(frozen=True)
 class Consult:
     """The semantic cache's part in one request."""
 
@@ -87,28 +87,28 @@ def plan(
     found = scope_of(identity, body, messages, request.state.tenant)
     if found is None:
         return Consult(headers={"x-kvgate-cache": "bypass"})
-    said = directives(request)
-    out = Consult(store="no-store" not in said, tenant=request.state.tenant, scope=found[0], query=found[1])
-    out.headers["x-kvgate-cache"] = "bypass" if "no-cache" in said else "miss"
-    out.status = "bypass" if "no-cache" in said else "look"
-    return out
+    said, (scope, query) = directives(request), found
+    status, header = ("bypass", "bypass") if "no-cache" in said else ("look", "miss")
+    tenant = request.state.tenant
+    headers = {"x-kvgate-cache": header}
+    return Consult(status, "no-store" not in said, tenant, scope, query, headers=headers)
 
 
-async def look(request: Request, cache: SemanticCache, out: Consult, queued: int) -> Consult:
-    """The lookup of a planned consult (status "look"): a hit, a miss, or a would-be hit to verify.
+async def look(request: Request, cache: SemanticCache, planned: Consult, queued: int) -> Consult:
+    """What the lookup of a planned consult (status "look") found: a hit, a miss, or a would-be hit to verify.
     `queued` is the load it is under."""
-    out.found = lookup = await asyncio.to_thread(cache.lookup, out.scope, out.query, None, queued)
-    out.status = "hit" if lookup.hit else "verify" if lookup.verify else "miss"
-    request.app.state.metrics.lookups.labels("semantic", out.status).inc()
-    out.headers = {"x-kvgate-cache": out.status, "x-kvgate-cache-category": lookup.category.name}
+    lookup = await asyncio.to_thread(cache.lookup, planned.scope, planned.query, None, queued)
+    status = "hit" if lookup.hit else "verify" if lookup.verify else "miss"
+    request.app.state.metrics.lookups.labels("semantic", status).inc()
+    headers = {"x-kvgate-cache": status, "x-kvgate-cache-category": lookup.category.name}
     if lookup.entry is not None:
-        out.headers |= {"x-kvgate-similarity": f"{lookup.similarity:.4f}", "x-kvgate-cache-entry": lookup.entry.id}
-        out.headers["x-kvgate-cache-score"] = f"{lookup.score:.4f}"
+        headers |= {"x-kvgate-similarity": f"{lookup.similarity:.4f}", "x-kvgate-cache-entry": lookup.entry.id}
+        headers["x-kvgate-cache-score"] = f"{lookup.score:.4f}"
         if lookup.verify:  # served, and the model answers it later to check it
-            out.headers["x-kvgate-cache-check"] = "beside"
+            headers["x-kvgate-cache-check"] = "beside"
     elif lookup.refused:
-        out.headers["x-kvgate-cache-refused"] = lookup.refused
-    return out
+        headers["x-kvgate-cache-refused"] = lookup.refused
+    return replace(planned, status=status, found=lookup, headers=headers)
 
 
 async def keep(cache: SemanticCache | None, consult: Consult, outcome: Outcome) -> None:

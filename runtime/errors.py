@@ -19,10 +19,16 @@ class ServerError(Exception):
             self.code = code
 
     def at(self, param: str) -> ServerError:
-        """This error naming `param` as the field at fault, where it named none (the caller knows the request)."""
-        if self.param is None:
-            self.param = param
-        return self
+        """This error naming `param` as the field at fault where it named none (the caller knows the request): a
+        new one, raised from this."""
+        return self if self.param is not None else self.named(param, self.message)
+
+    def named(self, param: str | None, message: str) -> ServerError:
+        """The same error with another field at fault and message (as another API names the field)."""
+        made = ServerError.__new__(type(self))
+        ServerError.__init__(made, message, param, self.code)
+        made.__dict__.update({k: v for k, v in vars(self).items() if k not in ("message", "param", "code")})
+        return made
 
 
 class InvalidPrompt(ServerError, ValueError):
