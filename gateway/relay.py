@@ -114,6 +114,10 @@ class Relay:
         self.finish_reason: str | None = None
         self.done = False  # [DONE] came, the text whole
 
+    def settle(self) -> None:
+        if not self.settled.done():
+            self.settled.set_result(self.outcome())
+
     def outcome(self) -> Outcome:
         text = "".join(self.text) if self.done else ""
         return Outcome(text, self.finish_reason, self.usage, done=self.done)
@@ -139,7 +143,7 @@ class Relay:
             yield sse(error.body()).encode()
             yield sse("[DONE]").encode()
         finally:
-            self.settled.set_result(self.outcome())
+            self.settle()
             await self.opened.close()
 
     def read(self, event: bytes) -> bytes | None:
@@ -150,8 +154,9 @@ class Relay:
             # chunk and fails on it. Its comments (keep-alives) still keep the client's connection open.
             comments = [line for line in event.splitlines() if line.startswith(b":")]
             return b"\n".join(comments) or None
-        if data.strip() == b"[DONE]":
+        if data.strip() == b"[DONE]":  # settled before it goes out: the route counts and keeps the answer then
             self.done = not self.cut
+            self.settle()
             return event
         if not self.keep_text and b'"usage"' not in data:
             return event
