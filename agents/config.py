@@ -42,14 +42,12 @@ class AgentConfig:
     max_tenants: int = 1024
     max_tools: int = 256
     # Programs in flight, per context memory holds (agents/flight.py): a new program waits for room
-    # past that many (0: no limit); one waiting on a tool counts until the tool is this late.
+    # past that many (0: no limit); one waiting on a tool counts until the tool is this late. What a
+    # `Programs` given no door of its own builds one with (the simulator's); a server's is the engine's.
     in_flight: float = 0.0
     in_flight_linger_s: float = 60.0
     # How fast KV reads back from the tier below memory, when there is one.
     reload_bytes_per_s: float = 1e9
-    # KVCOMM: agents reuse the KV of messages other agents read or wrote, offset by anchors.
-    kvcomm: bool = True
-    anchors: AnchorConfig = AnchorConfig()
     # Programs without markup (agents/conversations.py): requests that resend an answered turn's
     # history continue its program; so many answered turns are remembered for it.
     implicit_programs: bool = True

@@ -217,10 +217,6 @@ class Settings(BaseSettings):
         return AgentConfig(
             pins=PinPolicy(a.pins, a.fixed_ttl_s, a.max_ttl_s, a.memory_weight),
             prior=Prior(median_s=a.tool_prior_s),
-            kvcomm=a.kvcomm,
-            anchors=self.anchor_config(),
-            in_flight=a.in_flight,
-            in_flight_linger_s=a.in_flight_linger_s,
             implicit_programs=a.implicit_programs,
             conversations=a.conversations,
         )

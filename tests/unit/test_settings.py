@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pydantic
 import pytest
 
+from kvgate.agents.config import AnchorConfig
 from kvgate.gateway import settings_flat
 from kvgate.gateway.settings import FLAT, GROUPS, Settings
 
@@ -160,7 +161,7 @@ def test_the_answer_target_of_agent_programs_reaches_the_gate() -> None:
 
 def test_kvcomm_anchors_and_programs_in_flight_are_the_engines_own() -> None:
     """The engine builds its anchor pool and its door for programs from its config: nothing sets them on it."""
-    assert Settings().engine_config().anchors == Settings().agent_config().anchors
+    assert Settings().engine_config().anchors == AnchorConfig()
     assert Settings(agents={"kvcomm": False}).engine_config().anchors is None
     assert Settings(agents={"kvcomm_anchors": 3}).engine_config().anchors.max_anchors == 3
     config = Settings(agents={"in_flight": 0.5, "in_flight_linger_s": 9}).engine_config()
