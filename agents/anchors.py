@@ -31,6 +31,9 @@ class Anchor:
     uses: int = 0
     born: int = 0
 
+    def use(self) -> None:
+        self.uses += 1
+
     @property
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in self.deviations.values())
@@ -91,7 +94,7 @@ class AnchorPool:
             weights = torch.softmax(-d / self.config.temperature, 0).tolist()
             chosen = [(a, w) for a, w in zip(found, weights) if w > 1e-4]
             for a, _ in chosen:
-                a.uses += 1
+                a.use()
             tokens = source.tokens
             keys = sum(w * aligned(a.deviations[reader][0], tokens) for a, w in chosen)
             values = sum(w * aligned(a.deviations[reader][1], tokens) for a, w in chosen)

@@ -69,6 +69,26 @@ class Program:
     pinned_until: float = -math.inf
     late_s: float = math.inf  # its tools' results are late this long after its latest turn ended
 
+    def began(self, now: float, tools: tuple[str, ...]) -> None:
+        """A turn came, after a call of `tools` (its latest call's, where it did not come back from one)."""
+        self.tools, self.seen, self.turns = tools, now, self.turns + 1
+
+    def late_after(self, seconds: float) -> None:
+        self.late_s = seconds
+
+    def pin(self, until: float) -> None:
+        """Its context pinned until then (-inf: not pinned)."""
+        self.pinned_until = until
+
+    def end(self, now: float) -> None:
+        """Its turn ended: a pin held for the turn ends with it."""
+        self.ended, self.seen, self.pinned_until = now, now, -math.inf
+
+    def keep(self, context: str) -> str:
+        """Its latest stored context is now `context`: the one before, to delete ("" when the same)."""
+        stale, self.context = (self.context, context) if self.context != context else ("", self.context)
+        return stale
+
 
 def tool_return(messages: list[dict[str, Any]]) -> tuple[str, ...] | None:
     """The tools whose results end these messages (OpenAI format: an assistant turn with
@@ -150,10 +170,10 @@ class Programs:
                 if seen is not None:
                     seen.add(p.tools, tools, now - p.ended)
                 self.returned += 1
-                p.tools = tools
-            p.seen = now
+            else:
+                tools = p.tools  # not back from a call: its latest call's stay
+            p.began(now, tools)
             self.programs.move_to_end((tenant, program_id))
-            p.turns += 1
             self.flight.back(tenant, p.id)
             # Program FCFS admits a pinned program's turn first; so too one that holds the context memory
             # kept unpinned until admitted (under overload program order is most of what pins win: a
@@ -163,7 +183,7 @@ class Programs:
             pinned = resident and (p.pinned_until > now or self.hold(p, now))
             waits, p_back = predictor.after(p.tools)
             # Back within this, or gone: the wait by which most returns after such calls have come.
-            p.late_s = next((w for w, q in zip(waits, p_back) if q >= LATE), math.inf)
+            p.late_after(next((w for w, q in zip(waits, p_back) if q >= LATE), math.inf))
             ttl = self.ttl(waits, p_back, prompt_tokens)
             keep = context_key(tenant, p.id, p.turns)
             return Turn(p.id, p.arrival, tenant, p.turns == 1, pinned, p.context, keep, ttl)
@@ -186,7 +206,7 @@ class Programs:
         idle = now - p.ended if p.ended is not None else 0.0
         if self.costs.queue_s() < residence - idle:
             return False
-        p.pinned_until = now + pins.max_ttl_s  # a turn that never starts lets go at this deadline
+        p.pin(now + pins.max_ttl_s)  # a turn that never starts lets go at this deadline
         heapq.heappush(self.deadlines, (p.pinned_until, p.tenant, p.id))
         self.wake.set()
         return self.store.pin(p.context, p.pinned_until)
@@ -249,14 +269,12 @@ class Programs:
                 self.flight.wait(tenant, p.id, p.late_s)
             if p is None or not turn.keep:
                 return
-            p.ended, p.seen = now, now
-            p.pinned_until = -math.inf  # a pin held for the turn ends with it
+            p.end(now)
             self.programs.move_to_end((tenant, turn.program))
             if not kept:
                 return
-            if p.context != turn.keep:
-                stale, p.context = p.context, turn.keep
-            p.pinned_until = now + turn.pin_s if turn.pin_s > 0 else -math.inf
+            stale = p.keep(turn.keep)
+            p.pin(now + turn.pin_s if turn.pin_s > 0 else -math.inf)
             if turn.pin_s > 0:
                 heapq.heappush(self.deadlines, (p.pinned_until, p.tenant, p.id))
                 self.wake.set()
@@ -297,7 +315,7 @@ class Programs:
                 _, tenant, pid = heapq.heappop(self.deadlines)
                 p = self.programs.get((tenant, pid))
                 if p is not None and p.pinned_until <= now and p.pinned_until > -math.inf:
-                    p.pinned_until = -math.inf
+                    p.pin(-math.inf)
                     due.append(p.context)
             for key, p in list(self.programs.items()):
                 if now - p.seen > self.config.idle_s:

@@ -30,6 +30,10 @@ class _Entry(Generic[T]):
     def __lt__(self, other: _Entry[T]) -> bool:
         return self.key < other.key
 
+    def drop(self) -> None:
+        """Removed: left in the heap, skipped when it comes up."""
+        self.live = False
+
 
 class ProgramQueue(Generic[T]):
     """Items by program order (or arrival, "fcfs"). An item is held once at a time; `remove` is lazy."""
@@ -77,7 +81,7 @@ class ProgramQueue(Generic[T]):
         entry = self.entries.pop(id(item), None)
         if entry is None:
             return False
-        entry.live = False
+        entry.drop()
         if len(self.heap) > 64 and len(self.heap) > 2 * len(self.entries):  # mostly removed: compact
             self.heap = [e for e in self.heap if e.live]
             heapq.heapify(self.heap)

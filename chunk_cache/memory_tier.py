@@ -33,6 +33,16 @@ class _Slot:
     touched: float
     pinned_until: float = -math.inf
 
+    def use(self, now: float, half_life_s: float) -> None:
+        self.uses = self.uses * 0.5 ** ((now - self.touched) / half_life_s) + 1.0
+        self.touched = now
+
+    def hold(self, entry: ChunkKV) -> None:
+        self.entry = entry
+
+    def pin(self, until: float) -> None:
+        self.pinned_until = until
+
 
 @register_tier("memory")
 class MemoryTier(Tier):
@@ -104,12 +114,12 @@ class MemoryTier(Tier):
             if old is not None:
                 self._remove(entry.key)
                 self._use(old, now)
-                old.entry = entry
+                old.hold(entry)
                 slot = old
             else:
                 slot = _Slot(entry, 1.0, now)
             if until is not None:
-                slot.pinned_until = until
+                slot.pin(until)
             self._slots[entry.key] = slot
             self._bytes += size
             self._puts += 1
@@ -130,7 +140,7 @@ class MemoryTier(Tier):
         with self._lock:
             slot = self._slots.get(key)
             if slot is not None:
-                slot.pinned_until = until
+                slot.pin(until)
             return slot is not None
 
     def unpin(self, key: str) -> bool:
@@ -175,8 +185,7 @@ class MemoryTier(Tier):
             }
 
     def _use(self, slot: _Slot, now: float) -> None:
-        slot.uses = slot.uses * 0.5 ** ((now - slot.touched) / self.half_life_s) + 1.0
-        slot.touched = now
+        slot.use(now, self.half_life_s)
 
     def _evicted(self, age: float, now: float) -> None:
         first = math.isinf(self._residence)

@@ -36,7 +36,7 @@ class ChunkStore:
             raise ValueError("a chunk store needs at least one tier")
         self.tiers = list(tiers)
         for i, upper in enumerate(self.tiers[:-1]):
-            upper.on_evict = lambda entry, below=i + 1: self._enqueue(entry, below)
+            upper.demote_to(lambda entry, below=i + 1: self._enqueue(entry, below))
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(("hits", "misses", "promotions", "writes_dropped"), 0)
         self._loads = ThreadPoolExecutor(2, thread_name_prefix="kvgate-chunk-load")

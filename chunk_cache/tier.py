@@ -27,6 +27,10 @@ class Tier(ABC):
         # it at the next tier down, so that evictions demote.
         self.on_evict: Callable[[ChunkKV], object] | None = None
 
+    def demote_to(self, on_evict: Callable[[ChunkKV], object]) -> None:
+        """What each entry this tier evicts is handed to (the store's: the next tier down)."""
+        self.on_evict = on_evict
+
     @abstractmethod
     def get(self, key: str) -> ChunkKV | None: ...
 

@@ -37,6 +37,10 @@ class Drain:
         self.total = 0.0
         self.since = now
 
+    def busy(self, now: float) -> None:
+        """Its owner went from idle to busy."""
+        self.since = now
+
     def note(self, count: int, now: float) -> None:
         if self.ended and now - self.ended[-1][0] < 0.25:
             self.ended[-1][1] += count
@@ -148,7 +152,7 @@ class Admission:
         seqs = self.check(tenant, prompts, n)
         now = self.clock()
         if self.total == 0:
-            self.drain.since = now
+            self.drain.busy(now)
         if tenant not in self.tenants:
             self.drains[tenant] = Drain(now)
         self.total += seqs

@@ -34,6 +34,11 @@ class StreamedCall:
     name: str
     arguments: str = ""
 
+    def write(self, fragment: str) -> Delta:
+        """More of the call's arguments: the delta that says them."""
+        self.arguments += fragment
+        return {"tool_calls": [{"index": self.index, "function": {"arguments": fragment}}]}
+
 
 @dataclass
 class CallStream:
@@ -111,7 +116,7 @@ class CallStream:
         else:
             written = self.buffer[: max(len(self.buffer) - self.hold, len(call.arguments))]
         if len(written) > len(call.arguments):
-            out.append(write(call, written[len(call.arguments) :]))
+            out.append(call.write(written[len(call.arguments) :]))
         return out
 
     def whole_call(self, body: str) -> list[Delta]:
@@ -124,7 +129,7 @@ class CallStream:
         if not isinstance(args, dict):
             return content(self.tag + body + self.end_tag)
         opened = self.open_call(str(parsed["name"]))
-        return [opened, write(self.calls[-1], json.dumps(args, ensure_ascii=False))]
+        return [opened, self.calls[-1].write(json.dumps(args, ensure_ascii=False))]
 
     def say(self, text: str) -> list[Delta]:
         """Text outside calls; once a call is out, only text with more than whitespace (the
@@ -153,7 +158,7 @@ class CallStream:
         if self.current is not None:  # cut short while writing its arguments: they stay cut
             rest = rest[: len(rest) - partial_suffix(rest, "}" + self.fmt.close.rstrip(), whole=True)]
             return (
-                [write(self.current, rest[len(self.current.arguments) :])]
+                [self.current.write(rest[len(self.current.arguments) :])]
                 if len(rest) > len(self.current.arguments)
                 else []
             )
@@ -175,17 +180,12 @@ class CallStream:
         out = []
         for name, args in found:
             out.append(self.open_call(name))
-            out.append(write(self.calls[-1], json.dumps(args, ensure_ascii=False)))
+            out.append(self.calls[-1].write(json.dumps(args, ensure_ascii=False)))
         return out
 
 
 def content(text: str) -> list[Delta]:
     return [{"content": text}] if text else []
-
-
-def write(call: StreamedCall, fragment: str) -> Delta:
-    call.arguments += fragment
-    return {"tool_calls": [{"index": call.index, "function": {"arguments": fragment}}]}
 
 
 def message(stream: CallStream, text: str) -> dict[str, Any]:

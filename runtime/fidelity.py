@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -101,7 +101,7 @@ def start(reuser: Reuser, item: Item, reuse: ReuseMode) -> tuple[KVCache, torch.
         prefix_blocks(reuser).attach(kv, item.ids, "")
     done = reuser.prefill(kv, item.pieces, item.documents, reuse)
     if reuse.mode == "prefix":
-        done.reused = len(kv)
+        done = replace(done, reused=len(kv))
     ids = item.ids
     logits = done.logits
     if logits is None:

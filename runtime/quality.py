@@ -283,12 +283,12 @@ class QualityGate:
         with self.lock:
             return self.ladder(key).probe
 
-    def void(self, key: str, ratio: float) -> None:
-        """A check made due for `key` at `ratio` recorded nothing (dropped, or nothing to reuse): while the
+    def void(self, key: str, ratio: float, dropped: bool = False) -> None:
+        """A check made due for `key` at `ratio` recorded nothing (`dropped`, or nothing to reuse): while the
         ladder still probes that rung, it is asked again, so a shape earns its reuse from checks that compared."""
         with self.lock:
-            ladder = self.ladder(key)
-            if ladder.probe == ratio:
+            self.dropped += dropped
+            if (ladder := self.ladder(key)).probe == ratio:
                 ladder.ask(-1)
 
     def record(self, key: str, ratio: float, kl: float, agree: bool, answer: float | None = None) -> None:

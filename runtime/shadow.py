@@ -55,6 +55,9 @@ class Job:
     greedy: list[int]  # the served side's greedy choice at each of the answer's first ANSWER positions
     over: bool = False  # the sequence left the engine: its answer is as long as it gets
 
+    def end(self) -> None:
+        self.over = True
+
 
 def compare(reference: torch.Tensor, other: torch.Tensor) -> tuple[float, bool]:
     """First-token KL(reference || other) and whether their argmax agree."""
@@ -108,8 +111,7 @@ class Shadow:
     def drop(self, job: Job) -> None:
         """A check made due that will not run; the gate asks again while the rung it would probe stands."""
         self.followed.pop(job.seq, None)
-        self.gate.dropped += 1
-        self.gate.void(job.mode, self.gate.probe(job.mode) if job.ratio == FULL else job.ratio)
+        self.gate.void(job.mode, self.gate.probe(job.mode) if job.ratio == FULL else job.ratio, dropped=True)
 
     def stale(self, job: Job) -> bool:
         """Whether the check would probe a rung its ladder has left since it was served (the gate would
@@ -131,7 +133,7 @@ class Shadow:
     def ended(self, seq_id: int) -> None:
         """A sequence left the engine (finished or aborted): its check compares the answer it has."""
         if (job := self.followed.get(seq_id)) is not None:
-            job.over = True
+            job.end()
 
     @property
     def busy(self) -> bool:

@@ -73,6 +73,9 @@ class Span:
     exact: bool = False  # its source was computed after the very same tokens: its KV as it is
     dense: bool = True  # computed in this prompt, not reused: what it shows is learnt
 
+    def computed(self, dense: bool) -> None:
+        self.dense = dense
+
 
 @dataclass
 class Shared:
@@ -201,7 +204,7 @@ class Spans:
         if parts and parts[-1][1] is not None:  # the last token is computed: its logits start the answer
             cached.pop(id(parts[-1][1]), None)
         for s in known:
-            s.dense = id(s) not in cached
+            s.computed(id(s) not in cached)
         if gated:
             note = f"kvcomm: {gated} of {len(sourced)} spans had no close anchor: computed, learnt"
         if not cached:  # nothing to reuse: the caller prefills the rest as usual

@@ -64,6 +64,27 @@ class Tally:
         self.wrong = np.zeros(bins)
         self.threshold: float | None = None  # None: recompute
 
+    def count(self, kind: str, at: int) -> None:
+        """A question asked, or a verdict, in bin `at`: the threshold is recomputed."""
+        getattr(self, kind)[at] += 1
+        self.threshold = None
+
+    def add(self, other: Tally) -> None:
+        self.asked, self.right, self.wrong = (
+            self.asked + other.asked,
+            self.right + other.right,
+            self.wrong + other.wrong,
+        )
+
+    def became(self, kinds: dict[str, list[float]], since: Tally) -> None:
+        """Every process's evidence as the store sums it, and what came here since it was read."""
+        self.asked, self.right, self.wrong = (np.array(kinds[k], dtype=float) + getattr(since, k) for k in KINDS)
+        self.threshold = None
+
+    def settled(self, threshold: float) -> float:
+        self.threshold = threshold
+        return threshold
+
 
 @dataclass
 class Own:
@@ -72,6 +93,12 @@ class Own:
     right: int = 0
     lowest_right: float = NEVER
     highest_wrong: float = -1.0
+
+    def judged(self, score: float, right: bool) -> None:
+        if right:
+            self.right, self.lowest_right = self.right + 1, min(self.lowest_right, score)
+        else:
+            self.highest_wrong = max(self.highest_wrong, score)
 
 
 class Bound:
@@ -101,21 +128,15 @@ class Bound:
         """A question whose best candidate scored `score` (what serving at a threshold would serve)."""
         with self.lock:
             for tally in (self.tallies[category], self.pending[category]):
-                tally.asked[self.bin(score)] += 1
-            self.tallies[category].threshold = None
+                tally.count("asked", self.bin(score))
 
     def learn(self, category: str, entry_id: str, score: float, right: bool) -> None:
         with self.lock:
             for tally in (self.tallies[category], self.pending[category]):
-                (tally.right if right else tally.wrong)[self.bin(score)] += 1
-            self.tallies[category].threshold = None
+                tally.count("right" if right else "wrong", self.bin(score))
             self.verdicts["right" if right else "wrong"] += 1
             own = self.own.pop(entry_id, None) or Own()
-            if right:
-                own.right += 1
-                own.lowest_right = min(own.lowest_right, score)
-            else:
-                own.highest_wrong = max(own.highest_wrong, score)
+            own.judged(score, right)
             self.own[entry_id] = own
             while len(self.own) > self.config.entries:
                 self.own.popitem(last=False)
@@ -130,7 +151,7 @@ class Bound:
         with self.lock:
             tally = self.tallies[category]
             if tally.threshold is None:
-                tally.threshold = self._threshold(tally, self.deltas[category])
+                return tally.settled(self._threshold(tally, self.deltas[category]))
             return tally.threshold
 
     def sync(self) -> None:
@@ -147,10 +168,7 @@ class Bound:
         except Exception as exc:  # kept here until the store answers: this process's evidence is not lost
             with self.lock:
                 for name, tally in sent.items():
-                    mine = self.pending[name]
-                    mine.asked += tally.asked
-                    mine.right += tally.right
-                    mine.wrong += tally.wrong
+                    self.pending[name].add(tally)
                 if not self.failing:
                     self.failing = True
                     log.warning("semantic cache: the bound's shared evidence is out of reach (%s)", type(exc).__name__)
@@ -159,10 +177,7 @@ class Bound:
             self.failing = False
             for name, kinds in (totals or {}).items():
                 if name in self.tallies:  # every process's, and what came here since they were read
-                    tally, since = self.tallies[name], self.pending[name]
-                    for kind in KINDS:
-                        setattr(tally, kind, np.array(kinds[kind], dtype=float) + getattr(since, kind))
-                    tally.threshold = None
+                    self.tallies[name].became(kinds, self.pending[name])
 
     def _threshold(self, tally: Tally, delta: float) -> float:
         if delta <= 0:

@@ -58,6 +58,28 @@ class Lookup:
     def hit(self) -> bool:
         return self.entry is not None
 
+    def near(self, similarity: float) -> None:
+        self.similarity = max(self.similarity, similarity)
+
+    def judge(self, entry: Entry, score: float, similarity: float) -> None:
+        """A cached question judged: the candidate if it scores above the one before."""
+        if self.candidate is None or score > self.score:
+            self.take(entry, score, similarity)
+
+    def take(self, entry: Entry, score: float, similarity: float) -> None:
+        self.candidate, self.score, self.similarity = entry, score, similarity
+
+    def refuse(self, guard: str) -> None:
+        self.refused = self.refused or guard
+
+    def checked(self) -> None:
+        """The model answers it too, to check the candidate."""
+        self.verify = True
+
+    def served(self, entry: Entry | None) -> None:
+        """The entry served (None: a miss after all, the store failing)."""
+        self.entry = entry
+
 
 class Served(NamedTuple):
     """A recent hit, as a caller may report it."""
@@ -166,7 +188,7 @@ class SemanticCache:
         except Exception:
             log.warning("semantic cache lookup failed; answering as a miss", exc_info=True)
             self.counts["errors"] += 1
-            found.entry = None
+            found.served(None)
         self.counts["hits" if found.hit else "misses"] += 1
         self.counts["refused"] += found.refused is not None and not found.hit
         return found
@@ -174,7 +196,7 @@ class SemanticCache:
     def find(self, found: Lookup, scope: str, query: str, now: float) -> None:
         category, same = found.category, normalised(query)
         for entry_id, similarity in self.index.search(scope, found.vector, self.config.candidates):
-            found.similarity = max(found.similarity, similarity)
+            found.near(similarity)
             if similarity < found.threshold:
                 break
             entry = self.store.get(entry_id)
@@ -186,15 +208,14 @@ class SemanticCache:
                 self.store.delete([entry_id])
                 continue
             if normalised(entry.query) == same:
-                found.candidate, found.score, found.similarity = entry, 1.0, similarity
+                found.take(entry, 1.0, similarity)
                 return self.serve(found, now)
             guard = refusal(query, entry.query, self.config.guards)
             if guard is not None:
-                found.refused = found.refused or guard
+                found.refuse(guard)
                 continue
             score = self.verifier.score(query, entry.query, similarity, category.name) if self.verifier else similarity
-            if found.candidate is None or score > found.score:
-                found.candidate, found.score, found.similarity = entry, score, similarity
+            found.judge(entry, score, similarity)
         if found.candidate is None:
             return
         if category.max_error_rate is None:  # no bound: the threshold and the guards decide
@@ -203,7 +224,7 @@ class SemanticCache:
         if not self.bound.allows(category.name, found.candidate.id, found.score):
             return
         if self.chance.random() < self.config.verify_rate:
-            found.verify = True
+            found.checked()
             self.counts["verified"] += 1
             if not self.config.verify_beside:
                 return
@@ -212,7 +233,7 @@ class SemanticCache:
     def serve(self, found: Lookup, now: float) -> None:
         assert found.candidate is not None
         self.store.touch(found.candidate.id, now)
-        found.entry = found.candidate
+        found.served(found.candidate)
 
     # ---- verdicts ------------------------------------------------------------------------------
 
