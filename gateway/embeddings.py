@@ -209,10 +209,10 @@ class Embeddings:
 
 def count_tokens(embedder: Embedder, texts: list[str]) -> list[int]:
     """Tokens as the embedder's model reads them (special tokens included); words without a tokenizer."""
-    tokenizer = getattr(embedder, "tokenizer", None)
-    if tokenizer is None:
+    tokenize = getattr(embedder, "tokens", None) or getattr(embedder, "tokenizer", None)
+    if tokenize is None:
         return [len(text.split()) for text in texts]
-    ids = tokenizer(texts, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
+    ids = tokenize(texts, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
     return [len(row) for row in ids]
 
 

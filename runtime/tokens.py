@@ -110,13 +110,7 @@ class _BytePieces:
 
     def piece(self, token_id: int) -> tuple[bytes, str | None]:
         piece = None if token_id in self.special else self.backend.id_to_token(token_id)
-        table = _byte_decoder()
-        if piece is None:
-            raw = b""
-        elif all(c in table for c in piece):
-            raw = bytes(table[c] for c in piece)
-        else:  # a piece outside the alphabet (an added token) is its own UTF-8
-            raw = piece.encode()
+        raw = b"" if piece is None else byte_level(piece) or piece.encode()  # an added token: its own UTF-8
         try:
             return raw, raw.decode("utf-8")
         except UnicodeDecodeError:
@@ -153,6 +147,12 @@ def _byte_decoder() -> dict[str, int]:
     return chars
 
 
+def byte_level(piece: str) -> bytes | None:
+    """A byte-level token's bytes (None: a piece outside the alphabet)."""
+    table = _byte_decoder()
+    return bytes(table[c] for c in piece) if all(c in table for c in piece) else None
+
+
 _HEX_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
@@ -175,10 +175,8 @@ class TokenBytes:
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
         if token_id in self.special or piece is None:
             return (piece or "").encode()
-        if self.byte_level:
-            table = _byte_decoder()
-            if all(c in table for c in piece):
-                return bytes(table[c] for c in piece)
+        if self.byte_level and (raw := byte_level(piece)) is not None:
+            return raw
         if match := _HEX_BYTE.match(piece):  # sentencepiece byte fallback
             return bytes([int(match.group(1), 16)])
         return piece.replace("\u2581", " ").encode()

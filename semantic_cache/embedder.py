@@ -6,7 +6,7 @@ import importlib
 import importlib.util
 import threading
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -45,6 +45,14 @@ class MiniLM:
         self.dim = int(self.model.config.hidden_size)
         self.batch_size, self.max_length = batch_size, max_length
         self.lock = threading.Lock()  # one forward at a time: torch already uses every core
+        # A fast tokenizer's padding and truncation are settings of the one Rust object, set by each call: two
+        # threads at once (a request's token count beside a batch being embedded) made a batch of unpadded rows.
+        self.tokenizing = threading.Lock()
+
+    def tokens(self, texts: list[str], **options: Any) -> Any:
+        """The tokenizer's encoding of `texts`, one call at a time."""
+        with self.tokenizing:
+            return self.tokenizer(texts, **options)
 
     @torch.inference_mode()
     def embed(self, texts: list[str]) -> np.ndarray:
@@ -53,7 +61,7 @@ class MiniLM:
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
         for start in range(0, len(texts), self.batch_size):
             rows = order[start : start + self.batch_size]
-            batch = self.tokenizer(
+            batch = self.tokens(
                 [texts[i] for i in rows],
                 padding=True,
                 truncation=True,
