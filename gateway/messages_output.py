@@ -1,5 +1,5 @@
 """Anthropic's Message (as the anthropic SDK's `anthropic.types.Message` reads it) made from a chat
-completion, whole or streamed: content blocks, stop reason and usage.
+completion, whole or streamed: content blocks, stop reason and usage; and the model list as its SDKs read it.
 
 Usage as Anthropic counts it: `input_tokens` are the prompt tokens computed for this request, and
 `cache_read_input_tokens` those whose KV was reused, so their sum is the prompt. kvgate writes no
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 from kvgate.gateway.errors import STATUS_OF, anthropic_error, internal
@@ -165,3 +166,37 @@ def failure(error: dict[str, Any]) -> bytes:
     status = STATUS_OF.get(str(error.get("type")), 500)
     body = anthropic_error(status, str(error.get("message") or "the answer failed"))
     return f"event: error\ndata: {json.dumps(body)}\n\n".encode()
+
+
+def anthropic_client(headers: Mapping[str, str]) -> bool:
+    """A caller speaking Anthropic's API: its SDKs send `anthropic-version`, and the key as `x-api-key`."""
+    return "anthropic-version" in headers or ("x-api-key" in headers and "authorization" not in headers)
+
+
+def model_info(card: dict[str, Any]) -> dict[str, Any]:
+    """A model card (OpenAI's shape) as Anthropic's API describes a model."""
+    created = datetime.fromtimestamp(card.get("created", 0), tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    info = {"type": "model", "id": card["id"], "display_name": card["id"], "created_at": created}
+    info["lifecycle"] = "active"
+    return info | ({"max_input_tokens": card["max_model_len"]} if card.get("max_model_len") else {})
+
+
+def model_page(cards: list[dict[str, Any]], query: Mapping[str, str]) -> dict[str, Any]:
+    """Anthropic's model list: `limit` of them (1 to 1,000; 20), after `after_id` or before `before_id`."""
+    try:
+        limit = min(max(int(query.get("limit") or 20), 1), 1000)
+    except ValueError:
+        limit = 20
+    ids = [c["id"] for c in cards]
+    before, after = query.get("before_id"), query.get("after_id")
+    if before is not None:
+        stop = ids.index(before) if before in ids else 0
+        start = max(0, stop - limit)
+        more = start > 0
+    else:
+        start = ids.index(after) + 1 if after in ids else 0 if after is None else len(ids)
+        stop = min(start + limit, len(ids))
+        more = stop < len(ids)
+    page = [model_info(c) for c in cards[start:stop]]
+    first, last = (page[0]["id"], page[-1]["id"]) if page else (None, None)
+    return {"data": page, "has_more": more, "first_id": first, "last_id": last}

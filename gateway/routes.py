@@ -22,6 +22,7 @@ from kvgate.gateway import semantic
 from kvgate.gateway.backend import Backend, Call, Reply
 from kvgate.gateway.errors import APIError, bad_request, from_validation
 from kvgate.gateway.keys import allow_model, spend
+from kvgate.gateway.messages_output import anthropic_client, model_info, model_page
 from kvgate.gateway.programs import HEADER, program_of
 from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest, DocumentRequest, FeedbackRequest
 from kvgate.gateway.render import SSE_HEADERS
@@ -123,8 +124,9 @@ async def by_id(request: Request, document_id: str) -> Response:
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
-    backend: Backend = request.app.state.backend
-    return {"object": "list", "data": backend.models()}
+    """OpenAI's list, or Anthropic's for its clients (both SDKs call this path)."""
+    cards, anthropic = request.app.state.backend.models(), anthropic_client(request.headers)
+    return model_page(cards, request.query_params) if anthropic else {"object": "list", "data": cards}
 
 
 @router.get("/v1/models/{model:path}")
@@ -133,7 +135,7 @@ async def model(model: str, request: Request) -> JSONResponse:
     card = backend.card(model)
     if card is None:
         raise not_served(backend, model)
-    return JSONResponse(card)
+    return JSONResponse(model_info(card) if anthropic_client(request.headers) else card)
 
 
 def not_served(backend: Backend, model: str) -> APIError:

@@ -32,6 +32,26 @@ def claude(base_url: str) -> anthropic.Anthropic:
     return sdk(base_url)
 
 
+def test_the_anthropic_sdk_lists_and_retrieves_models_in_its_own_shape(
+    claude: anthropic.Anthropic, client: openai.OpenAI, model_name: str
+) -> None:
+    """`models.list()` and `models.retrieve()` of the anthropic SDK get Anthropic's shapes, typed with nothing extra
+    (the openai SDK's, on the same path, OpenAI's); a page of one says there is more, and the next page has it."""
+    listed = claude.models.list()
+    ids = [m.id for m in listed.data]
+    assert ids == [m.id for m in client.models.list().data] and ids[0] == model_name and len(ids) > 1
+    for m in listed.data:
+        assert m.type == "model" and m.display_name == m.id and m.lifecycle == "active" and not m.model_extra
+    assert listed.data[0].max_input_tokens and listed.data[0].created_at.year >= 2024
+    retrieved = claude.models.retrieve(model_name)
+    assert retrieved == listed.data[0] and not retrieved.model_extra
+    first = claude.models.list(limit=1)
+    assert [m.id for m in first.data] == ids[:1] and first.has_more and first.first_id == first.last_id == ids[0]
+    after = claude.models.list(limit=1, after_id=ids[0])
+    assert [m.id for m in after.data] == ids[1:2] and claude.models.list(limit=5, before_id=ids[1]).data == first.data
+    assert client.models.retrieve(model_name).owned_by == "kvgate"  # OpenAI's card for an OpenAI client
+
+
 def test_a_message_is_the_chat_completions_answer(claude: anthropic.Anthropic, client: openai.OpenAI, model_name: str):
     """System and messages become the chat that answers them: the same greedy text, the same prompt tokens."""
     message = claude.messages.create(
