@@ -7,6 +7,7 @@ shape (gateway/errors.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -33,25 +34,8 @@ JSON = {"content-type": "application/json"}
 async def create(request: Request) -> Response:
     body = read(await request.body(), model=True)
     req: MessagesRequest = validated(MessagesRequest, body, strict=True)
-    refuse_unsupported(req)
-    check_model(request, req.model)
-    chat = chat_body(req, body)
-    parsed = validated(ChatCompletionRequest, chat, strict=True)
-    program = program_of(request.headers.get(HEADER), body)
-    tenant, request_id = request.state.tenant, request.state.request_id
-    got = await generate(
-        request,
-        Call(
-            path=CHAT,
-            body=chat,
-            raw=dumps(chat),
-            model=req.model,
-            tenant=tenant,
-            request_id=request_id,
-            program=program,
-            parsed=parsed,
-        ),
-    )
+    call = chat_call(request, req, body, CHAT)
+    got = await generate(request, replace(call, program=program_of(request.headers.get(HEADER), body)))
     message_id, stops = new_id(), req.stop_sequences or []
     if got.reply.status != 200:  # an upstream's refusal, in Anthropic's shape
         raise refused(got.reply.status, await whole(request, got), plain(got.headers))
@@ -67,24 +51,20 @@ async def count_tokens(request: Request) -> dict[str, Any]:
     """The prompt's tokens as the model reads it (its chat template, tools and documents), nothing generated."""
     body = read(await request.body(), model=True)
     req: CountRequest = validated(CountRequest, body, strict=True)
+    backend: Backend = request.app.state.backend
+    return {"input_tokens": await backend.count_tokens(chat_call(request, req, body, TOKENIZE))}
+
+
+def chat_call(request: Request, req: MessagesRequest | CountRequest, body: dict[str, Any], path: str) -> Call:
+    """A Messages request (checked: what kvgate does not support, the model) as the chat a backend answers."""
     refuse_unsupported(req)
     check_model(request, req.model)
     chat = chat_body(req, body)
     parsed = validated(ChatCompletionRequest, chat, strict=True)
-    backend: Backend = request.app.state.backend
     tenant, request_id = request.state.tenant, request.state.request_id
-    tokens = await backend.count_tokens(
-        Call(
-            path=TOKENIZE,
-            body=chat,
-            raw=dumps(chat),
-            model=req.model,
-            tenant=tenant,
-            request_id=request_id,
-            parsed=parsed,
-        )
+    return Call(
+        path=path, body=chat, raw=dumps(chat), model=req.model, tenant=tenant, request_id=request_id, parsed=parsed
     )
-    return {"input_tokens": tokens}
 
 
 def refused(status: int, content: bytes, headers: dict[str, str]) -> APIError:
