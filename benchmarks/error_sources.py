@@ -46,6 +46,7 @@ from kvgate.runtime.kernels import token_deviation
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import load
 from kvgate.runtime.model import Run, forward
+from kvgate.runtime.progress import progress
 from kvgate.runtime.report import table, write_section
 from kvgate.runtime.reuse import ReuseMode, Reuser
 from kvgate.runtime.rope import shift
@@ -234,14 +235,13 @@ class Row:
 @torch.inference_mode()
 def measure(reuser: Reuser, data: list[Item], others: list[Item], eos: frozenset[int]) -> dict[str, Row]:
     out: dict[str, Row] = {}
-    for n, (item, other) in enumerate(zip(data, others)):
+    for item, other in progress(zip(data, others), "items measured", total=len(data)):
         case = reference(reuser, item, eos)
         for name, share, layers in variants(reuser, case, other):
             k, t = score(reuser, case, layers)
             row = out.setdefault(name, Row(share, [], []))
             row.kl.append(k)
             row.top1.append(t)
-        print(f"item {n + 1}/{len(data)}: {len(item.ids)} prompt tokens", flush=True)
     return out
 
 

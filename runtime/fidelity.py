@@ -25,6 +25,7 @@ from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.prefix import Blocks
+from kvgate.runtime.progress import progress
 from kvgate.runtime.reuse import Prefilled, ReuseMode, Reuser
 
 # The shared evaluation data beside the project (../shared/data): its MuSiQue RAG set.
@@ -199,7 +200,7 @@ def measure(
     (as serving keeps a tenant's new documents); None: each document's KV computed alone. `answer`: the
     reference answer's tokens that are compared."""
     scores = {mode_name(m): Scores() for m in modes}
-    for n, item in enumerate(data):
+    for n, item in enumerate(progress(data, "items measured")):
         if others is not None:
             keep_context(reuser, others[n])
         ref_kv, ref_first, _ = start(reuser, item, ReuseMode("full"))
@@ -221,7 +222,6 @@ def measure(
                 own, _ = greedy(reuser, kv, first, eos, answer)
                 s.exact.append(float(own == ref_answer))
                 s.rouge.append(rouge_l(ref_text, decode(own)))
-        print(f"item {n + 1}/{len(data)}: {prompt_len} prompt tokens", flush=True)
     return scores
 
 

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,7 +121,7 @@ def convert(gguf: Path, cache_dir: Path, progress: bool = False) -> Path:
     out = converted_dir(gguf, cache_dir)
     if (out / "config.json").is_file():
         return out
-    steps = tqdm(total=4, desc=f"converting {gguf.name}", disable=not progress)
+    steps = tqdm(total=4, desc=f"converting {gguf.name}", disable=not progress or not sys.stderr.isatty())
     folder, name = str(gguf.parent), gguf.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     steps.update()
