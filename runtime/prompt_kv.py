@@ -187,8 +187,9 @@ class PromptKV:
         self.exact = len(kv)
         # Blocks found need not be stored again: only from the block where the found ones end.
         self.kept = 0 if resumed or blocks is None else found - found % blocks.size
-        self.report = ReuseReport(mode or ("prefix" if found else ""), reused=cached + found)
-        self.report = replace(self.report, fidelity=self.read(caches))
+        self.report = ReuseReport(
+            mode or ("prefix" if found else ""), reused=cached + found, fidelity=self.read(caches, cached + found)
+        )
         again = self.blended_for(caches)
         read = again.attach(kv, self.prompt_ids, self.tenant).tokens if again is not None else 0
         if read and len(kv) <= self.matched:  # no further than the exact blocks went: computed exactly
@@ -253,9 +254,9 @@ class PromptKV:
         documents = any(plan.documents) and plan.scope != chunks.scope(self.tenant)  # not chunks found
         return None if documents or plan.reuse.mode == "full" else chunks
 
-    def read(self, caches: Caches) -> Fidelity | None:
-        """The fidelity of KV read as it was stored (prefix blocks, a program's context)."""
-        return caches.read(self.report.reused, len(self.kv) - min(self.bitwise, len(self.kv)))
+    def read(self, caches: Caches, reused: int) -> Fidelity | None:
+        """The fidelity of `reused` tokens' KV read as it was stored (prefix blocks, a program's context)."""
+        return caches.read(reused, len(self.kv) - min(self.bitwise, len(self.kv)))
 
     # ---- the reuse after the head ------------------------------------------------------------
 
@@ -285,8 +286,8 @@ class PromptKV:
                 self.gated = None  # nothing reused, or nothing to reuse: a check would compare dense with dense
             self.exact = head if spans else len(self.prompt_ids)
             key = self.gated[0] if self.gated is not None else "kvcomm"
-            self.report = ReuseReport(mode, said(*notes, done.note, why), done.reused, done.recomputed)
-            self.report = replace(self.report, fidelity=caches.fidelity(key, ratio, 0) if spans else self.read(caches))
+            fidelity = caches.fidelity(key, ratio, 0) if spans else self.read(caches, done.reused)
+            self.report = ReuseReport(mode, said(*notes, done.note, why), done.reused, done.recomputed, fidelity)
             return done.logits
         rest = plan.after(head)
         if self.matched > head:  # documents wholly inside what the blocks matched (cut by the grid): computed
