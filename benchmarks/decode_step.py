@@ -6,6 +6,8 @@
 2. The engine's own work per decode step: a whole step of the engine (schedule, forward, sample, detokenize,
    deliver) with a 2-layer random-weight Llama of hidden size 64, whose arithmetic is negligible, at 1, 8 and
    64 sequences.
+3. How that work grows with layers: the same engine at 2 and 32 layers beside the model's decode step alone
+   (its forward) at those depths, so that what a layer adds to a step is seen beside what it adds to the kernels.
 
 python -m kvgate.bench.decode_step [--dtype auto,float32] [--steps 24] [--tokens 256]
 """
@@ -38,15 +40,17 @@ from kvgate.runtime.threads import claim
 
 OUTPUT = Path(__file__).with_name("BENCHMARKS.md")
 SHAPES = ((1, 100), (1, 1000), (8, 100), (8, 1000))
+COUNTS = (1, 8, 64)  # sequences a step in the engine's rows
+DEPTHS = (2, 32)  # layers of the engine's rows that show the growth
 
 
 def caches(loaded: LoadedModel, sequences: int, tokens: int) -> list[KVCache]:
     """Each sequence's prompt prefilled, its blocks from one pool as the engine's are (runtime/kv.py `Pool`)."""
     c, pool = loaded.model.config, Pool()
-    out = []
+    out, words = [], min(c.vocab_size, 1005) - 5
     for b in range(sequences):
         kv = KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, loaded.model.dtype, "cpu", 8192, pool)
-        forward(loaded.model, [Run(kv, [(7 * b + j) % 1000 + 5 for j in range(tokens)], 0)])
+        forward(loaded.model, [Run(kv, [(7 * b + j) % words + 5 for j in range(tokens)], 0)])
         out.append(kv)
     return out
 
@@ -86,17 +90,38 @@ def engine_ms(tiny: Engine, sequences: int, tokens: int = 64) -> float:
     return statistics.median(asyncio.run(run()) for _ in range(3))
 
 
-def tiny_engine(loaded: LoadedModel, where: Path, vocab: int | None = None) -> Engine:
-    """A 2-layer random Llama of hidden size 64 over the default tokenizer (`vocab`: its first tokens only)."""
+def tiny_model(loaded: LoadedModel, where: Path, vocab: int | None = None, layers: int = 2) -> LoadedModel:
+    """A random Llama of hidden size 64 over the default tokenizer (`vocab`: its first tokens only)."""
     torch.manual_seed(0)
     config = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, vocab_size=vocab or len(loaded.tokenizer), max_position_embeddings=1024, tie_word_embeddings=True,
     )  # fmt: skip
     model = LlamaForCausalLM(config).to(loaded.model.dtype).eval()
     model.save_pretrained(where)
-    tiny = LoadedModel(model, loaded.tokenizer, "tiny", where, loaded.eos_token_ids)
-    return Engine(EngineConfig(dtype=loaded.dtype, cache_dir=where / "cache", max_num_seqs=64), tiny)
+    return LoadedModel(model, loaded.tokenizer, "tiny", where, loaded.eos_token_ids)
+
+
+def tiny_engine(tiny: LoadedModel) -> Engine:
+    config = EngineConfig(dtype=tiny.dtype, cache_dir=tiny.path / "cache", max_num_seqs=64)
+    return Engine(config, tiny)
+
+
+def engine_cells(loaded: LoadedModel, vocab: int | None, layers: int, tokens: int, count: int) -> list[float]:
+    """The engine's ms a step at 1, 8 and 64 sequences, then (`count` > 0) its model's forward alone at the
+    same sequences and their mean context."""
+    with tempfile.TemporaryDirectory() as where:
+        tiny = tiny_model(loaded, Path(where), vocab, layers)
+        engine = tiny_engine(tiny)
+        try:
+            cells = [engine_ms(engine, n, tokens) for n in COUNTS]
+        finally:
+            engine.shutdown()
+        return cells + [on_its_own_thread(steps, tiny, n, tokens // 2, count)[1] for n in COUNTS if count]
+
+
+def ms(cells: list[float], digits: int = 2) -> str:
+    return " | ".join(f"{c:.{digits}f}" for c in cells)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -134,20 +159,20 @@ def model_rows(dtype: str, count: int) -> tuple[LoadedModel, list[str], int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    rows, engine_rows = [], []
+    rows, engine_rows, depth_rows = [], [], []
     for dtype in args.dtype.split(","):
         loaded, more, threads = on_its_own_thread(model_rows, dtype, args.steps)
         rows += more
         for vocab in (512, None):
-            with tempfile.TemporaryDirectory() as where:
-                tiny = tiny_engine(loaded, Path(where), vocab)
-                try:
-                    cells = [f"{engine_ms(tiny, n, args.tokens):.2f}" for n in (1, 8, 64)]
-                finally:
-                    tiny.shutdown()
-            words = vocab or len(loaded.tokenizer)
-            engine_rows.append(f"| {loaded.dtype} | {words} | {' | '.join(cells)} |")
+            cells = engine_cells(loaded, vocab, 2, args.tokens, 0)
+            engine_rows.append(f"| {loaded.dtype} | {vocab or len(loaded.tokenizer)} | {ms(cells)} |")
             print(engine_rows[-1], flush=True)
+        deep = [engine_cells(loaded, 512, layers, args.tokens, args.steps) for layers in DEPTHS]
+        for layers, cells in zip(DEPTHS, deep):
+            depth_rows.append(f"| {loaded.dtype} | {layers} | {ms(cells[:3])} | {ms(cells[3:])} |")
+        added = [(b - a) / (DEPTHS[1] - DEPTHS[0]) for a, b in zip(*deep)]
+        depth_rows.append(f"| {loaded.dtype} | a layer more | {ms(added[:3], 3)} | {ms(added[3:], 3)} |")
+        print(*depth_rows[-3:], sep="\n", flush=True)
     body = "\n".join([
         f"The model's decode step ({loaded.name}, {threads} threads), median ms of "
         f"{args.steps} steps, the two paths interleaved:", "",
@@ -157,7 +182,12 @@ def main(argv: list[str] | None = None) -> int:
         f"sample, detokenize, deliver; 4-token prompts, {args.tokens} tokens each, median of 3 runs). Over the "
         "first 512 tokens of the default tokenizer its arithmetic is negligible; over all of them the LM head "
         "and the greedy choice over 49k logits a sequence are not:", "",
-        "| dtype | vocabulary | 1 sequence | 8 | 64 |", "|---|---|---|---|---|", *engine_rows, "", cpu() + ".",
+        "| dtype | vocabulary | 1 sequence | 8 | 64 |", "|---|---|---|---|---|", *engine_rows, "",
+        f"How it grows with layers: the engine's step (vocabulary 512) beside its model's decode step alone (the "
+        f"forward, batched, {args.tokens // 2} cached tokens a sequence), ms, at {DEPTHS[0]} and {DEPTHS[1]} "
+        "layers, and what a layer adds to each:", "",
+        "| dtype | layers | engine, 1 | 8 | 64 | forward, 1 | 8 | 64 |", "|---|---|---|---|---|---|---|---|",
+        *depth_rows, "", cpu() + ".",
     ])  # fmt: skip
     command = "kvgate bench decode " + " ".join(argv if argv is not None else sys.argv[1:])
     write_section(args.output, "decode", "What a decode step costs", command.strip(), body)
