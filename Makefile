@@ -7,7 +7,7 @@ TEST_STAMP := $(VENV)/.installed-test
 # No pip wheel cache: the install is ~4 GB already, and CI's machine once ran out of disk in it.
 export PIP_NO_CACHE_DIR := 1
 
-.PHONY: serve test lint install redis mutation
+.PHONY: serve test lint install redis node js mutation
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,11 +49,25 @@ redis:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server; \
 	  else sudo apt-get update -qq && sudo apt-get install -y -qq redis-server; fi; }
 
+# Node and the official JS SDKs for tests/frameworks/test_node_clients.py: node from the distribution's packages where
+# it is missing, the SDKs at tests/js/package-lock.json's exact versions into tests/js/node_modules (ignored by git).
+JS := tests/js/node_modules/.installed
+node:
+	@command -v node >/dev/null && command -v npm >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq nodejs npm; \
+	  else sudo apt-get update -qq && sudo apt-get install -y -qq nodejs npm; fi; }
+
+$(JS): tests/js/package.json tests/js/package-lock.json | node
+	cd tests/js && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+js: $(JS)
+
 # The suite in TEST_WORKERS processes (pytest-xdist), a test file to each at a time (its module's servers are
 # started once), the slowest files first (tests/conftest.py), one torch thread each: on 2 cores about half the
 # time of one process (most of a test's time is a small model's decode steps, which one thread runs as fast as two).
 TEST_WORKERS ?= 2
-test: $(TEST_STAMP) $(CREWAI)/.installed redis
+test: $(TEST_STAMP) $(CREWAI)/.installed redis $(JS)
 	$(BIN)/kvgate convert
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rfEs -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
