@@ -172,11 +172,18 @@ def queries(dashboard: dict[str, Any]) -> Iterator[tuple[str, str]]:
 class Sample:
     name: str
     labels: dict[str, str]
+    value: float
 
 
 def samples(*texts: str) -> list[Sample]:
     """The samples of Prometheus texts (several processes' scrapes: what one Prometheus would hold)."""
-    return [Sample(s.name, s.labels) for text in texts for f in text_string_to_metric_families(text) for s in f.samples]
+    families = [f for text in texts for f in text_string_to_metric_families(text)]
+    return [Sample(s.name, s.labels, s.value) for f in families for s in f.samples]
+
+
+def value(scraped: Iterable[Sample], name: str, **labels: str) -> float | None:
+    """The value of the sample of that name with exactly those labels; None if there is none."""
+    return next((s.value for s in scraped if s.name == name and s.labels == labels), None)
 
 
 def unmatched(dashboard: dict[str, Any], scraped: Iterable[Sample]) -> list[str]:
