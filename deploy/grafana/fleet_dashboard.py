@@ -13,6 +13,7 @@ GENERATING = f'{FRONT}, route=~"/v1/(chat/completions|completions|responses|mess
 REPLICA = 'job=~"$replica_job", instance=~"$replica_instance"'
 EACH = "instance, worker"  # a replica: its own instance, or a front's worker
 TOKENS = "suffix: tok/s"
+ENGINES = f"sum by ({EACH}) (kvgate_requests_running{{{REPLICA}}})"  # one series per process with an engine
 
 
 def fronts() -> list[dict[str, Any]]:
@@ -111,15 +112,15 @@ def replicas() -> list[dict[str, Any]]:
             "Sequences each replica runs and has waiting: the load the fronts route by.",
             "short",
             [
-                (f"sum by ({EACH}) (kvgate_requests_running{{{REPLICA}}})", "running " + legend),
+                (ENGINES, "running " + legend),
                 (f"sum by ({EACH}) (kvgate_requests_waiting{{{REPLICA}}})", "waiting " + legend),
             ],
         ),
         panel(
             "Completion tokens by replica",
-            "Tokens each replica generates per second.",
+            "Tokens each replica generates per second (of the processes with an engine: not a front's own count).",
             TOKENS,
-            [(rate("kvgate_completion_tokens_total", REPLICA, EACH), legend)],
+            [(f"{rate('kvgate_completion_tokens_total', REPLICA, EACH)}\nand on ({EACH}) {ENGINES}", legend)],
         ),
         panel(
             "Prompt tokens reused by replica",

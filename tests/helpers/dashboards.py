@@ -14,6 +14,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.helpers import loopback
+
 DASHBOARDS = Path(__file__).resolve().parents[2] / "deploy" / "grafana"
 SERVER, FLEET = DASHBOARDS / "kvgate-server.json", DASHBOARDS / "kvgate-fleet.json"
 
@@ -195,3 +197,8 @@ def unmatched(dashboard: dict[str, Any], scraped: Iterable[Sample]) -> list[str]
         for selector in selectors(expr)
         if not any(selector.matches(s.name, s.labels) for s in scraped)
     ]
+
+
+def scraped(url: str, name: str, **labels: str) -> float | None:
+    """The value of one sample of a server's /metrics now (None: not there)."""
+    return value(samples(loopback.get(url + "/metrics").text), name, **labels)
