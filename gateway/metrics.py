@@ -8,7 +8,14 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
@@ -46,6 +53,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open files (on Linux)
         self.model = Capped()
         self.requests = Counter("kvgate_requests", "HTTP requests", ["route", "method", "status"], registry=r)
         self.latency = Histogram(
@@ -211,6 +219,7 @@ def tier_metrics(tiers: list[dict[str, Any]]) -> Iterator[Metric]:
         "evictions": ("kvgate_document_kv_evictions", "entries evicted from a tier", CounterMetricFamily),
         "entries": ("kvgate_document_kv_entries", "entries held by a tier", GaugeMetricFamily),
         "bytes": ("kvgate_document_kv_bytes", "bytes held by a tier", GaugeMetricFamily),
+        "budget_bytes": ("kvgate_document_kv_budget_bytes", "the bytes a tier may hold", GaugeMetricFamily),
         "pinned": ("kvgate_pinned_entries", "entries pinned in a tier", GaugeMetricFamily),
     }
     for stat, (name, doc, kind) in names.items():

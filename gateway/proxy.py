@@ -14,7 +14,7 @@ from functools import partial
 from typing import Any
 from urllib.parse import quote
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvgate.gateway.admission import Admission, ProgramClock, fan_out
 from kvgate.gateway.backend import Backend, Call, Reply
@@ -208,6 +208,20 @@ class Upstreams(Backend):
             waiting.add_metric([name], len(gate.waiting))
         yield busy
         yield waiting
+        answered = CounterMetricFamily(
+            "kvgate_upstream_responses", "answers an upstream gave that were passed on", labels=["upstream", "status"]
+        )
+        for (name, status), count in sorted(self.pool.answered.items()):
+            answered.add_metric([name, status], count)
+        failed = CounterMetricFamily(
+            "kvgate_upstream_errors", "tries an upstream failed (retried, or passed over)", labels=["upstream", "error"]
+        )
+        for (name, error), count in self.pool.errors.items():
+            failed.add_metric([name, error], count)
+        routed = CounterMetricFamily("kvgate_routing_decisions", "requests routed, by why", labels=["reason"])
+        for reason, count in self.router.decisions.items():
+            routed.add_metric([reason], count)
+        yield from (answered, failed, routed)
 
     async def close(self) -> None:
         await self.loads.close()

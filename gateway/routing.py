@@ -79,6 +79,12 @@ def said(message: dict[str, Any]) -> str:
         return json.dumps(message, sort_keys=True, default=str)
 
 
+# Why a request went where it went (`kvgate_routing_decisions_total{reason}`): to its conversation's replica, to
+# the one its documents hash to, to the one with the fewest conversations (a new one, or one whose replica is busy
+# or gone: spilled), or in turn.
+REASONS = ("conversation", "documents", "fewest", "spilled", "round_robin")
+
+
 class Router:
     """Orders the replicas serving a request, best first, and remembers where each conversation went."""
 
@@ -87,6 +93,7 @@ class Router:
         self.rank = {name: i for i, name in enumerate(names)}  # ties go in the configured order
         self.placements, self.spill_at, self.policy = placements, spill_at, policy
         self.turns = 0  # requests ordered: round_robin's position
+        self.decisions = dict.fromkeys(REASONS, 0)
 
     async def order(
         self, serving: Sequence[str], key: str | None, affinity: Sequence[str], load: Callable[[str], int]
@@ -96,6 +103,7 @@ class Router:
             return []
         if self.policy == "round_robin":
             self.turns += 1
+            self.decisions["round_robin"] += 1
             first = serving[self.turns % len(serving)]
             return [first, *(n for n in by_load if n != first)]
         least = load(by_load[0])
@@ -106,12 +114,14 @@ class Router:
         placed = await self.placements.where(key) if key else None
         preferred = self.ring.preferred(affinity)
         if placed in serving and free(placed):
-            first = placed
+            first, why = placed, "conversation"
         elif placed is None and preferred in serving and free(preferred):
-            first = preferred
+            first, why = preferred, "documents"
         else:  # new, or its replica is busy or gone: the one holding the fewest conversations
             live = await self.placements.live(serving)
             first = min(serving, key=lambda n: (not free(n), live[n], load(n), self.rank[n]))
+            why = "fewest" if placed is None and preferred is None else "spilled"
+        self.decisions[why] += 1
         return [first, *(n for n in by_load if n != first)]
 
     async def served(self, key: str | None, replica: str) -> None:

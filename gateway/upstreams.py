@@ -9,6 +9,7 @@ import asyncio
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -21,6 +22,8 @@ from kvgate.gateway.routing import Ring
 
 log = logging.getLogger("kvgate.proxy")
 RETRYABLE = {429, 500, 502, 503, 504}
+# A try that an upstream failed (`kvgate_upstream_errors_total{error}`): retried, or the next upstream tried.
+ERRORS = ("timeout", "unreachable", *(str(status) for status in sorted(RETRYABLE)))
 SECRET_HEADER = "x-kvgate-worker-secret"  # what a runtime worker asks of every request: its front's secret
 
 
@@ -140,6 +143,8 @@ class UpstreamPool:
         self.gates = {u.name: ConcurrencyGate(u.max_in_flight) for u in config.upstreams}
         self.ring = Ring([u.name for u in config.upstreams if u.worker])
         self._session: aiohttp.ClientSession | None = None
+        self.answered: Counter[tuple[str, str]] = Counter()  # (upstream, status) of the answers passed on
+        self.errors = {(u.name, error): 0 for u in config.upstreams for error in ERRORS}
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -203,9 +208,11 @@ class UpstreamPool:
                     except UpstreamTimeout:
                         failure = APIError(504, f"upstream {upstream.name} timed out", code="upstream_timeout")
                         log.warning("upstream %s: timed out (try %d)", upstream.name, attempt + 1)
+                        self.errors[upstream.name, "timeout"] += 1
                     except UpstreamFailed as exc:
                         failure = APIError(502, f"upstream {upstream.name} is unreachable", code="upstream_unreachable")
                         log.warning("upstream %s: %s (try %d)", upstream.name, exc, attempt + 1)
+                        self.errors[upstream.name, "unreachable"] += 1
                     else:
                         status = response.status
                         said = {k.lower(): v for k, v in response.headers.items()}
@@ -213,9 +220,11 @@ class UpstreamPool:
                         too_late = after is not None and after > self.config.max_backoff_s
                         if status not in RETRYABLE or (upstream is order[-1] and (last_try or too_late)):
                             handed = True  # the answer holds the slot now
+                            self.answered[upstream.name, str(status)] += 1
                             return OpenedStream(upstream, response, status, said, first, rest, gate)
                         let_go(response)
                         log.warning("upstream %s: status %d (try %d)", upstream.name, status, attempt + 1)
+                        self.errors[upstream.name, str(status)] += 1
                         if too_late:
                             break  # its limit lifts too late: the next upstream now
                         wait = max(wait, after or 0.0)

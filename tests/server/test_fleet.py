@@ -23,6 +23,7 @@ from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel
 from tests.helpers import loopback
+from tests.helpers.dashboards import FLEET, load, samples, unmatched
 from tests.helpers.servers import serving
 from tests.helpers.waiting import wait_until
 
@@ -58,13 +59,20 @@ def fronted(urls: list[str], model: str, redis_url: str, where: Path, **more) ->
 
 
 @pytest.fixture(scope="module")
-def fleet(loaded: LoadedModel, model_name: str, redis_server, tmp_path_factory) -> Iterator[tuple[str, str]]:
-    """Two fronts over two replicas, on one Redis."""
+def whole_fleet(
+    loaded: LoadedModel, model_name: str, redis_server, tmp_path_factory
+) -> Iterator[tuple[tuple[str, str], list[str]]]:
+    """Two fronts over two replicas, on one Redis: the fronts' URLs, and the replicas'."""
     where = tmp_path_factory.mktemp("fleet")
     with replicas(loaded, where) as urls:
         settings = fronted(urls, model_name, redis_server.url, where / "front")
         with serving(settings, None) as one, serving(settings, None) as two:
-            yield one, two
+            yield (one, two), urls
+
+
+@pytest.fixture(scope="module")
+def fleet(whole_fleet) -> tuple[str, str]:
+    return whole_fleet[0]
 
 
 BOOK = {
@@ -75,9 +83,12 @@ BOOK = {
 }
 
 
+TOKEN = {"authorization": "Bearer tok"}
+
+
 def chat(front: str, model: str, messages: list[dict]) -> httpx.Response:
     body = {"model": model, "messages": messages, "max_tokens": 6, "temperature": 0}
-    r = loopback.post(front + "/v1/chat/completions", json=body, headers={"authorization": "Bearer tok"}, timeout=120)
+    r = loopback.post(front + "/v1/chat/completions", json=body, headers=TOKEN, timeout=120)
     assert r.status_code == 200, r.text
     return r
 
@@ -180,3 +191,21 @@ def test_an_agents_next_turn_continues_its_program_through_another_server(loaded
         messages = [*asked, call.model_dump(exclude_none=True), result]
         again = two.chat.completions.with_raw_response.create(messages=messages, max_tokens=4, **common)
         assert again.headers["x-kvgate-program-id"] == raw.headers["x-kvgate-program-id"]
+
+
+def test_every_panel_of_the_fleet_dashboard_has_data(whole_fleet, model_name):
+    """deploy/grafana/kvgate-fleet.json against what Prometheus would hold of the fronts and the replicas after a
+    conversation's two turns, one through each front (the second streamed), and a request for a model no replica
+    serves: each selector of each panel matches a sample of one of their /metrics."""
+    (one, two), urls = whole_fleet
+    asked = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Book a trip to Riga."}]
+    first = chat(one, model_name, asked).json()["choices"][0]["message"]["content"]
+    history = [*asked, {"role": "assistant", "content": first}, {"role": "user", "content": "And back?"}]
+    body = {"model": model_name, "messages": history, "max_tokens": 6, "temperature": 0, "stream": True}
+    with loopback.stream("POST", two + "/v1/chat/completions", json=body, headers=TOKEN, timeout=120) as r:
+        assert r.status_code == 200 and b"[DONE]" in r.read()
+    nobody = {"model": "nobody", "messages": asked}
+    assert loopback.post(one + "/v1/chat/completions", json=nobody, headers=TOKEN).status_code == 404
+    scraped = samples(*(loopback.get(url + "/metrics").text for url in (one, two, *urls)))
+    missing = unmatched(load(FLEET), scraped)
+    assert not missing, "no sample for:\n" + "\n".join(missing)

@@ -36,7 +36,7 @@ from kvgate.bench.upstream import serve_upstream
 from kvgate.gateway.workers import serving
 from kvgate.runtime.loader import ONEDNN_CACHES
 from tests.conftest import QUESTIONS
-from tests.helpers import loopback
+from tests.helpers import dashboards, loopback
 
 Body = Callable[[int], dict[str, Any]]
 Check = Callable[[str], None]
@@ -258,17 +258,21 @@ def test_the_model_under_load_fails_nothing_and_keeps_its_memory(
     slower the shared machine, the fewer steps the warm-up ran). Held at 8 entries here, they fill within the
     warm-up (measured: +1.1 MiB in the 5 s after it, +3.2 over 30 s, the machine busy), and what the main run
     measures is the rest: kvgate's own memory."""
-    # The model and its converted weights from the user cache, as `kvgate serve` runs them; no disk or semantic tier.
+    # The model and its converted weights from the user cache, as `kvgate serve` runs them; no disk tier. The semantic
+    # cache is on, for the dashboard's panels: the load's requests (no temperature given) bypass it.
     # No prefix blocks, no content-defined chunks: they fill the memory tier up to its budget by design (each
     # sampled answer's last chunk, ~1 MiB, is kept: an answer's end is a cut); what is checked is the rest.
     off = {"prefix_caching": False, "content_chunks": False}
-    settings = {"semantic_cache": {"enabled": False}, "caches": {"disk_bytes": 0, **off}, "engine": {"max_num_seqs": 8}}
+    semantic = {"path": str(tmp_path / "semantic.sqlite3"), "verify_rate": 0.0}  # a repeated question: a hit
+    settings = {"semantic_cache": semantic, "caches": {"disk_bytes": 0, **off}, "engine": {"max_num_seqs": 8}}
+    security = {"max_waiting_seqs_per_tenant": 8, "admin_key": ADMIN_KEY, "metrics_access": "admin"}
     for name in ONEDNN_CACHES:  # the server's environment: its loader keeps an operator's value
         monkeypatch.setenv(name, "8")
-    with kvgate(tmp_path, 180, security={"max_waiting_seqs_per_tenant": 8}, **settings) as server:
+    with kvgate(tmp_path, 180, security=security, **settings) as server:
         model = loopback.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         tenants = [Tenant(2, chat(model, 8), "sk-calm"), Tenant(4, chat(model, 8, n=4), "sk-flood")]
         run = warm_up_then_load(server, tenants, warmup_s=5, load_s=15, check=some_answer)
+        scraped = what_the_load_left_out(server.url, model)
     calm, flood = run.loads
     errors = calm.errors + flood.errors  # anything but a 429 with Retry-After to the flood: no 5xx, no other 4xx
     assert not errors, "\n".join(errors[:10])
@@ -283,3 +287,26 @@ def test_the_model_under_load_fails_nothing_and_keeps_its_memory(
     # float32, half that in bf16: about 3 and 1.5 MiB as allocated) kept by each of the main run's ~50 sequences
     # (calm's ~15 requests, flood's ~9 of 4) would add some 150 MiB (75 in bf16); kept by six of them (eleven), 16.
     assert run.growth_mib < 16, f"RSS grew {run.growth_mib:.1f} MiB over {run.load.answered} requests"
+    # Every panel of the server dashboard has data: each of its selectors matches a sample of the scrape.
+    missing = dashboards.unmatched(dashboards.load(dashboards.SERVER), dashboards.samples(scraped))
+    assert not missing, "no sample for:\n" + "\n".join(missing)
+
+
+ADMIN_KEY = "sk-admin-load"
+LIGHTHOUSE = [{"text": "The lighthouse at Varn was built in 1821."}, {"text": "Its keeper was Ada Moll."}]
+
+
+def what_the_load_left_out(url: str, model: str) -> str:
+    """What the load does not send, for the server dashboard's panels: documents twice (stored, then reused: blend,
+    the memory tier's hits), a temperature-0 question twice (the semantic cache's miss, then its hit). Then
+    `/metrics` as deploy/prometheus/prometheus.yml scrapes it: with `metrics_access: admin`, the admin key.
+    The documents name their ratio: for two documents the shipped calibration meets the target at none."""
+    ask = {"model": model, "messages": [{"role": "user", "content": "Who kept the lighthouse?"}], "max_tokens": 2}
+    blend = {"documents": LIGHTHOUSE, "kvgate": {"recompute_ratio": 0.3}}
+    for extra in (blend, blend, {"temperature": 0}, {"temperature": 0}):
+        r = loopback.post(url + "/v1/chat/completions", json={**ask, **extra}, timeout=60)
+        assert r.status_code == 200, r.text
+    assert loopback.get(url + "/metrics").status_code == 401
+    scraped = loopback.get(url + "/metrics", headers={"authorization": f"Bearer {ADMIN_KEY}"})
+    assert scraped.status_code == 200, scraped.text
+    return scraped.text

@@ -17,6 +17,7 @@ import pytest
 from kvgate.bench.upstream import serve_upstream
 from kvgate.gateway.settings import Settings
 from tests.helpers import loopback
+from tests.helpers.dashboards import scraped as counted
 from tests.helpers.servers import free_port, serving
 from tests.helpers.waiting import wait_until
 
@@ -161,6 +162,10 @@ def test_falls_back_to_the_next_upstream(tmp_path, upstreams):
     script(a, *[{"status": 500}] * 3)
     with serving(front(tmp_path, a, b), None) as url:
         raw = client(url).chat.completions.with_raw_response.create(model="stub-a", messages=HELLO)
+        errors = [counted(url, "kvgate_upstream_errors_total", upstream="up-0", error=e) for e in ("500", "503")]
+        assert errors == [3, 0]
+        assert counted(url, "kvgate_upstream_responses_total", upstream="up-1", status="200") == 1
+        assert counted(url, "kvgate_upstream_responses_total", upstream="up-0", status="500") is None
     assert raw.headers["x-kvgate-upstream"] == "up-1"
     assert (requests_seen(a), requests_seen(b)) == (3, 1)
 
@@ -172,6 +177,7 @@ def test_conversations_spread_over_replicas_and_a_fallback_only_takes_what_they_
         for n in range(4):  # four conversations: two each
             asked = [{"role": "user", "content": f"Question {n}?"}]
             client(url).chat.completions.create(model="stub-a", messages=asked)
+        assert counted(url, "kvgate_routing_decisions_total", reason="fewest") == 4
     assert (requests_seen(a), requests_seen(b)) == (2, 2)
     ups = [{**u, "fallback": i == 1} for i, u in enumerate(replicas.model_dump()["proxy"]["upstreams"])]
     with serving(replicas.model_copy(update={"proxy": {"upstreams": ups}}), None) as url:
@@ -189,6 +195,7 @@ def test_an_unreachable_upstream_is_skipped_and_none_reachable_is_a_502(tmp_path
     with serving(front(tmp_path, dead, b), None) as url:
         raw = client(url).chat.completions.with_raw_response.create(model="stub-a", messages=HELLO)
         assert raw.headers["x-kvgate-upstream"] == "up-1"
+        assert counted(url, "kvgate_upstream_errors_total", upstream="up-0", error="unreachable") == 3  # 2 retries
     with serving(front(tmp_path, dead), None) as url:
         with pytest.raises(openai.APIStatusError) as caught:
             client(url).chat.completions.create(model="stub-a", messages=HELLO)
@@ -210,6 +217,7 @@ def test_a_stream_slow_to_its_first_byte_times_out_to_the_next_upstream(tmp_path
         with loopback.stream("POST", url + "/v1/chat/completions", json=body) as r:
             assert r.headers["x-kvgate-upstream"] == "up-1"
         assert time.monotonic() - started < 2.5
+        assert counted(url, "kvgate_upstream_errors_total", upstream="up-0", error="timeout") == 1
 
 
 def test_a_whole_answer_may_take_longer_than_the_first_byte_timeout(tmp_path, upstreams):

@@ -17,6 +17,7 @@ from kvgate.gateway.settings import Settings
 from kvgate.gateway.upstreams import Upstream
 from kvgate.gateway.workers import running
 from tests.helpers import loopback
+from tests.helpers.dashboards import FLEET, load, samples, unmatched
 from tests.helpers.servers import serving
 from tests.helpers.waiting import wait_until
 
@@ -175,3 +176,19 @@ def test_the_front_reports_its_workers(front):
     assert list(text_string_to_metric_families(text))  # still valid Prometheus text
     models = loopback.get(url + "/v1/models", headers=AUTH).json()["data"]
     assert [m["id"] for m in models] == [ready_model(workers)]
+
+
+def test_every_panel_of_the_fleet_dashboard_has_data_from_a_front_of_workers(front, model_name):
+    """kvgate-fleet.json over one front of --workers: its own samples (worker="") for the fronts' rows, its
+    workers' (labelled) for the replicas' row; after documents asked twice (the second streamed: reused on
+    their worker) and a request for a model no worker serves."""
+    url, _ = front
+    docs = [{"text": passage(500)}]
+    chat(url, model_name, docs)
+    body = {"model": model_name, "messages": QUESTION, "documents": docs, "max_tokens": 4, "stream": True}
+    with loopback.stream("POST", url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120) as r:
+        assert r.status_code == 200 and b"[DONE]" in r.read()
+    nobody = {"model": "nobody", "messages": QUESTION}
+    assert loopback.post(url + "/v1/chat/completions", json=nobody, headers=AUTH).status_code == 404
+    missing = unmatched(load(FLEET), samples(loopback.get(url + "/metrics").text))
+    assert not missing, "no sample for:\n" + "\n".join(missing)

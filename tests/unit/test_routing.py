@@ -122,3 +122,19 @@ def test_placements_are_bounded_and_expire():
 def test_round_robin_takes_each_replica_in_turn_whatever_the_conversation():
     router = Router(["r0", "r1"], MemoryPlacements(), spill_at=4, policy="round_robin")
     assert [route(router, "c", {"r0": 0, "r1": 0}) for _ in range(4)] == ["r1", "r0", "r1", "r0"]
+
+
+def test_each_decision_is_counted_by_why_it_was_made():
+    """kvgate_routing_decisions_total{reason}: every reason from the start (at 0), each request under one."""
+    router = Router(["r0", "r1"], MemoryPlacements(), spill_at=2)
+    assert router.decisions == dict.fromkeys(("conversation", "documents", "fewest", "spilled", "round_robin"), 0)
+    doc = next(k for k in KEYS if router.ring.owner(k) == "r1")
+    route(router, "c", {"r0": 0, "r1": 0})  # new, nothing to tell: fewest
+    route(router, "c", {"r0": 0, "r1": 0})  # its replica
+    route(router, "c", {"r0": 2, "r1": 0})  # its replica busy: spilled
+    route(router, "d", {"r0": 0, "r1": 0}, (doc,))  # where its documents are
+    route(router, "e", {"r0": 0, "r1": 3}, (doc,))  # their replica busy: spilled
+    assert router.decisions == {"conversation": 1, "documents": 1, "fewest": 1, "spilled": 2, "round_robin": 0}
+    turns = Router(["r0", "r1"], MemoryPlacements(), spill_at=2, policy="round_robin")
+    route(turns, "c", {"r0": 0, "r1": 0})
+    assert turns.decisions["round_robin"] == 1 and sum(turns.decisions.values()) == 1
