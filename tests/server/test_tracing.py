@@ -46,7 +46,8 @@ def traced(
     """A traced server over the session's engine with prefix caching (as every server has by default), its
     semantic cache on."""
     path = tmp_path_factory.mktemp("traced") / "semantic.sqlite3"
-    update = {"operations": {"tracing": True}, "semantic_cache": {"enabled": True, "path": path}}
+    semantic = {"enabled": True, "path": path, "verify_rate": 0.0}  # a would-be hit is a hit: none answered again
+    update = {"operations": {"tracing": True}, "semantic_cache": semantic}
     with serving(prefix_settings.model_copy(update=update), prefix_engine) as url:
         yield url
 
@@ -116,8 +117,15 @@ def test_a_documents_request_has_a_span_per_stage_under_the_callers_trace(
     )
     assert decode["gen_ai.usage.output_tokens"] == answer.usage.completion_tokens
 
+    # Asked again: the semantic cache answers, and the trace says so, with nothing generated.
+    trace_id, caller, headers = parent()
+    assert ask_with_documents(traced, model_name, headers).headers["x-kvgate-cache"] == "hit"
+    spans = receiver.trace(trace_id, [CHAT, "kvgate.semantic_lookup"])
+    assert named(spans, "kvgate.semantic_lookup").attributes["kvgate.cache"] == "hit"
+    assert {s.name for s in spans} == {CHAT, "kvgate.semantic_lookup"}  # the stages' spans end before the request's
 
-def test_a_request_through_a_front_continues_the_trace_in_the_kvgate_behind_it(
+
+def test_a_stream_through_a_front_continues_the_trace_in_the_kvgate_behind_it(
     traced: str, receiver: Receiver, model_name: str, tmp_path: Path
 ) -> None:
     upstream = {"name": "runtime", "base_url": f"{traced}/v1", "models": [model_name]}
@@ -127,7 +135,10 @@ def test_a_request_through_a_front_continues_the_trace_in_the_kvgate_behind_it(
     trace_id, caller, headers = parent()
     with serving(settings, None) as front:
         ask = [{"role": "user", "content": "Name a colour."}]
-        sdk(front).chat.completions.create(model=model_name, messages=ask, max_tokens=2, extra_headers=headers)
+        streamed = sdk(front).chat.completions.create(
+            model=model_name, messages=ask, max_tokens=2, extra_headers=headers, stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
         spans = receiver.trace(trace_id, [CHAT, CHAT, "kvgate.upstream", "kvgate.decode"])
     front_span = next(s for s in spans if s.name == CHAT and s.parent == caller)
     behind = next(s for s in spans if s.name == CHAT and s is not front_span)
