@@ -15,11 +15,13 @@ _EXPORTS = {
     "LoadFailed": ".loading",
     "Loading": ".loading",
     "MemoryTier": ".memory_tier",
+    "Reads": ".reads",
     "Tier": ".tier",
     "TierUnavailable": ".byte_tier",
     "chunk_key": ".key",
     "fingerprint": ".key",
     "make_tier": ".tier",
+    "reading": ".reads",
     "register_tier": ".tier",
     "tier_names": ".tier",
 }

@@ -23,6 +23,7 @@ from kvgate.chunk_cache.byte_tier import ByteTier
 from kvgate.chunk_cache.config import ChunkCacheConfig
 from kvgate.chunk_cache.entry import ChunkKV
 from kvgate.chunk_cache.loading import LoadFailed, Loading
+from kvgate.chunk_cache.reads import counted
 from kvgate.chunk_cache.tier import Tier, make_tier
 
 log = logging.getLogger(__name__)
@@ -68,11 +69,13 @@ class ChunkStore:
                     continue
                 self._count("hits")
                 loading = Loading(tier, *opened, self._loads, done=self._promote if i > 0 else None)
+                counted(tier.name, loading.kv.nbytes)
                 self._track(loading.finished)
                 return loading
             entry = tier.get(key)
             if entry is not None and (model is None or entry.model == model):
                 self._count("hits")
+                counted(tier.name, entry.nbytes)
                 if i > 0:
                     self._promote(entry)
                 return entry

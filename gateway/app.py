@@ -15,7 +15,7 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvgate.gateway import admin, errors, logs, messages, responses, routes
+from kvgate.gateway import admin, errors, logs, messages, responses, routes, tracing
 from kvgate.gateway.backend import Backend
 from kvgate.gateway.errors import APIError, internal
 from kvgate.gateway.keys import Keys, authenticate, redis_down
@@ -127,6 +127,7 @@ def create_app(settings: Settings, backend: Backend) -> FastAPI:
     """The gateway: one set of OpenAI routes over `backend` (the local engine, runtime workers or
     upstream servers), with keys, limits, the semantic cache and metrics in front."""
     logs.install()
+    traces = tracing.start(settings)  # None unless operations.tracing
     metrics = Metrics()
     keys = Keys(settings)
     limiter = make_limiter(settings.redis_url)
@@ -147,6 +148,8 @@ def create_app(settings: Settings, backend: Backend) -> FastAPI:
         await kept.close()
         if semantic is not None:
             semantic.close()
+        if traces is not None:
+            traces.shutdown()  # its last spans exported
 
     docs = settings.security.openapi_docs
     app = FastAPI(
@@ -175,6 +178,8 @@ def create_app(settings: Settings, backend: Backend) -> FastAPI:
     app.add_middleware(BodyLimit, limit=settings.security.max_body_bytes)
     front_only(app, settings)  # a runtime worker answers its front only, before reading a body
     app.add_middleware(Observe, metrics=metrics)
+    if traces is not None:
+        traces.install(app)  # inside RequestId: the request's id is on its span
     app.add_middleware(RequestId)  # outermost: even a 413 carries the id
     return app
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from kvgate.runtime.reuse_report import NOTHING, ReuseReport
+from kvgate.runtime.stages import Stages
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -54,6 +55,7 @@ class Outcome:
     usage: dict[str, Any] = field(default_factory=dict)
     report: ReuseReport = NOTHING  # what reuse made of the prompt's KV, where the runtime is this process's
     done: bool = False  # the answer ended as it should (not an error, not cut short)
+    stages: Stages | None = None  # when its first choice passed each of the engine's stages, where it ran here
 
 
 @dataclass(frozen=True)

@@ -142,7 +142,7 @@ def reuse_headers(report: ReuseReport) -> dict[str, str]:
 
 
 def outcome(first: Result, counted: dict[str, Any]) -> Outcome:
-    return Outcome(first.text, first.finish_reason, counted, first.report, True)
+    return Outcome(first.text, first.finish_reason, counted, first.report, True, first.stages)
 
 
 def chat_answer(

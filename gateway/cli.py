@@ -187,10 +187,11 @@ def user_errors() -> tuple[type[Exception], ...]:
     exception reaches `main`."""
     from pydantic import ValidationError
 
+    from kvgate.gateway.tracing import TracingUnavailable
     from kvgate.runtime.config import ModelNotFound
     from kvgate.runtime.errors import DataError
 
-    return (ValidationError, OSError, DataError, ModelNotFound)
+    return (ValidationError, OSError, DataError, ModelNotFound, TracingUnavailable)
 
 
 # ---- what each command runs: it imports its own module, and only when it runs ---------------------

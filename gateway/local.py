@@ -14,6 +14,7 @@ from typing import Any
 from prometheus_client.core import Metric
 
 from kvgate.agents import Turn
+from kvgate.gateway import tracing
 from kvgate.gateway.admission import Admission
 from kvgate.gateway.agent_turns import AgentTurns, Ended
 from kvgate.gateway.backend import Backend, Call, Outcome, Reply
@@ -128,7 +129,9 @@ class Local(Backend):
         except GrammarError as exc:
             param = "tools" if body.calls_tools else "response_format"
             raise bad_request(f"the schema cannot be used for constrained decoding: {exc}", param) from exc
+        started = time.monotonic()
         messages, given, prompt, plan = await self.prompt(call, body)
+        tracing.stage("kvgate.prompt", started, {"gen_ai.usage.input_tokens": len(prompt)})  # rendered, tokenized
         turn = await self.agents.begin(call.program, call.tenant, given, messages, len(prompt))
         choices = self.choices([prompt], body, body.max_new_tokens, body.logprobs_k, plan, turn, grammar, call.tenant)
         names = frozenset(t.function.name for t in body.tools or ())

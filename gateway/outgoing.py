@@ -6,13 +6,14 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from kvgate.gateway import tracing
 from kvgate.gateway.errors import bad_request
 from kvgate.gateway.programs import HEADER
 from kvgate.runtime.document_text import pasted
 
 
 def headers_for(request_id: str, tenant: str, upstream_is_worker: bool, program: str | None = None) -> dict[str, str]:
-    sent = {"x-request-id": request_id}
+    sent = {"x-request-id": request_id, **tracing.headers()}  # the trace goes on there
     if program is not None:
         sent[HEADER] = program
     # A worker scopes its caches by the bearer token, one per tenant: believed only with the secret

@@ -16,6 +16,7 @@ from urllib.parse import quote
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvgate.gateway import tracing
 from kvgate.gateway.admission import Admission, ProgramClock, fan_out
 from kvgate.gateway.backend import Backend, Call, Reply
 from kvgate.gateway.errors import APIError
@@ -128,6 +129,7 @@ class Upstreams(Backend):
         serving = self.pool.serving(model)
         self.loads.start()  # reading each replica's own load, from the first request on (a running loop)
         routed = await self.router.order([u.name for u in serving if not u.fallback], key, affinity, self.loads.load)
+        started = time.monotonic()
         opened = await self.pool.open(
             [self.pool.upstreams[name] for name in routed] + [u for u in serving if u.fallback],
             call.path,
@@ -135,6 +137,12 @@ class Upstreams(Backend):
             lambda u: headers_for(call.request_id, call.tenant, u.worker, call.program),
             rank=self.clock.rank(tenant_program),
             stream=call.stream,
+        )
+        # to the upstream's first bytes (its whole answer unless streamed): its gate's queue, retries, its prefill
+        tracing.stage(
+            "kvgate.upstream",
+            started,
+            {"kvgate.upstream": opened.upstream.name, "http.response.status_code": opened.status},
         )
         await self.router.served(key, opened.upstream.name)  # the next turn goes where this one's KV is
         relay = Relay(opened, keep_usage=asked_usage, keep_text=call.keep, limit=self.limit)

@@ -18,7 +18,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.background import BackgroundTask
 from starlette.types import Receive, Scope, Send
 
-from kvgate.gateway import semantic
+from kvgate.gateway import semantic, tracing
 from kvgate.gateway.backend import Backend, Call, Reply
 from kvgate.gateway.errors import APIError, bad_request, from_validation
 from kvgate.gateway.keys import allow_model, spend
@@ -245,6 +245,7 @@ async def generate(request: Request, call: Call) -> Generated:
     what is learnt and kept afterwards. A miss then waits for no embedding."""
     backend: Backend = request.app.state.backend
     cache = request.app.state.semantic
+    tracing.note({"gen_ai.request.model": call.model, "kvgate.stream": call.stream})
     cached = semantic.Consult(headers={"x-kvgate-cache": "bypass"})
     if isinstance(call.parsed, ChatCompletionRequest):
         cached = semantic.plan(request, cache, backend.identity(call.model), call.parsed)
@@ -339,6 +340,7 @@ async def settle(request: Request, got: Generated) -> None:
     metrics = request.app.state.metrics
     metrics.usage(got.call.model, outcome.usage)
     metrics.reuse(outcome.report)
+    tracing.settled(outcome.report, outcome.usage, outcome.stages)
     await spend(request, outcome.usage.get("total_tokens") or 0)
     if got.looking is None:
         await keep(request, got)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvgate.gateway import tracing
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.protocol import ChatCompletionRequest
 from kvgate.gateway.render import SSE_HEADERS, response_head, sse, usage
@@ -97,8 +98,12 @@ def plan(
 async def look(request: Request, cache: SemanticCache, planned: Consult, queued: int) -> Consult:
     """What the lookup of a planned consult (status "look") found: a hit, a miss, or a would-be hit to verify.
     `queued` is the load it is under."""
+    started = time.monotonic()
     lookup = await asyncio.to_thread(cache.lookup, planned.scope, planned.query, None, queued)
     status = "hit" if lookup.hit else "verify" if lookup.verify else "miss"
+    tracing.stage(
+        "kvgate.semantic_lookup", started, {"kvgate.cache": status, "kvgate.cache.category": lookup.category.name}
+    )
     request.app.state.metrics.lookups.labels("semantic", status).inc()
     headers = {"x-kvgate-cache": status, "x-kvgate-cache-category": lookup.category.name}
     if lookup.entry is not None:

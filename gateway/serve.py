@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 from types import FrameType
 
+from kvgate.gateway import tracing
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.config import model_path
 
@@ -51,6 +52,7 @@ def run(settings: Settings) -> None:
     proxy_only = bool(settings.proxy.upstreams) and not settings.proxy.workers
     if not proxy_only:
         model_path(settings.engine.model)  # a wrong path is told at once, not after seconds of imports
+    tracing.check(settings)  # and tracing asked for without its packages
     import uvicorn
 
     from kvgate.gateway.app import create_app

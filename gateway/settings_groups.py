@@ -21,6 +21,9 @@ class OperationsSettings(Group):
     port: int = Field(8000, ge=0, le=65535)
     log_level: str = "info"
     shutdown_grace_s: float = Field(30.0, ge=0.0)  # SIGTERM: in-flight requests may finish for this long
+    # OpenTelemetry traces of each request's stages, over OTLP/HTTP (needs kvgate[otel]); the standard OTEL_*
+    # variables say where to and how (gateway/otel.py)
+    tracing: bool = False
     # set by a front for the runtime workers it starts (gateway/workers.py), not by hand: this server stops
     # once that process is no longer its parent
     exit_with_pid: int | None = None

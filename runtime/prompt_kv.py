@@ -15,6 +15,7 @@ import torch
 
 from kvgate.agents.programs import Turn
 from kvgate.chunk_cache import ChunkKV
+from kvgate.chunk_cache.reads import Reads, reading
 from kvgate.runtime.blend import Steps
 from kvgate.runtime.caching import Caches
 from kvgate.runtime.chunks import Chunks
@@ -77,6 +78,9 @@ class PromptKV:
     gated: tuple[str, float] | None = None  # the gate's key served (a mode or KVCOMM shape) and its ratio (FULL: none)
     shared: Shared | None = None  # a span prefill whose lessons wait for the prompt's KV to complete
     report: ReuseReport = NOTHING  # what reuse made of the prompt's KV, and how far that moves its first token
+    reads: Reads = field(default_factory=Reads)  # what its reads of stored KV hit, by tier
+    loaded_at: float | None = None  # time.monotonic() once its exact head is read and its documents looked up
+    reused_at: float | None = None  # and once a blend of its documents or spans ended (runtime/stages.py)
 
     # ---- what the engine asks and tells ---------------------------------------------------
 
@@ -84,10 +88,15 @@ class PromptKV:
         """Advance the prompt's reuse by about `budget` tokens of work. A run for this step: the next chunk of a
         document the prompt lacks, or the prompt's own next chunk (ending on `grid`) once reuse left the rest to
         prefill; the first token's logits when reuse covered the whole prompt; None when the step has nothing to
-        run for it (the reuse goes on, or an ingest's documents are all stored)."""
+        run for it (the reuse goes on, or an ingest's documents are all stored). What its reads hit is counted."""
+        with reading(self.reads):
+            return self.advance(caches, budget, grid)
+
+    def advance(self, caches: Caches, budget: int, grid: int) -> Run | torch.Tensor | None:
         if self.missing is None:
             self.start(caches)
             self.missing = self.lacking(caches)
+            self.loaded_at = time.monotonic()
         if self.missing:
             doc = self.missing[0]
             done = len(doc.kv)
@@ -285,6 +294,7 @@ class PromptKV:
             if not (spans or (withheld and any(s.source is not None for s in self.shared.spans))):
                 self.gated = None  # nothing reused, or nothing to reuse: a check would compare dense with dense
             self.exact = head if spans else len(self.prompt_ids)
+            self.reused_at = time.monotonic() if spans else None
             key = self.gated[0] if self.gated is not None else "kvcomm"
             fidelity = caches.fidelity(key, ratio, 0) if spans else self.read(caches, done.reused)
             self.report = ReuseReport(mode, said(*notes, done.note, why), done.reused, done.recomputed, fidelity)
@@ -298,6 +308,7 @@ class PromptKV:
         done = yield from caches.reuser.prefilling(self.kv, rest.pieces, rest.documents, reuse, plan.scope, self.fresh)
         self.planned = True
         blended = done.mode in ("naive", "blend")
+        self.reused_at = time.monotonic() if blended else None
         # Else all it reused: the exact head, its report going on
         mode, notes = (done.mode, ()) if blended or not head else (self.report.mode, self.report.notes)
         notes = said(*notes, plan.note, done.note, why)

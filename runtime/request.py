@@ -9,6 +9,7 @@ from kvgate.runtime.errors import InvalidPrompt, PromptTooLong
 from kvgate.runtime.reuse import ReuseMode
 from kvgate.runtime.reuse_report import NOTHING, ReuseReport
 from kvgate.runtime.sampling import SamplingParams, TokenLogprob
+from kvgate.runtime.stages import Stages
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class Output:
     completion_tokens: int
     stop_reason: str | int | None = None  # what stopped it, as vLLM says: the stop string or token id matched
     report: ReuseReport = NOTHING  # what reuse made of the prompt's KV
+    stages: Stages | None = None  # the last output's: when the request passed each stage
 
 
 @dataclass
@@ -78,6 +80,7 @@ class Result:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     report: ReuseReport = NOTHING
+    stages: Stages | None = None
 
     def add(self, out: Output) -> None:
         self.text += out.text
@@ -85,6 +88,7 @@ class Result:
         self.logprobs += out.logprobs
         self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
         self.prompt_tokens, self.completion_tokens, self.report = out.prompt_tokens, out.completion_tokens, out.report
+        self.stages = out.stages or self.stages
 
 
 def check_fits(prompt_tokens: int, max_tokens: int | None, window: int) -> None:

@@ -16,6 +16,7 @@ from kvgate.runtime.kv import KVCache
 from kvgate.runtime.prompt_kv import PromptKV
 from kvgate.runtime.request import Output, Plan, Request
 from kvgate.runtime.sampling import SamplingParams, TokenLogprob
+from kvgate.runtime.stages import Stages
 from kvgate.runtime.tokens import Detokenizer
 from kvgate.runtime.tools import partial_suffix
 
@@ -52,6 +53,8 @@ class Sequence:
     ingest: bool = False  # only compute and store the plan's documents: no answer
     matcher: Any = None  # the grammar's state (an llguidance LLMatcher) when params.grammar is set
     arrival: float = field(default_factory=time.monotonic)
+    admitted: float | None = None  # time.monotonic() when the scheduler took it in
+    first_token: float | None = None  # and when its first token was sampled
     prompt: PromptKV = field(init=False)  # what its prompt's KV reuses and leaves (the one writer of that state)
 
     @classmethod
@@ -91,6 +94,7 @@ class Sequence:
     def admit(self) -> None:
         """The scheduler took it into its running batch."""
         self.status = Status.RUNNING
+        self.admitted = time.monotonic()
 
     def end(self) -> None:
         """The scheduler let it go."""
@@ -110,6 +114,8 @@ class Sequence:
         return self.prompt.chunk(budget, grid)
 
     def add(self, token_id: int, logprob: TokenLogprob | None, tokenizer: PreTrainedTokenizerBase) -> None:
+        if not self.output_ids:
+            self.first_token = time.monotonic()
         self.output_ids.append(token_id)
         self.pending_ids.append(token_id)
         if logprob is not None:
@@ -190,6 +196,14 @@ class Sequence:
             prompt_tokens=len(self.prompt_ids),
             completion_tokens=len(self.output_ids),
             report=self.prompt.report,
+            stages=self.stages() if done else None,
         )
         self.sent, self.pending_ids, self.pending_logprobs = end, [], []
         return out
+
+    def stages(self) -> Stages:
+        """When it passed each stage, as of now (its last output)."""
+        p = self.prompt
+        return Stages(
+            self.arrival, self.admitted, p.loaded_at, p.reused_at, self.first_token, time.monotonic(), p.reads.by_tier()
+        )

@@ -83,3 +83,19 @@ def test_a_seed_samples_reproducibly_on_the_kv_device() -> None:
         seq = Sequence([1], params, KVCache(1, 1, 1, torch.float32, device), frozenset(), 100)
         runs.append([choose(logits, params, seq.generator) for _ in range(8)])
     assert runs[0] == runs[1] and len(set(runs[0])) > 1
+
+
+def test_its_last_output_says_when_it_was_admitted_got_its_first_token_and_ended(loaded: LoadedModel) -> None:
+    seq = Sequence([1], SamplingParams(max_tokens=3), KVCache(1, 1, 1, torch.float32, "cpu"), frozenset(), 10_000)
+    seq.admit()
+    first, *rest = loaded.tokenizer.encode(" one two three", add_special_tokens=False)[:3]
+    seq.add(first, None, loaded.tokenizer)
+    sampled = seq.first_token
+    outputs = [seq.take_output()]
+    for token in rest:
+        seq.add(token, None, loaded.tokenizer)
+        outputs.append(seq.take_output())
+    stages = outputs[-1].stages if outputs[-1] is not None else None
+    assert [out.stages for out in outputs[:-1] if out is not None and out.stages] == []  # the last carries them
+    assert stages is not None and stages.first_token == sampled  # the first token's time, not a later one's
+    assert seq.arrival == stages.arrived <= stages.admitted <= stages.first_token < stages.ended

@@ -30,7 +30,7 @@ rate_limit_rpm rate_limit_tpm tenant_scoped_kv tenant_secret admin_key upstreams
 proxy_backoff_s proxy_connect_timeout_s proxy_first_byte_timeout_s proxy_read_timeout_s spill_at
 replica_load_poll_s routing route_conversations route_ttl_s log_level max_request_seqs max_waiting_seqs
 max_waiting_seqs_per_tenant semantic_scopes proxy_max_response_bytes trusted_proxies metrics_access openapi_docs
-shutdown_grace_s worker_secret exit_with_pid deterministic""".split()
+shutdown_grace_s worker_secret exit_with_pid deterministic tracing""".split()
 
 
 @pytest.fixture
