@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 
 import redis
 
-from kvgate.gateway.responses_store import MemoryResponses, RedisResponses, ResponseStore, Stored
+from kvgate.gateway.responses_store import KeptItem, MemoryResponses, RedisResponses, ResponseStore, Stored
 
 
 def test_the_store_is_a_bounded_lru_with_a_ttl_per_tenant():
@@ -19,7 +19,7 @@ def test_the_store_is_a_bounded_lru_with_a_ttl_per_tenant():
         now[0] = 10.5
 
     asyncio.run(bounded_lru_with_a_ttl_per_tenant(store, expire))
-    assert len(store) == 0 and not store.owners
+    assert len(store) == 0 and not store.holders
 
 
 def test_the_redis_store_is_the_same_bounded_lru_shared_by_every_front(redis_url):
@@ -29,7 +29,7 @@ def test_the_redis_store_is_the_same_bounded_lru_shared_by_every_front(redis_url
         await one.put("a", Stored({"id": "r5", "output": [{"id": "fc_5"}]}, [{"role": "user", "content": "hi"}], "p"))
         found = await two.get("a", "r5")  # another front
         assert found.messages == [{"role": "user", "content": "hi"}] and found.items == ("fc_5",)
-        assert (await two.owner("a", ["fc_5"])).id == "r5"
+        assert (await two.held("a", ["fc_5"]))[0] == KeptItem({"id": "fc_5"}, "r5", "p")
         await one.redis.set(one.entry(one.scope("a"), "r5"), b"{not json")  # damaged: a miss, never an answer
         assert await two.get("a", "r5") is None
         await one.close()
@@ -49,15 +49,16 @@ async def bounded_lru_with_a_ttl_per_tenant(store: ResponseStore, expire: Callab
 
     await put("a", "r1", "fc_1")
     await put("b", "r1")
-    assert (await store.get("a", "r1")).program == "p-r1" and await store.get("b", "r1") is not None  # two tenants
-    assert (await store.owner("a", ["msg_x", "fc_1"])).id == "r1" and await store.owner("b", ["fc_1"]) is None
+    assert await store.held("a", ["msg_x", "fc_1"]) == [None, KeptItem({"id": "fc_1"}, "r1", "p-r1")]  # not a use
+    assert await store.held("b", ["fc_1"]) == [None]
+    assert await store.get("b", "r1") is not None and (await store.get("a", "r1")).program == "p-r1"  # two tenants
     await put("a", "r2")  # over the count: b's r1, used least recently, goes
     assert await store.get("b", "r1") is None and await store.get("a", "r1") is not None
     await put("a", "r3")  # r2 goes: r1 was used since
-    assert await store.get("a", "r2") is None and (await store.owner("a", ["fc_1"])).id == "r1"
+    assert await store.get("a", "r2") is None and (await store.held("a", ["fc_1"]))[0].response == "r1"
     await expire()
     await put("a", "r4")  # the expired go, r4 stays
-    assert await store.get("a", "r1") is None and await store.owner("a", ["fc_1"]) is None
+    assert await store.get("a", "r1") is None and await store.held("a", ["fc_1"]) == [None]
     assert await store.get("a", "r4") is not None
     assert await store.delete("a", "r4") and not await store.delete("a", "r4")
     assert await store.get("a", "r4") is None
