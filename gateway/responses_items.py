@@ -80,7 +80,7 @@ def kept(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def with_id(item: dict[str, Any]) -> dict[str, Any]:
     kind = item.get("type", "message")
-    out = {"id": item.get("id") or new_id(PREFIXES[kind]), **item, "type": kind}
+    out = {**item, "id": item.get("id") or new_id(PREFIXES[kind]), "type": kind}
     out.setdefault("status", "completed")
     if kind == "message" and isinstance(item.get("content"), str):
         part = {"type": "output_text", "annotations": []} if item.get("role") == "assistant" else {"type": "input_text"}
