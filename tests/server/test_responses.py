@@ -98,8 +98,9 @@ def test_a_stream_is_the_responses_events_ending_with_the_response(client, base_
     assert named[-1] == "response.incomplete"
 
 
-def test_output_items_sent_back_continue_their_chain(client, model_name):
+def test_output_items_sent_back_continue_their_chain(kept_url, model_name):
     """A client that resends the whole conversation (the Agents SDK) continues the chain of the output items in it."""
+    client = sdk(kept_url, "whole")
     asked = said("user", "Name a fruit.")
     # Greedy: a sampled answer may be tokens its text does not tokenize back to (CI drew one: reuse stopped there)
     raw = client.responses.with_raw_response.create(model=model_name, input=[asked], max_output_tokens=6, temperature=0)
@@ -158,10 +159,18 @@ def converse(client: openai.OpenAI, model_name: str, by_reference: bool) -> list
 
 
 @pytest.fixture(scope="module")
-def conversations(base_url: str, model_name: str) -> dict[str, list[Turn]]:
+def kept_url(settings: Settings, engine: Any) -> Iterator[str]:
+    """A server that finds no program by the messages a request resends (the local backend's own way): a
+    conversation keeps its program only as the Responses API continues it."""
+    with serving(settings.model_copy(update={"agents": {"implicit_programs": False}}), engine) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def conversations(kept_url: str, model_name: str) -> dict[str, list[Turn]]:
     """Each in a tenant of its own: the KV one reuses is none of the other's."""
-    chained = converse(sdk(base_url, "chained"), model_name, False)
-    return {"chained": chained, "referred": converse(sdk(base_url, "referred"), model_name, True)}
+    chained = converse(sdk(kept_url, "chained"), model_name, False)
+    return {"chained": chained, "referred": converse(sdk(kept_url, "referred"), model_name, True)}
 
 
 @pytest.mark.parametrize("way", ["chained", "referred"])
@@ -209,10 +218,10 @@ def test_item_references_are_the_items_they_name(conversations):
     assert json.loads(referred[1].output[0].arguments) == json.loads(chained[1].output[0].arguments)
 
 
-def test_input_items_are_listed_in_pages(base_url, conversations):
+def test_input_items_are_listed_in_pages(kept_url, conversations):
     """A response's input items, each with its id (a referred item's is the id it was kept with), in
     OpenAI's list: newest first by default, `limit` at a time after `after`, typed by the SDK."""
-    turns, client = [t.response for t in conversations["referred"]], sdk(base_url, "referred")
+    turns, client = [t.response for t in conversations["referred"]], sdk(kept_url, "referred")
     everything = client.responses.input_items.list(turns[-1].id, order="asc", limit=100)
     items = everything.data
     kinds = ["ResponseInputMessageItem", "ResponseOutputMessage", "ResponseInputMessageItem"]
@@ -243,30 +252,31 @@ LISTED_BAD = [
 
 
 @pytest.mark.parametrize(("query", "param"), LISTED_BAD, ids=[p for _, p in LISTED_BAD])
-def test_what_input_items_cannot_list_is_a_400_naming_the_param(base_url, conversations, query, param):
+def test_what_input_items_cannot_list_is_a_400_naming_the_param(kept_url, conversations, query, param):
     first = conversations["chained"][0].response
-    r = loopback.get(f"{base_url}/v1/responses/{first.id}/input_items", params=query, headers=CHAINED)
+    r = loopback.get(f"{kept_url}/v1/responses/{first.id}/input_items", params=query, headers=CHAINED)
     assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text
 
 
-def test_an_unknown_item_is_a_404_naming_it(base_url, model_name, conversations):
+def test_an_unknown_item_is_a_404_naming_it(kept_url, model_name, conversations):
     kept = conversations["chained"][0].response.output[0].id
     asked = {"model": model_name, "input": [said("user", "Hi."), ref(kept), {"id": "msg_gone"}], "max_output_tokens": 2}
-    r = loopback.post(base_url + "/v1/responses", json=asked, headers=CHAINED, timeout=60)
+    r = loopback.post(kept_url + "/v1/responses", json=asked, headers=CHAINED, timeout=60)
     error = r.json()["error"]
     assert r.status_code == 404 and (error["param"], error["code"]) == ("input.2.id", "item_not_found"), error
     assert error["message"] == "Item with id 'msg_gone' not found."
     twice = {**asked, "input": [ref(kept), ref(kept)]}
-    r = loopback.post(base_url + "/v1/responses", json=twice, headers=CHAINED, timeout=60)
+    r = loopback.post(kept_url + "/v1/responses", json=twice, headers=CHAINED, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "input.1.id"
     with pytest.raises(openai.NotFoundError):
-        sdk(base_url, "chained").responses.input_items.list("resp_unknown")
+        sdk(kept_url, "chained").responses.input_items.list("resp_unknown")
 
 
 def test_a_turn_continues_through_another_front_on_one_redis(settings, engine, redis_url, model_name):
     """Two fronts on one Redis: the second turn, sent to the other front, continues the first's conversation
     (its messages and its chain's program), and either front shows or deletes it."""
-    shared = settings.model_copy(update={"redis_url": redis_url, "semantic_cache": {"enabled": False}})
+    off = {"semantic_cache": {"enabled": False}, "agents": {"implicit_programs": False}}  # a program: the chain's
+    shared = settings.model_copy(update={"redis_url": redis_url, **off})
     with serving(shared, engine) as one, serving(shared, engine) as two:
         a, b = sdk(one, "tok-fleet"), sdk(two, "tok-fleet")
         first = a.responses.create(
