@@ -113,9 +113,9 @@ class MemoryResponses:
         return self.clock() - stored.written > self.ttl_s
 
     async def held(self, tenant: str, item_ids: Sequence[str]) -> list[KeptItem | None]:
-        return [await self.holding(tenant, item) for item in item_ids]
+        return [self.holding(tenant, item) for item in item_ids]
 
-    async def holding(self, tenant: str, item_id: str) -> KeptItem | None:
+    def holding(self, tenant: str, item_id: str) -> KeptItem | None:
         """The item, if its response is kept still (a lookup is no use of the response: as in Redis)."""
         found = self.holders.get((tenant, item_id))
         stored = None if found is None else self.entries.get((tenant, found.response))
