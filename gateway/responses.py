@@ -5,10 +5,11 @@ and its answer, whole or streamed, becomes a Response (gateway/responses_output.
 stream (gateway/responses_stream.py).
 
 Responses are kept (unless `store` is false) for `previous_response_id` and GET/DELETE, per tenant, in
-Redis when `redis_url` is set (a turn may continue through any front).
+Redis when `redis_url` is set (a turn may continue through any front); their input and output items too,
+for `item_reference`s in the input and GET /v1/responses/{id}/input_items (gateway/responses_items.py).
 A chain of responses is one agent program, so its KV stays pinned between turns: the program of the
-response it continues, whether named by `previous_response_id` or by output items of it sent back in
-the input (the Agents SDK sends the whole conversation each turn)."""
+response it continues, whether named by `previous_response_id` or by items of it in the input, sent
+back whole (the Agents SDK sends the whole conversation each turn) or referred to by id (the AI SDK)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from kvgate.gateway.errors import APIError, bad_request
 from kvgate.gateway.programs import HEADER, program_of
 from kvgate.gateway.protocol import ChatCompletionRequest
 from kvgate.gateway.render import SSE_HEADERS, dumps
+from kvgate.gateway.responses_items import Input, kept, listing, page, resolved
 from kvgate.gateway.responses_output import answered, new_id, skeleton
 from kvgate.gateway.responses_protocol import ResponsesRequest, chat_body, messages_of, refuse_unsupported
 from kvgate.gateway.responses_store import ResponseStore, Stored
@@ -51,6 +53,7 @@ class ResponseTurn:
     req: ResponsesRequest
     tenant: str
     messages: list[dict[str, Any]]  # chat messages: the conversation before it, then its input
+    inputs: list[dict[str, Any]]  # its input items, each with its id
     program: str | None
     store: ResponseStore
 
@@ -58,7 +61,7 @@ class ResponseTurn:
         """The finished response kept for the next turn (unless `store` is false)."""
         if self.req.store:
             output = messages_of(done["output"], "output")
-            await self.store.put(self.tenant, Stored(done, self.messages + output, self.program))
+            await self.store.put(self.tenant, Stored(done, self.messages + output, self.program, self.inputs))
 
 
 @router.post("/v1/responses")
@@ -100,6 +103,16 @@ async def show(response_id: str, request: Request) -> Response:
     return Response(dumps(stored.response), headers=JSON)
 
 
+@router.get("/v1/responses/{response_id}/input_items")
+async def input_items(response_id: str, request: Request) -> Response:
+    query = request.query_params
+    asked = listing(query, query.getlist("include") + query.getlist("include[]"))
+    stored = await request.app.state.responses.get(request.state.tenant, response_id)
+    if stored is None:
+        raise not_found(response_id)
+    return Response(dumps(page(stored.inputs, asked)), headers=JSON)
+
+
 @router.delete("/v1/responses/{response_id}")
 async def delete(response_id: str, request: Request) -> Response:
     if not await request.app.state.responses.delete(request.state.tenant, response_id):
@@ -113,29 +126,30 @@ async def begin(request: Request, req: ResponsesRequest, body: dict[str, Any]) -
     a history from elsewhere gets none here (the local backend finds a conversation by its messages)."""
     store: ResponseStore = request.app.state.responses
     tenant, response_id = request.state.tenant, new_id("resp")
-    before, program = await history(store, tenant, req)
-    messages = before + messages_of(req.input)
+    given = await resolved(store, tenant, req.input)
+    before, program = await history(store, tenant, req, given)
+    messages = before + messages_of(given.items)
     if not messages:
         raise bad_request("input must not be empty (without a previous_response_id)", "input", "invalid_value")
     program = program_of(request.headers.get(HEADER), body) or program
     if program is None and req.store and not has_history(messages):
         program = chain(response_id)
-    return ResponseTurn(response_id, req, tenant, messages, program, store)
+    return ResponseTurn(response_id, req, tenant, messages, kept(given.items), program, store)
 
 
-async def history(store: ResponseStore, tenant: str, req: ResponsesRequest) -> tuple[list[dict[str, Any]], str | None]:
+async def history(
+    store: ResponseStore, tenant: str, req: ResponsesRequest, given: Input
+) -> tuple[list[dict[str, Any]], str | None]:
     """The conversation before this request's input, and the program of its chain: those of
     `previous_response_id` (404 when unknown); else the input holds the conversation, and the chain
-    is that of the latest stored response whose output items come back in it, if any."""
-    if req.previous_response_id is not None:
-        before = await store.get(tenant, req.previous_response_id)
-        if before is None:
-            said = f"Previous response with id '{req.previous_response_id}' not found."
-            raise APIError(404, said, "previous_response_id", "previous_response_not_found")
-        return before.messages, before.program
-    items = [] if isinstance(req.input, str) else req.input
-    found = await store.owner(tenant, [i["id"] for i in items if isinstance(i.get("id"), str)])
-    return [], None if found is None else found.program
+    is that of the latest kept item in it, if any."""
+    if req.previous_response_id is None:
+        return [], given.program
+    before = await store.get(tenant, req.previous_response_id)
+    if before is None:
+        said = f"Previous response with id '{req.previous_response_id}' not found."
+        raise APIError(404, said, "previous_response_id", "previous_response_not_found")
+    return before.messages, before.program
 
 
 def has_history(messages: list[dict[str, Any]]) -> bool:

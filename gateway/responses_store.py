@@ -1,7 +1,11 @@
 """Responses kept for `previous_response_id` and GET /v1/responses/{id}, each its tenant's alone, bounded
 (the least recently used go beyond `max_count`; each is gone `ttl_s` after it was written). In this process,
 or in Redis when `redis_url` is set, so a turn continues through any front. Each holds its conversation as
-chat messages, and the agent program of its chain."""
+chat messages, its input items, and the agent program of its chain.
+
+Every input and output item of a kept response is found by its id (an `item_reference`), in one lookup
+for all of a request's ids: an item belongs to the latest response that holds it (a response that refers
+to an earlier one's items holds them too), and goes with that response."""
 
 from __future__ import annotations
 
@@ -10,13 +14,14 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from kvgate.gateway.redis_state import REDIS_DOWN, connect
 
 MAX_COUNT = 4096
+MAX_ITEMS = 65536  # in this process: the items of the responses kept, together
 TTL_S = 3600.0
 PREFIX = "kvgate:resp:"
 log = logging.getLogger("kvgate.responses")
@@ -27,8 +32,9 @@ class Stored:
     response: dict[str, Any]  # the Response object as it was sent
     messages: list[dict[str, Any]]  # the conversation as chat messages: every input, then this output
     program: str | None  # the agent program of its chain: the next turn continues its KV
+    inputs: list[dict[str, Any]] = field(default_factory=list)  # its input items, each with its id
     written: float = 0.0
-    items: tuple[str, ...] = field(default=())  # its output items' ids
+    items: tuple[str, ...] = field(default=())  # the ids of its input and output items
 
     @property
     def id(self) -> str:
@@ -36,8 +42,20 @@ class Stored:
 
     def stamped(self, now: float) -> Stored:
         self.written = now
-        self.items = tuple(i["id"] for i in self.response["output"] if isinstance(i.get("id"), str))
+        self.items = tuple(i["id"] for i in self.every_item())
         return self
+
+    def every_item(self) -> list[dict[str, Any]]:
+        return [i for i in (*self.inputs, *self.response["output"]) if isinstance(i.get("id"), str)]
+
+
+@dataclass(frozen=True)
+class KeptItem:
+    """A kept item found by its id: the response that holds it, and the program of that response's chain."""
+
+    item: dict[str, Any]
+    response: str
+    program: str | None
 
 
 class ResponseStore(Protocol):
@@ -46,8 +64,8 @@ class ResponseStore(Protocol):
     async def get(self, tenant: str, response_id: str) -> Stored | None:
         """The tenant's response (None: unknown, expired, or another tenant's)."""
 
-    async def owner(self, tenant: str, item_ids: Iterable[str]) -> Stored | None:
-        """The latest of the tenant's responses that wrote one of these output items."""
+    async def held(self, tenant: str, item_ids: Sequence[str]) -> list[KeptItem | None]:
+        """The tenant's item of each id (None: unknown, expired, or another tenant's)."""
 
     async def delete(self, tenant: str, response_id: str) -> bool: ...
 
@@ -55,20 +73,30 @@ class ResponseStore(Protocol):
 
 
 class MemoryResponses:
+    """The store in this process: the least recently used responses go beyond `max_count` responses or
+    `max_items` items held."""
+
     def __init__(
-        self, max_count: int = MAX_COUNT, ttl_s: float = TTL_S, clock: Callable[[], float] = time.monotonic
+        self,
+        max_count: int = MAX_COUNT,
+        ttl_s: float = TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+        max_items: int = MAX_ITEMS,
     ) -> None:
-        self.max_count, self.ttl_s, self.clock = max_count, ttl_s, clock
+        self.max_count, self.ttl_s, self.clock, self.max_items = max_count, ttl_s, clock, max_items
         self.entries: OrderedDict[tuple[str, str], Stored] = OrderedDict()
-        self.owners: dict[tuple[str, str], str] = {}  # (tenant, output item id) -> response id
+        self.holders: dict[tuple[str, str], KeptItem] = {}  # (tenant, item id) -> the item, in its latest response
 
     async def put(self, tenant: str, stored: Stored) -> None:
         stored.stamped(self.clock())
         self.entries[(tenant, stored.id)] = stored
         self.entries.move_to_end((tenant, stored.id))
-        self.owners |= {(tenant, item): stored.id for item in stored.items}
-        while self.entries and (len(self.entries) > self.max_count or self.expired(next(iter(self.entries.values())))):
+        self.holders |= {(tenant, i["id"]): KeptItem(i, stored.id, stored.program) for i in stored.every_item()}
+        while self.entries and (self.over() or self.expired(next(iter(self.entries.values())))):
             self.drop(next(iter(self.entries)))
+
+    def over(self) -> bool:
+        return len(self.entries) > self.max_count or len(self.holders) > self.max_items
 
     async def get(self, tenant: str, response_id: str) -> Stored | None:
         key = (tenant, response_id)
@@ -84,12 +112,14 @@ class MemoryResponses:
     def expired(self, stored: Stored) -> bool:
         return self.clock() - stored.written > self.ttl_s
 
-    async def owner(self, tenant: str, item_ids: Iterable[str]) -> Stored | None:
-        for item in reversed(list(item_ids)):
-            response_id = self.owners.get((tenant, item))
-            if response_id is not None and (found := await self.get(tenant, response_id)) is not None:
-                return found
-        return None
+    async def held(self, tenant: str, item_ids: Sequence[str]) -> list[KeptItem | None]:
+        return [self.holding(tenant, item) for item in item_ids]
+
+    def holding(self, tenant: str, item_id: str) -> KeptItem | None:
+        """The item, if its response is kept still (a lookup is no use of the response: as in Redis)."""
+        found = self.holders.get((tenant, item_id))
+        stored = None if found is None else self.entries.get((tenant, found.response))
+        return None if stored is None or self.expired(stored) else found
 
     async def delete(self, tenant: str, response_id: str) -> bool:
         if (tenant, response_id) not in self.entries:
@@ -98,9 +128,11 @@ class MemoryResponses:
         return True
 
     def drop(self, key: tuple[str, str]) -> None:
+        tenant, response_id = key
         stored = self.entries.pop(key)
-        for item in stored.items:
-            self.owners.pop((key[0], item), None)
+        for item in stored.items:  # those a later response holds now stay with it
+            if (found := self.holders.get((tenant, item))) is not None and found.response == response_id:
+                del self.holders[(tenant, item)]
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -112,13 +144,16 @@ class MemoryResponses:
 class RedisResponses:
     """The same store in Redis, shared by every front on it. A tenant's keys share one hash slot (its
     digest in braces), so its lookups are one round trip on a cluster too; one sorted set orders every
-    response by last use, and the least recently used go beyond `max_count`. A response that cannot be
-    kept (Redis down) is logged and the answer still goes out; a lookup then is a 503."""
+    response by last use, and the least recently used go beyond `max_count`. Each item is a key of its
+    own (its response's id, then the item), gone with its response unless a later one holds it now.
+    A response that cannot be kept (Redis down) is logged and the answer still goes out; a lookup then
+    is a 503."""
 
     def __init__(self, url: str, max_count: int = MAX_COUNT, ttl_s: float = TTL_S, prefix: str = PREFIX) -> None:
         self.max_count, self.ttl_s, self.prefix = max_count, ttl_s, prefix
         self.redis = connect(url)
         self.used = prefix + "used"  # sorted set: "<tenant digest>:<response id>" -> last use (epoch s)
+        self.forget = self.redis.register_script(FORGET)
 
     def scope(self, tenant: str) -> str:
         return hashlib.sha256(tenant.encode()).hexdigest()[:24]
@@ -135,8 +170,9 @@ class RedisResponses:
         try:
             pipe = self.redis.pipeline(transaction=False)  # one round trip, however many items
             pipe.set(self.entry(scope, stored.id), json.dumps(asdict(stored)), ex=ttl)
-            for item in stored.items:
-                pipe.set(self.item(scope, item), stored.id, ex=ttl)
+            for item in stored.every_item():
+                record = json.dumps({"item": item, "program": stored.program})
+                pipe.set(self.item(scope, item["id"]), f"{stored.id}\n{record}", ex=ttl)
             pipe.zadd(self.used, {f"{scope}:{stored.id}": stored.written})
             pipe.zcard(self.used)
             over = (await pipe.execute())[-1] - self.max_count
@@ -163,21 +199,20 @@ class RedisResponses:
         try:
             fields = json.loads(raw)
             stored = Stored(**{**fields, "items": tuple(fields.get("items", ()))})
-            if not isinstance(stored.response, dict) or not isinstance(stored.messages, list):
-                raise TypeError("not a response and its messages")
+            if not all(
+                isinstance(v, t) for v, t in ((stored.response, dict), (stored.messages, list), (stored.inputs, list))
+            ):
+                raise TypeError("not a response, its messages and its input items")
             return stored
         except (ValueError, TypeError) as exc:
             log.warning("a damaged response in redis is ignored: %s", exc)
             return None
 
-    async def owner(self, tenant: str, item_ids: Iterable[str]) -> Stored | None:
-        scope, wanted = self.scope(tenant), list(item_ids)[::-1]
-        if not wanted:
-            return None
-        for response_id in await self.redis.mget([self.item(scope, i) for i in wanted]):
-            if response_id is not None and (found := await self.get(tenant, response_id.decode())) is not None:
-                return found
-        return None
+    async def held(self, tenant: str, item_ids: Sequence[str]) -> list[KeptItem | None]:
+        scope = self.scope(tenant)
+        if not item_ids:
+            return []
+        return [held_of(raw) for raw in await self.redis.mget([self.item(scope, i) for i in item_ids])]
 
     async def delete(self, tenant: str, response_id: str) -> bool:
         scope = self.scope(tenant)
@@ -186,11 +221,42 @@ class RedisResponses:
 
     async def drop(self, scope: str, response_id: str) -> bool:
         stored = self.parsed(await self.redis.get(self.entry(scope, response_id)))
-        names = [self.item(scope, item) for item in stored.items] if stored else []
-        return bool(await self.redis.delete(self.entry(scope, response_id), *names))
+        if stored is not None and stored.items:
+            await self.forget(keys=[self.item(scope, item) for item in stored.items], args=[f"{response_id}\n"])
+        return bool(await self.redis.delete(self.entry(scope, response_id)))
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+
+# The item keys (KEYS) that the response (ARGV[1]: its id and a newline) still holds, deleted: one that a
+# later response holds now stays. One script: another front may write them meanwhile.
+FORGET = """
+local gone = 0
+for _, key in ipairs(KEYS) do
+  local held = redis.call('GET', key)
+  if held and string.sub(held, 1, #ARGV[1]) == ARGV[1] then
+    gone = gone + redis.call('DEL', key)
+  end
+end
+return gone
+"""
+
+
+def held_of(raw: bytes | None) -> KeptItem | None:
+    """An item as Redis keeps it; a damaged one is none (logged)."""
+    if raw is None:
+        return None
+    try:
+        response, _, record = raw.decode().partition("\n")
+        fields = json.loads(record)
+        item, program = fields["item"], fields["program"]
+        if not isinstance(item, dict) or not isinstance(item.get("id"), str) or not isinstance(program, str | None):
+            raise TypeError("not an item and its program")
+        return KeptItem(item, response, program)
+    except (ValueError, TypeError, KeyError) as exc:
+        log.warning("a damaged response item in redis is ignored: %s", type(exc).__name__)
+        return None
 
 
 def response_store(redis_url: str | None) -> ResponseStore:
