@@ -35,6 +35,7 @@ SLOWEST_FIRST = (
     "abuse/test_workers_abuse.py",
     "server/test_chunks_gateway.py",
     "server/test_responses.py",
+    "server/test_responses_items.py",
     "unit/test_blend.py",
     "server/test_tenant_kv.py",
     "abuse/test_caches.py",
