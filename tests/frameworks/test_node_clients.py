@@ -24,7 +24,7 @@ from tests.helpers.servers import serving
 
 JS = Path(__file__).resolve().parents[1] / "js"
 KEY = "sk-node-clients"  # a tenant of its own: its first prompt finds nothing another module left
-SDKS = ("openai", "@anthropic-ai/sdk")
+SDKS = ("openai", "@anthropic-ai/sdk", "ai", "@ai-sdk/openai", "zod")
 Result = dict[str, Any]
 
 
@@ -149,3 +149,20 @@ def test_anthropic_ts_sdk_raises_its_own_error_class(anthropic_js: dict[str, Res
     raised = step(anthropic_js, "unknown_model")
     assert raised["raised"] == "NotFoundError" and raised["status"] == 404
     assert raised["error"]["type"] == "error" and raised["error"]["error"]["type"] == "not_found_error"
+
+
+@pytest.fixture(scope="module")
+def aisdk_js(node: str, gateway: str, model_name: str) -> dict[str, Result]:
+    return run(node, "aisdk_conversation.mjs", gateway, model_name)
+
+
+def test_the_ai_sdks_default_provider_holds_a_conversation_on_its_kv(aisdk_js: dict[str, Result]) -> None:
+    """The AI SDK's createOpenAI speaks /v1/responses with store: true and sends earlier answers back as
+    `item_reference`s: each request after the first reads at least 80% of the one before from cache, in one program."""
+    requests = step(aisdk_js, "conversation")["requests"]
+    assert [r["turn"] for r in requests] == [1, 2, 2, 3]  # turn 2: the tool call, then the answer to its result
+    assert [len(r["calls"]) for r in requests] == [0, 1, 0, 0] and requests[1]["calls"][0]["name"] == "getWeather"
+    assert "item_reference" in requests[-1]["items"], requests[-1]  # the earlier answers, by id
+    assert len({r["program"] for r in requests}) == 1 and requests[0]["program"].startswith("responses:")
+    for before, after in zip(requests, requests[1:]):
+        assert after["cached"] >= 0.8 * before["prompt"], (before, after)
