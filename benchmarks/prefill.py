@@ -11,10 +11,12 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from kvgate.bench.plots import figure, image
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.model import Run, forward
+from kvgate.runtime.progress import progress
 from kvgate.runtime.report import table, write_section
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique_rag_dev.jsonl"
@@ -82,14 +84,54 @@ def batched_decode(loaded: LoadedModel, ids: list[int], batch: int, steps: int) 
     return batch * steps / (time.perf_counter() - start)
 
 
+def concurrency(rates: dict[int, float], picture: Path, title: str) -> None:
+    """Aggregate decode tokens/s against the sequences decoding together, beside B times one sequence's."""
+    streams = sorted(rates)
+    with figure(picture, 1, (6.5, 4.2), title) as (ax,):
+        ax.plot(streams, [rates[b] for b in streams], "o-", color="tab:blue", label="kvgate, all sequences")
+        one = rates.get(1)
+        if one is not None:
+            ax.plot(streams, [b * one for b in streams], ":", color="grey", label="B x one sequence's (linear)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(streams, [str(b) for b in streams])
+        ax.set(xlabel="sequences decoding together (B)", ylabel="decode tokens/s, all sequences", ylim=(0, None))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+
+
+def batching(rates: dict[int, float], context: int, decode: int, repeats: int, plots: Path | None, output: Path) -> str:
+    """The continuous-batching table, and with `plots` its figure right after it."""
+    single = rates[min(rates)]
+    rows = [[str(b), f"{rate:.1f}", f"{rate / single:.2f}"] for b, rate in sorted(rates.items())]
+    text = (
+        f"Continuous batching: aggregate decode tokens/s with B sequences of {context}-token "
+        f"context stepping together ({decode} steps, median of {repeats}).\n\n"
+        + table(["B", "decode tok/s (all sequences)", f"vs B={min(rates)}"], rows)
+    )
+    if plots is None:
+        return text
+    picture = plots / "prefill-concurrency.png"
+    concurrency(rates, picture, f"Continuous batching: {context}-token contexts, {decode} steps")
+    return text + "\n\n" + image(picture, output, "decode tokens/s against sequences decoding together")
+
+
 def bench_prefill(
-    config: EngineConfig, lengths: list[int], decode: int, repeats: int, output: Path, command: str, context: int = 512
+    config: EngineConfig,
+    lengths: list[int],
+    decode: int,
+    repeats: int,
+    output: Path,
+    command: str,
+    context: int = 512,
+    streams: tuple[int, ...] = (1, 4, 8),
+    plots: Path | None = None,
 ) -> None:
-    """`context`: the prompt tokens of each sequence in the continuous-batching rows."""
+    """`context`: the prompt tokens of each sequence in the continuous-batching rows, `streams` their batch
+    sizes; `plots`: the folder of the figure (None: none)."""
     loaded = load(config)
     own(loaded, prompt_ids(loaded, 64), 2)  # warm-up
     rows = []
-    for length in lengths:
+    for length in progress(lengths, "prompt lengths"):
         ids = prompt_ids(loaded, length)
         ours = [own(loaded, ids, decode) for _ in range(repeats)]
         theirs = [reference(loaded, ids, decode) for _ in range(repeats)]
@@ -108,12 +150,10 @@ def bench_prefill(
         )
         print(" | ".join(rows[-1]), flush=True)
     ctx = prompt_ids(loaded, context)
-    batch_rows = []
-    single = statistics.median(batched_decode(loaded, ctx, 1, decode) for _ in range(repeats))
-    for b in (1, 4, 8):
-        rate = single if b == 1 else statistics.median(batched_decode(loaded, ctx, b, decode) for _ in range(repeats))
-        batch_rows.append([str(b), f"{rate:.1f}", f"{rate / single:.2f}"])
-        print(" | ".join(batch_rows[-1]), flush=True)
+    rates: dict[int, float] = {}
+    for b in progress(streams, "batch sizes"):
+        rates[b] = statistics.median(batched_decode(loaded, ctx, b, decode) for _ in range(repeats))
+        print(f"{b} | {rates[b]:.1f} | {rates[b] / rates[streams[0]]:.2f}", flush=True)
     body = (
         "Prefill of one prompt and greedy decode of "
         f"{decode} tokens after it, best of {repeats}; `own` is the runtime's layer loop "
@@ -131,8 +171,7 @@ def bench_prefill(
             ],
             rows,
         )
-        + f"\n\nContinuous batching: aggregate decode tokens/s with B sequences of {context}-token "
-        f"context stepping together ({decode} steps, median of {repeats}).\n\n"
-        + table(["B", "decode tok/s (all sequences)", "vs B=1"], batch_rows)
+        + "\n\n"
+        + batching(rates, context, decode, repeats, plots, output)
     )
     write_section(output, "prefill", "Prefill and decode speed", command, body)

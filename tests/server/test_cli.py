@@ -227,6 +227,13 @@ BENCH_RUNS = [  # argv, the module its runner must import, the function it calls
     (["bench", "grammar", "--requests", "4"], "grammar", "bench_grammar", ""),
     (["bench", "fidelity", "--ratios", "0,50"], "fidelity", "bench_fidelity", None),
     (["bench", "ttft", "--ratio", "20", "--ratios", "10"], "ttft", "bench_ttft", None),
+    (["bench", "ttft", "--also-select", "attention", "--plot"], "ttft", "bench_ttft", None),
+    (
+        ["bench", "ttft-lengths", "--lengths", "512,1024", "--plot", "figures"],
+        "ttft_lengths",
+        "bench_ttft_lengths",
+        None,
+    ),
     (["bench", "tiers"], "tiers", "bench_tiers", None),
     (["bench", "semantic", "--sizes", "10,20"], "semantic", "bench_semantic", None),
     (["bench", "agents"], "agents", "bench_agents", None),
@@ -252,7 +259,7 @@ def test_each_bench_command_imports_only_its_own_module() -> None:
         "        del sys.modules[loaded]  # what earlier runs imported of kvgate.bench, stand-ins included\n"
         "    name, calls = 'kvgate.bench.' + module, []\n"
         "    stand_in = sys.modules[name] = types.ModuleType(name)\n"
-        "    setattr(stand_in, function, lambda *a, calls=calls, result=result: calls.append(a) or result)\n"
+        "    setattr(stand_in, function, lambda *a, calls=calls, result=result, **k: calls.append(a) or result)\n"
         "    before = {m for m in sys.modules if m.startswith('kvgate.bench.')}\n"
         "    code = cli.main(argv)\n"
         "    added = sorted({m for m in sys.modules if m.startswith('kvgate.bench.')} - before)\n"
