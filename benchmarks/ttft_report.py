@@ -161,21 +161,26 @@ def speedups(results: dict[str, dict[str, Timing]], picture: Path, title: str) -
         right.set(ylabel="first-token KL(full || mode)", ylim=(0, None))
 
 
+def lines(arms: list[Arm]) -> dict[str, list[Arm]]:
+    """The frontier's lines: each reuse mode's arms but full prefill's (the reference), a blend's per selection
+    method, by ratio."""
+    found: dict[str, list[Arm]] = {}
+    for arm in arms:
+        if arm.mode.mode != "full":
+            found.setdefault(arm.line, []).append(arm)
+    return {line: sorted(members, key=lambda a: a.ratio) for line, members in found.items()}
+
+
 def frontier(results: dict[str, dict[str, Timing]], arms: list[Arm], picture: Path, title: str) -> None:
     """The fidelity frontier: speedup over full prefill against top-1 and against first-token KL, one point per
     recompute ratio, one line per blend selection method and a point per other reuse mode; shuffled documents
     solid, stored order dotted; full prefill itself the star at 1x."""
-    lines: dict[str, list[Arm]] = {}
-    for arm in arms:
-        if arm.mode.mode != "full":
-            lines.setdefault(arm.line, []).append(arm)
     with figure(picture, 2, (12, 4.6), title) as axes:
         left, right = axes
         for order, style, filled in (("shuffled", "-", True), ("stored", ":", False)):
             timings = results[order]
             full = timings["full"].mean("seconds")
-            for line, members in lines.items():
-                members = sorted(members, key=lambda a: a.ratio)
+            for line, members in lines(arms).items():
                 x = [full / timings[a.name].mean("seconds") for a in members]
                 colour = COLOURS.get(line, "tab:purple")
                 shown = {"label": line if line in ("prefix", "naive") else f"blend, select {line}"} if filled else {}
@@ -198,7 +203,7 @@ def frontier(results: dict[str, dict[str, Timing]], arms: list[Arm], picture: Pa
         left.plot([], [], "-", color="grey", label="documents shuffled")
         left.plot([], [], ":", color="grey", label="documents in stored order")
         left.plot([], [], **TARGET, label="target")
-        left.legend(fontsize=7, loc="lower left")
+        left.legend(fontsize=7, loc="best")
         left.axhline(100 * TARGET_TOP1, **TARGET)
         right.axhline(TARGET_KL, **TARGET)
         left.set(ylabel=f"top-1 agreement, {ANSWER} positions forced (%)")

@@ -11,7 +11,7 @@ from kvgate.bench.engines_report import decode_figure, report
 from kvgate.bench.engines_rows import decode_row
 from kvgate.bench.prefill import batching
 from kvgate.bench.ttft_lengths import shown
-from kvgate.bench.ttft_report import ORDERS, Arm, Timing, frontier_figure, tables
+from kvgate.bench.ttft_report import ORDERS, Arm, Timing, frontier_figure, lines, tables
 from kvgate.runtime.report import write_section
 from kvgate.runtime.reuse import ReuseMode
 
@@ -47,7 +47,14 @@ def timing(seconds: float, kl: float, top1: float) -> Timing:
 def test_the_fidelity_frontier_has_a_line_per_selection_method(tmp_path: Path) -> None:
     arms = [Arm("full", ReuseMode("full")), Arm("prefix", ReuseMode("prefix")), Arm("naive", ReuseMode("naive"))]
     arms += [Arm(f"blend {r}%", ReuseMode("blend", r / 100), "deviation", r / 100) for r in (15, 30)]
-    arms += [Arm(f"blend {r}%, select attention", ReuseMode("blend", r / 100), "attention", r / 100) for r in (15, 30)]
+    arms += [Arm(f"blend {r}%, select attention", ReuseMode("blend", r / 100), "attention", r / 100) for r in (30, 15)]
+    drawn = {line: [a.name for a in members] for line, members in lines(arms).items()}
+    assert drawn == {  # full prefill is the reference point, not a line; a line's points by ratio
+        "prefix": ["prefix"],
+        "naive": ["naive"],
+        "deviation": ["blend 15%", "blend 30%"],
+        "attention": ["blend 15%, select attention", "blend 30%, select attention"],
+    }
     results = {order: {a.name: timing(1.0 + n, 0.1 / (n + 1), 0.8 + n / 100) for n, a in enumerate(arms)}
                for order in ORDERS}  # fmt: skip
     markdown = frontier_figure(results, arms, tmp_path / "ttft-frontier.png", tmp_path / "BENCHMARKS.md", "tiny")
