@@ -67,12 +67,15 @@ def bench(*args: object) -> None:
 def test_bench_prefill_writes_its_table(tmp_path: Path) -> None:
     out = tmp_path / "BENCHMARKS.md"
     out.write_text("# Benchmarks\n\n<!-- bench:other -->\nkept\n<!-- /bench:other -->\n")
-    bench("prefill", "--lengths", "32,64", "--decode-tokens", "2", "--repeats", "1", "--context", "64", "--output", out)
+    sizes = ["--decode-tokens", "2", "--repeats", "1", "--context", "64", "--streams", "1,2"]
+    bench("prefill", "--lengths", "32,64", *sizes, "--output", out)
     text = out.read_text()
     assert "kept" in text and "bench prefill --lengths 32,64" in text
     rows = [line for line in text.splitlines() if line.startswith(("| 32 |", "| 64 |"))]
     assert len(rows) == 2 and all(float(row.split("|")[2]) > 0 for row in rows)
     assert "B sequences of 64-token context" in text
+    batched = [line.split("|")[1:3] for line in text.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    assert [b for b, _ in batched] == [" 1 ", " 2 "] and all(float(rate) > 0 for _, rate in batched)
 
 
 def test_bench_grammar_checks_every_answer_and_weighs_the_grammar(tmp_path: Path) -> None:
