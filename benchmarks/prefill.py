@@ -155,7 +155,7 @@ def bench_prefill(
         rates[b] = statistics.median(batched_decode(loaded, ctx, b, decode) for _ in range(repeats))
         print(f"{b} | {rates[b]:.1f} | {rates[b] / rates[streams[0]]:.2f}", flush=True)
     body = (
-        "Prefill of one prompt and greedy decode of "
+        f"Model {loaded.name}, {loaded.dtype}. Prefill of one prompt and greedy decode of "
         f"{decode} tokens after it, best of {repeats}; `own` is the runtime's layer loop "
         "(`runtime/model.py`), `hf` is transformers' `model.forward` with SDPA and `DynamicCache` "
         "on the same model and prompt in the same run. Ratio = own speed / hf speed.\n\n"
