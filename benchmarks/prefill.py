@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -13,11 +14,13 @@ from transformers import DynamicCache
 
 from kvgate.bench.plots import figure, image
 from kvgate.runtime.config import EngineConfig
-from kvgate.runtime.kv import KVCache
+from kvgate.runtime.decode import Batches
+from kvgate.runtime.kv import KVCache, Pool
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.model import Run, forward
 from kvgate.runtime.progress import progress
 from kvgate.runtime.report import table, write_section
+from kvgate.runtime.threads import Teams, switchable
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique_rag_dev.jsonl"
 
@@ -69,19 +72,35 @@ def reference(loaded: LoadedModel, ids: list[int], decode: int) -> tuple[float, 
     return prefill, time.perf_counter() - start
 
 
-def batched_decode(loaded: LoadedModel, ids: list[int], batch: int, steps: int) -> float:
-    """Aggregate decode tokens/s with `batch` sequences stepping together (continuous batching)."""
+@dataclass
+class Stepping:
+    """What the engine keeps from one decode step to the next (runtime/engine.py): its blocks' pool, its batch, and
+    how many threads each size of step runs fastest on."""
+
+    pool: Pool = field(default_factory=Pool)
+    batches: Batches = field(default_factory=Batches)
+    teams: Teams = field(default_factory=lambda: Teams(torch.get_num_threads() if switchable() else 1))
+
+
+def batched_decode(loaded: LoadedModel, ids: list[int], batch: int, steps: int, stepping: Stepping) -> float:
+    """Aggregate decode tokens/s with `batch` sequences stepping together (continuous batching), each step as the
+    engine runs one: unpadded, its attention batched, on the team its size runs fastest on."""
     mc = loaded.model.config
     kvs = [
-        KVCache(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, loaded.model.dtype, "cpu")
+        KVCache(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, loaded.model.dtype, "cpu", 0, stepping.pool)
         for _ in range(batch)
     ]
     logits = torch.cat([forward(loaded.model, [Run(kv, ids, 0)]) for kv in kvs])
     start = time.perf_counter()
     for _ in range(steps):
         tokens = logits.argmax(-1).tolist()
-        logits = forward(loaded.model, [Run(kv, [t], len(kv)) for kv, t in zip(kvs, tokens)])
-    return batch * steps / (time.perf_counter() - start)
+        with stepping.teams.sized(batch):
+            runs = [Run(kv, [t], len(kv)) for kv, t in zip(kvs, tokens)]
+            logits = forward(loaded.model, runs, pad=False, batches=stepping.batches)
+    rate = batch * steps / (time.perf_counter() - start)
+    for kv in kvs:
+        kv.release()  # its blocks back to the pool, as the engine does when a sequence ends
+    return rate
 
 
 def concurrency(rates: dict[int, float], picture: Path, title: str) -> None:
@@ -105,7 +124,8 @@ def batching(rates: dict[int, float], context: int, decode: int, repeats: int, p
     rows = [[str(b), f"{rate:.1f}", f"{rate / single:.2f}"] for b, rate in sorted(rates.items())]
     text = (
         f"Continuous batching: aggregate decode tokens/s with B sequences of {context}-token "
-        f"context stepping together ({decode} steps, median of {repeats}).\n\n"
+        f"context stepping together ({decode} steps, median of {repeats} after one run of each B; each step as the "
+        "engine runs one: unpadded, attention batched, on the threads its size runs fastest on).\n\n"
         + table(["B", "decode tok/s (all sequences)", f"vs B={min(rates)}"], rows)
     )
     if plots is None:
@@ -151,8 +171,12 @@ def bench_prefill(
         print(" | ".join(rows[-1]), flush=True)
     ctx = prompt_ids(loaded, context)
     rates: dict[int, float] = {}
+    stepping = Stepping()
     for b in progress(streams, "batch sizes"):
-        rates[b] = statistics.median(batched_decode(loaded, ctx, b, decode) for _ in range(repeats))
+        batched_decode(
+            loaded, ctx, b, decode, stepping
+        )  # warm-up: the teams' timings of this size, the batch's storage
+        rates[b] = statistics.median(batched_decode(loaded, ctx, b, decode, stepping) for _ in range(repeats))
         print(f"{b} | {rates[b]:.1f} | {rates[b] / rates[streams[0]]:.2f}", flush=True)
     body = (
         f"Model {loaded.name}, {loaded.dtype}. Prefill of one prompt and greedy decode of "
