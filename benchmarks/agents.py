@@ -28,6 +28,7 @@ from kvgate.bench.server import gateway
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.loader import LoadedModel, load
+from kvgate.runtime.progress import progress
 from kvgate.runtime.report import table, write_section
 
 # (arrivals per second, KV memory MiB): an engine busy but keeping up, and one overloaded.
@@ -245,7 +246,8 @@ def bench_agents(
     text = passages(data)
     workload = {w: generate(programs, rate_per_s, seed=w, text_source=text) for w in range(seed, seed + workloads)}
     order = [BASELINE, *(p for p in chosen if p != BASELINE)]
-    for (w, specs), policy in itertools.product(workload.items(), order):  # every policy on a workload, in turn
+    runs_of = itertools.product(workload.items(), order)  # every policy on a workload, in turn
+    for (w, specs), policy in progress(runs_of, "live runs (workload x policy)", total=len(workload) * len(order)):
         settings = base.model_copy(
             update={
                 # no disk tier: an evicted context is computed again

@@ -28,6 +28,7 @@ from kvgate.bench.engines_rows import Rag, Reply, load_rag, stream
 from kvgate.bench.server import gateway
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.loader import load
+from kvgate.runtime.progress import progress
 from kvgate.runtime.report import table, write_section
 
 SYSTEM = "Answer the question from the context. Be brief."
@@ -167,7 +168,7 @@ def bench_chunks(settings: Settings, data: Path, count: int, output: Path, comma
         without = base.model_copy(update={"caches": {"dir": Path(b), "content_chunks": False}})
         with gateway(with_chunks, loaded) as (on, model), gateway(without, loaded) as (off, _):
             on, off = on.removesuffix("/v1"), off.removesuffix("/v1")
-            for i, item in enumerate(items):
+            for i, item in enumerate(progress(items, "items")):
                 tokens = sum(len(loaded.tokenizer.encode(p, add_special_tokens=False)) for p in item.passages)
                 run_item(results, item, i, on, off, model, tokens)
     body = report(results, len(items))

@@ -51,6 +51,14 @@ def layers(text: str) -> tuple[int, ...]:
     return tuple(sorted({int(x) for x in parts}))
 
 
+def selects(text: str) -> tuple[str, ...]:
+    """Blend selection methods, comma-separated: "attention,random" -> ("attention", "random")."""
+    found = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not found or not set(found) <= {"deviation", "attention", "random"}:
+        raise argparse.ArgumentTypeError(f"{text!r}: deviation, attention or random, comma-separated")
+    return found
+
+
 def policies(text: str) -> list[tuple[str, str, float]]:
     """Pin and queue policies, and programs in flight per context memory holds:
     "off+fcfs,decide+program+2" -> [("off", "fcfs", 0.0), ("decide", "program", 2.0)]."""
@@ -82,12 +90,25 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
         parser.add_argument("--output", type=Path, default=OUTPUT, help="the BENCHMARKS.md to write the section to")
 
 
+def plot_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--plot",
+        nargs="?",
+        const="",
+        metavar="DIR",
+        help="draw the section's figures as PNGs into DIR (alone: beside --output), each shown in the section "
+        "after the table it is drawn from",
+    )
+
+
 def prefill_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model")
     parser.add_argument("--lengths", default="512,1024,2048,4096")
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--context", type=int, default=512, help="prompt tokens of each sequence decoded in a batch")
+    parser.add_argument("--streams", default="1,2,4,8,16", help="sequences decoding together, comma-separated")
+    plot_option(parser)
 
 
 def answer_option(parser: argparse.ArgumentParser) -> None:
@@ -122,6 +143,7 @@ def fidelity_options(parser: argparse.ArgumentParser) -> None:
         "documents, asked for; runtime/retrieval_task.py), against full prefill's (0: none; 24 in BENCHMARKS.md)",
     )
     parser.add_argument("--retrieval-words", type=int, default=100, help="words per retrieval document (>= 20)")
+    plot_option(parser)
 
 
 def error_sources_options(parser: argparse.ArgumentParser) -> None:
@@ -134,6 +156,22 @@ def ttft_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ratio", type=float, help="blend recompute ratio, percent (default: the calibrated one)")
     parser.add_argument("--ratios", default="", help="more blend ratios to time, percent, comma-separated")
     parser.add_argument("--repeats", type=int, default=2, help="timings per mode and item; the fastest is kept")
+    parser.add_argument(
+        "--also-select",
+        type=selects,
+        default=(),
+        metavar="METHOD[,METHOD]",
+        help="blends selecting their tokens by these methods too (deviation, attention, random), at the same ratios",
+    )
+    plot_option(parser)
+
+
+def ttft_lengths_options(parser: argparse.ArgumentParser) -> None:
+    musique_args(parser, limit=3, offset=0, data=MUSIQUE)
+    parser.add_argument("--lengths", default="512,1024,2048,4096", help="prompt tokens, comma-separated")
+    parser.add_argument("--ratio", type=float, default=15.0, help="blend recompute ratio, percent")
+    parser.add_argument("--repeats", type=int, default=2, help="timings per mode and item; the fastest is kept")
+    plot_option(parser)
 
 
 def grammar_options(parser: argparse.ArgumentParser) -> None:
@@ -171,6 +209,7 @@ def semantic_options(parser: argparse.ArgumentParser) -> None:
         help="first fit the verifier on the fit half, write it to PATH and measure it "
         "(semantic_cache/verifier.npz is the one shipped)",
     )
+    plot_option(parser)
 
 
 def agents_options(parser: argparse.ArgumentParser) -> None:
@@ -229,6 +268,7 @@ def multiagent_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--written", type=int, default=128, help="tokens each agent's answer has at most")
     parser.add_argument("--repeats", type=int, default=2, help="timings per mode and turn; the fastest is kept")
     answer_option(parser)
+    plot_option(parser)
 
 
 def gateway_options(parser: argparse.ArgumentParser) -> None:
@@ -263,6 +303,12 @@ def engines_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--venv", type=Path, help="vLLM's virtualenv, made on first use (default: the user cache's vllm-venv)"
     )
+    parser.add_argument(
+        "--streams",
+        default="1,8",
+        help="concurrent streams of the decode rows, comma-separated (1: 128 tokens, more: 64 tokens each)",
+    )
+    plot_option(parser)
 
 
 def chunks_options(parser: argparse.ArgumentParser) -> None:
@@ -282,6 +328,7 @@ KINDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {  # k
     "fidelity": ("how far each reuse mode moves the answer from full prefill", fidelity_options),
     "error-sources": ("where the error of reused document KV comes from: repairs and an oracle", error_sources_options),
     "ttft": ("time to first token of each reuse mode against full prefill", ttft_options),
+    "ttft-lengths": ("time to first token of each reuse mode against prompt length", ttft_lengths_options),
     "grammar": ("constrained decoding: forced calls and json_schema answers checked, cost per step", grammar_options),
     "tiers": ("load bandwidth of each chunk cache tier, and TTFT of a blend from it", tiers_options),
     "compressed": ("compressed document KV on disk and Redis: size, load, blend TTFT, fidelity", compressed_options),

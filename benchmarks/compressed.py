@@ -25,6 +25,7 @@ from kvgate.runtime.calibration import model_fingerprint
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.fidelity import Item, greedy, kl, load_items, start, teacher_forced, top1
 from kvgate.runtime.loader import load
+from kvgate.runtime.progress import progress
 from kvgate.runtime.report import table, write_section
 from kvgate.runtime.reuse import ReuseMode, Reuser
 
@@ -120,7 +121,7 @@ def measure_blends(
     """Each store's blend per item: TTFT (fastest of `repeats`) and fidelity; full prefill's TTFT, returned."""
     reusers = {w: Reuser(memory.model, memory.tokenizer, s, memory.model_fp, BlendConfig()) for w, s in stores.items()}
     full = []
-    for n, item in enumerate(items):
+    for n, item in enumerate(progress(items, "items timed")):
         full.append(best(partial(start, memory, item, ReuseMode("full")), repeats))
         ref_kv, ref_first, _ = start(memory, item, ReuseMode("full"))
         answer, _ = greedy(memory, ref_kv, ref_first, eos)

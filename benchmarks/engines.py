@@ -37,8 +37,9 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from kvgate.bench.engines_report import allowed, family, ranges, report, vllm_binding
-from kvgate.bench.engines_rows import ENGINES, Rag, Reply, chat_rows, decode_rows, load_rag, rag_rows, stream
+from kvgate.bench.engines_report import allowed, decode_figure, family, ranges, report, vllm_binding
+from kvgate.bench.engines_rows import ENGINES, Rag, Reply, Row, chat_rows, decode_rows, load_rag, rag_rows, stream
+from kvgate.bench.plots import image
 from kvgate.gateway.readiness import free_port, wait_ready
 from kvgate.runtime.errors import DataError
 from kvgate.runtime.report import cpu, write_section
@@ -190,8 +191,10 @@ def kvgate_account(setup: Setup, engines: Engines) -> str:
     )
 
 
-def run_setup(setup: Setup, model_dir: Path, data: Path, python: Path, repeats: int, words: int) -> str:
-    """Serve both engines under `setup`, run every row alternating them; the section's text."""
+def run_setup(
+    setup: Setup, model_dir: Path, data: Path, python: Path, repeats: int, words: int, streams: tuple[int, ...]
+) -> tuple[str, list[Row]]:
+    """Serve both engines under `setup`, run every row alternating them; where they computed, and the rows."""
     items = load_rag(data, repeats + 1, docs=6, words=words)
     system = " ".join(p for item in items for p in item.passages)[: 14 * words]  # about 900 tokens at 300 words
     name = "bench-model"
@@ -218,8 +221,8 @@ def run_setup(setup: Setup, model_dir: Path, data: Path, python: Path, repeats: 
         print(where, flush=True)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         rows = rag_rows(engines, name, items, repeats, tokenizer) + chat_rows(engines, name, items, system, repeats)
-        rows += decode_rows(engines, name, repeats)
-    return report(rows, where, repeats)
+        rows += decode_rows(engines, name, repeats, streams)
+    return where, rows
 
 
 def bench_engines(
@@ -232,8 +235,11 @@ def bench_engines(
     words: int,
     output: Path,
     command: str,
+    streams: tuple[int, ...] = (1, 8),
+    plots: Path | None = None,
 ) -> str:
-    """One section per dtype (each a fresh pair of servers; documents of `words` words); the sections' text."""
+    """One section per dtype (each a fresh pair of servers; documents of `words` words, decode rows of each
+    count of `streams`); the sections' text. `plots`: the folder of each section's figure (None: none)."""
     if cores and shutil.which("taskset") is None:
         raise DataError("--cores needs taskset (util-linux) to pin both engines")
     if cores > (os.cpu_count() or 1):
@@ -242,7 +248,13 @@ def bench_engines(
     bodies = []
     for dtype in dtypes:
         setup = Setup(cores, dtype)
-        body = run_setup(setup, model_dir, data, python, repeats, words)
+        where, rows = run_setup(setup, model_dir, data, python, repeats, words, streams)
+        shown = ""
+        if plots is not None:
+            picture = plots / f"{setup.section()}-decode.png"
+            decode_figure(rows, picture, setup.title())
+            shown = image(picture, output, "decode tokens/s against concurrent streams, both engines")
+        body = report(rows, where, repeats, shown)
         write_section(output, setup.section(), setup.title(), command, body)
         bodies.append(f"{setup.title()}\n\n{body}")
     return "\n\n".join(bodies)

@@ -10,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 from kvgate.bench.engines_rows import ANSWER, ENGINES, Row
+from kvgate.bench.plots import figure
 from kvgate.runtime.report import table
 
 
@@ -97,7 +98,27 @@ def fidelity(row: Row, engine: str) -> str:
     return f"{sum(equal)} of {len(equal)}"
 
 
-def report(rows: list[Row], where: str, repeats: int) -> str:
+def decode_figure(rows: list[Row], picture: Path, title: str) -> None:
+    """Decode tokens/s against concurrent streams, each engine's median with its min-max."""
+    decode = sorted((r for r in rows if r.streams), key=lambda r: r.streams)
+    streams = [r.streams for r in decode]
+    with figure(picture, 1, (6.5, 4.2), title) as (ax,):
+        for engine, colour in zip(ENGINES, ("tab:blue", "tab:orange")):
+            values = [r.values[engine] for r in decode]
+            middle = [statistics.median(v) if v else float("nan") for v in values]
+            low = [m - min(v) if v else 0.0 for m, v in zip(middle, values)]
+            high = [max(v) - m if v else 0.0 for m, v in zip(middle, values)]
+            shown = "kvgate" if engine == "kvgate" else "vLLM"
+            ax.errorbar(streams, middle, yerr=[low, high], fmt="o-", color=colour, capsize=3, label=shown)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(streams, [str(n) for n in streams])
+        ax.set(xlabel="concurrent streams", ylabel="decode tokens/s, all streams (median, min-max)", ylim=(0, None))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+
+
+def report(rows: list[Row], where: str, repeats: int, shown: str = "") -> str:
+    """The section's text; `shown`: markdown put right after the table (its figure)."""
     lines = []
     for r in rows:
         g = gains(r)
@@ -128,7 +149,8 @@ def report(rows: list[Row], where: str, repeats: int) -> str:
         "request under a fresh `cache_salt`. Prompt tokens: each engine's own usage count, checked equal for "
         "every request (the run stops otherwise)."
     )
-    return f"{where}\n\n{legend}\n\n{table(header, lines)}\n\n" + "\n".join(notes) + "\n"
+    after = f"{shown}\n\n" if shown else ""
+    return f"{where}\n\n{legend}\n\n{table(header, lines)}\n\n{after}" + "\n".join(notes) + "\n"
 
 
 def served(values: list[str]) -> str:

@@ -25,6 +25,7 @@ import httpx
 from transformers import PreTrainedTokenizerBase
 
 from kvgate.runtime.documents import chat_pieces, document_ids
+from kvgate.runtime.progress import progress
 
 ENGINES = ("kvgate", "vllm")
 ANSWER = 16  # greedy answer tokens compared with the engine's own full prefill
@@ -145,6 +146,7 @@ class Row:
     equal: dict[str, list[bool]] = field(default_factory=lambda: {e: [] for e in ENGINES})
     served: list[str] = field(default_factory=list)  # kvgate's x-kvgate-reuse of each measured request
     fidelity: list[str] = field(default_factory=list)  # kvgate's x-kvgate-fidelity of each measured request
+    streams: int = 0  # a decode row's concurrent streams (0: not a decode row)
 
     def prompt(self, engine: str, tokens: int) -> None:
         """One measured request's prompt tokens; a PromptMismatch when the other engine's same request differed."""
@@ -182,7 +184,7 @@ def rag_rows(
     cold = Row("cold: 6 new documents and a question, TTFT", "s")
     again = Row("the very same request again, TTFT", "s", reuse=True)
     moved = Row("the same documents in another order, another question, TTFT", "s", reuse=True)
-    for rep, item in enumerate(items[:repeats]):
+    for rep, item in enumerate(progress(items[:repeats], "RAG repeats")):
         order = random.Random(rep).sample(item.passages, len(item.passages))
         other = f"In one sentence: {item.question}"
         for engine, url in engines.order(rep):
@@ -214,7 +216,7 @@ def chat_rows(engines: Pair, model: str, items: list[Rag], system: str, repeats:
                 question = f"Question {rep}: {items[rep % len(items)].question}"
                 messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
                 checked(url, engine, {**asked, "messages": messages}, shared)
-    for rep in range(repeats):
+    for rep in progress(range(repeats), "agent repeats"):
         results = (" ".join(items[(rep + s) % len(items)].passages[s].split()[:120]) for s in range(3))
         prompts = list(turns(f"Agent {rep}. {system[:1500]}", items[rep % len(items)].question, results))
         for engine, url in engines.order(rep):
@@ -227,25 +229,34 @@ def chat_rows(engines: Pair, model: str, items: list[Rag], system: str, repeats:
     return [shared, agent]
 
 
-def decode_rows(engines: Pair, model: str, repeats: int) -> list[Row]:
-    """Tokens/s after the first token: one stream's, and 8 concurrent streams' together (from the first
-    first token to the last end)."""
-    one, eight = Row("decode, 1 stream, 128 tokens", "tok/s"), Row("decode, 8 streams, 64 tokens each", "tok/s")
+def decode_row(streams: int) -> Row:
+    if streams == 1:
+        return Row("decode, 1 stream, 128 tokens", "tok/s", streams=1)
+    return Row(f"decode, {streams} streams, 64 tokens each", "tok/s", streams=streams)
+
+
+def decode_rows(engines: Pair, model: str, repeats: int, streams: tuple[int, ...] = (1, 8)) -> list[Row]:
+    """Tokens/s after the first token: one stream's (128 tokens), and N concurrent streams' together (64 tokens
+    each, from the first first token to the last end), for each N of `streams`."""
+    rows = [decode_row(n) for n in streams]
     body = {"model": model, "temperature": 0, "ignore_eos": True}
-    for rep in range(repeats):
+    for rep in progress(range(repeats), "decode repeats"):
         for engine, url in engines.order(rep):
-            messages = [{"role": "user", "content": f"Tell a long story about ship number {rep}."}]
-            asks = [
-                {**body, "max_tokens": 64, "messages": [{"role": "user", "content": f"Story {rep}-{i}."}]}
-                for i in range(8)
-            ]
-            with engines.alone(engine):
-                r = stream(url, {**body, "max_tokens": 128, "messages": messages})
-                with ThreadPoolExecutor(8) as pool:
-                    replies = list(pool.map(stream, [url] * 8, asks))
-            one.values[engine].append((r.tokens - 1) / (r.end - r.first))
-            one.prompt(engine, r.prompt)
-            span = max(r.end for r in replies) - min(r.first for r in replies)
-            eight.values[engine].append(sum(r.tokens - 1 for r in replies) / span)
-            eight.prompt(engine, sum(r.prompt for r in replies))
-    return [one, eight]
+            for row in rows:
+                if row.streams == 1:
+                    messages = [{"role": "user", "content": f"Tell a long story about ship number {rep}."}]
+                    with engines.alone(engine):
+                        r = stream(url, {**body, "max_tokens": 128, "messages": messages})
+                    row.values[engine].append((r.tokens - 1) / (r.end - r.first))
+                    row.prompt(engine, r.prompt)
+                    continue
+                asks = [
+                    {**body, "max_tokens": 64, "messages": [{"role": "user", "content": f"Story {rep}-{i}."}]}
+                    for i in range(row.streams)
+                ]
+                with engines.alone(engine), ThreadPoolExecutor(row.streams) as pool:
+                    replies = list(pool.map(stream, [url] * row.streams, asks))
+                span = max(r.end for r in replies) - min(r.first for r in replies)
+                row.values[engine].append(sum(r.tokens - 1 for r in replies) / span)
+                row.prompt(engine, sum(r.prompt for r in replies))
+    return rows

@@ -14,7 +14,9 @@ import statistics
 import time
 from dataclasses import fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from kvgate.bench.plots import TARGET, figure, image
 from kvgate.runtime.blend import BlendConfig
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.fidelity import ANSWER, Scores, load_items, make_reuser, measure
@@ -23,17 +25,19 @@ from kvgate.runtime.report import table, write_section
 from kvgate.runtime.retrieval_task import ANSWER_TOKENS, BENCH_SEED, WORDS, Accuracy, kept, measure_tasks
 from kvgate.runtime.reuse import ReuseMode, Reuser
 
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
 TARGET_TOP1, TARGET_KL = 0.95, 0.05  # the issue's fidelity targets, drawn on the plot
 
 
 def plot(scores: dict[str, Scores], path: Path, title: str = "") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     blends = [(float(name.split()[1].rstrip("%")), s) for name, s in scores.items() if name.startswith("blend")]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    with figure(path, 2, (10, 4), title) as axes:
+        draw(scores, blends, *axes)
+
+
+def draw(scores: dict[str, Scores], blends: list[tuple[float, Scores]], left: Axes, right: Axes) -> None:
     x = [r for r, _ in blends]
     left.plot(x, [100 * s.mean("top1") for _, s in blends], "o-", label="blend: top-1 agreement (teacher-forced)")
     if any(s.rouge for _, s in blends):
@@ -43,18 +47,13 @@ def plot(scores: dict[str, Scores], path: Path, title: str = "") -> None:
         if name in scores:
             left.axhline(100 * scores[name].mean("top1"), linestyle=style, color="grey", label=f"{name}: top-1")
             right.axhline(scores[name].mean("kl"), linestyle=style, color="grey", label=f"{name}: KL")
-    left.axhline(100 * TARGET_TOP1, linestyle="--", color="tab:red", linewidth=0.8, label="target")
-    right.axhline(TARGET_KL, linestyle="--", color="tab:red", linewidth=0.8, label="target")
+    left.axhline(100 * TARGET_TOP1, **TARGET, label="target")
+    right.axhline(TARGET_KL, **TARGET, label="target")
     left.set(xlabel="recompute ratio (%)", ylabel="% of the reference (full prefill)", ylim=(0, 101))
     right.set(xlabel="recompute ratio (%)", ylabel="KL(full || reuse), first token", ylim=(0, None))
     for ax in (left, right):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def answered(found: Accuracy | None, full: Accuracy | None) -> list[str]:
@@ -154,13 +153,14 @@ def bench_fidelity(
     retrieval: int = 0,
     retrieval_words: int = WORDS,
     answer: int = ANSWER,
+    plots: Path | None = None,
 ) -> dict[str, Scores]:
     """`blend`: the blend's settings besides the ratio (default BlendConfig()); any other names the
     section (`fidelity-shuffled-first_k4`), so a variant does not overwrite the default run.
     `context`: documents' KV from a dense prefill of the same documents in the other order (the
     stored one for shuffled items, the shuffled one otherwise), section suffix `-context`. `retrieval`:
     retrieval tasks (of `docs` documents of `retrieval_words` words) whose answer accuracy each mode is
-    also scored by (0: none)."""
+    also scored by (0: none). `plots`: the folder of the figure (None: beside `output`)."""
     began = time.perf_counter()
     blend = blend or BlendConfig()
     loaded = load(config)
@@ -176,8 +176,7 @@ def bench_fidelity(
     name = ("fidelity-shuffled" if shuffle else "fidelity") + variant(blend) + ("-context" if context else "")
     settings = ", ".join(f"{k}={v!r}" for k, v in changed(blend).items())
     order = "shuffled (a fixed permutation per item)" if shuffle else "in their stored order"
-    picture = output.parent / f"{name}.png"
-    picture.parent.mkdir(parents=True, exist_ok=True)
+    picture = (plots or output.parent) / f"{name}.png"
     arranged = "shuffled" if shuffle else "in stored order"
     plot(scores, picture, f"{loaded.name}, {len(data_items)} MuSiQue items, {docs} documents {arranged}")
     tokens = statistics.fmean(len(i.ids) for i in data_items)
@@ -200,7 +199,7 @@ def bench_fidelity(
         + (f" {retrieved}" if retrieved else "")
         + "\n\n"
         + report(scores, found, answer)
-        + f"\n\n![fidelity against recompute ratio]({picture.name})\n\n"
+        + f"\n\n{image(picture, output, 'fidelity against recompute ratio')}\n\n"
         f"Took {time.perf_counter() - began:.0f} s."
     )
     title = "Fidelity of reuse, documents " + ("shuffled" if shuffle else "in stored order")

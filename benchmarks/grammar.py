@@ -21,6 +21,7 @@ from kvgate.gateway.local import Local
 from kvgate.gateway.protocol import ChatCompletionRequest
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
+from kvgate.runtime.progress import progress
 from kvgate.runtime.report import pct, table, write_section
 
 WORDS = ["city", "count", "title", "tags", "price", "active", "when", "owner", "level", "notes", "kind", "score"]
@@ -115,7 +116,7 @@ def judge(answer: dict[str, Any], shape: dict[str, Any], mode: str) -> str:
 async def forced(local: Local, total: int, batch: int, mode: str, seed: int, max_tokens: int) -> Counter[str]:
     rng = random.Random(seed)
     outcomes: Counter[str] = Counter()
-    for start in range(0, total, batch):
+    for start in progress(range(0, total, batch), f"{mode} batches of {batch}"):
         work = [request(i, rng, local.name, mode, max_tokens) for i in range(start, min(start + batch, total))]
 
         async def one(body: ChatCompletionRequest, shape: dict[str, Any]) -> str:

@@ -34,12 +34,14 @@ from pathlib import Path
 import torch
 
 from kvgate.agents.anchors import AnchorConfig, AnchorPool
+from kvgate.bench.plots import figure, image
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.documents import message_pieces
 from kvgate.runtime.fidelity import ANSWER, greedy, kl, make_reuser, teacher_forced, top1
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import load
 from kvgate.runtime.model import Run, forward
+from kvgate.runtime.progress import progress
 from kvgate.runtime.report import table, write_section
 from kvgate.runtime.reuse import Prefilled, Reuser, snapshot
 from kvgate.runtime.spans import Shared, Spans
@@ -138,7 +140,9 @@ def bench_multiagent(
     repeats: int = 2,
     anchors: AnchorConfig | None = None,
     answer: int = ANSWER,
+    plots: Path | None = None,
 ) -> dict[str, dict[int, Turns]]:
+    """`plots`: the folder of the figure (None: beside `output`)."""
     if not 2 <= agents <= len(ROLES):
         raise ValueError(f"agents must be 2 to {len(ROLES)}")
     began = time.perf_counter()
@@ -149,7 +153,7 @@ def bench_multiagent(
     tok, eos = loaded.tokenizer, loaded.eos_token_ids
     results = {m: {k: Turns() for k in range(agents)} for m in MODES}
     previous: dict[int, str] = {}  # per agent, the key of its previous prompt's KV
-    for q, question in enumerate(questions(data, limit)):
+    for q, question in enumerate(progress(questions(data, limit), "questions", total=limit)):
         answers: list[str] = []
         for k in range(agents):
             agent = ROLES[k][0]
@@ -207,7 +211,7 @@ def bench_multiagent(
             print(f"question {q + 1}/{limit} agent {k + 1}: {len(ids)} tokens; {line}", flush=True)
 
     elapsed = time.perf_counter() - began
-    report(results, pools["kvcomm"], limit, agents, ratio, answer, repeats, output, command, elapsed)
+    report(results, pools["kvcomm"], limit, agents, ratio, answer, repeats, output, command, elapsed, plots)
     return results
 
 
@@ -275,9 +279,10 @@ def rows(pooled: dict[str, Turns], ratio: float, answer: int) -> str:
 
 def report(
     results: dict[str, dict[int, Turns]], pool: AnchorPool, limit: int, agents: int, ratio: float, answer: int,
-    repeats: int, output: Path, command: str, elapsed: float,
+    repeats: int, output: Path, command: str, elapsed: float, plots: Path | None = None,
 ) -> None:  # fmt: skip
     every = summary(results, range(1, agents))
+    picture = (plots or output.parent) / "multiagent.png"
     warmup = min(WARMUP, limit - 1)
     later = summary(results, range(1, agents), since=warmup)
     names = list(MODES)[1:]
@@ -300,7 +305,7 @@ def report(
         + rows(every, ratio, answer)
         + "\n\nTTFT per agent, every turn (dense, seconds) and speedup over dense:\n\n"
         + table(["turn", "dense (s)", *names], per_agent)
-        + f"\n\n![TTFT and fidelity per mode](multiagent.png)\n\nKVCOMM ({ratio:.0%}): a gate closed on "
+        + f"\n\n{image(picture, output, 'TTFT and fidelity per mode')}\n\nKVCOMM ({ratio:.0%}): a gate closed on "
         f"{sum(kv_all.gated)} of {len(kv_all.gated)} turns of agents 2..{agents}, {sum(kv.gated)} of {len(kv.gated)} "
         "after the warm-up (those spans computed in place and learnt); learning took "
         f"{statistics.fmean(learnt) if learnt else 0:.3f} s a turn, after the first token. Its pool at the end: "
@@ -308,30 +313,21 @@ def report(
         f"{stats['evicted']} evicted.\n\nTargets (agents 2..{agents}, after the warm-up):\n\n"
         + verdicts(later, every, answer)
     )
-    plot(results, agents, output.parent / "multiagent.png", f"{limit} GSM8K questions, {agents} agents")
+    plot(results, agents, picture, f"{limit} GSM8K questions, {agents} agents")
     write_section(output, "multiagent", "Multi-agent KV sharing (KVCOMM)", command, body)
 
 
 def plot(results: dict[str, dict[int, Turns]], agents: int, picture: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    turns = range(1, agents + 1)
-    for mode in MODES:
-        seconds = [results[mode][k].mean("seconds") for k in range(agents)]
-        left.plot(turns, seconds, marker="o", label=mode)
-    left.set(xlabel="agent turn", ylabel="mean TTFT (s)", xticks=list(turns), ylim=(0, None))
-    left.legend(fontsize=8)
-    later = summary(results, range(1, agents))
-    for mode, t in later.items():
-        right.scatter(100 * t.mean("reuse"), t.mean("kl"))
-        at = (100 * t.mean("reuse"), t.mean("kl"))
-        right.annotate(mode, at, fontsize=8, xytext=(4, 4), textcoords="offset points")
-    right.set(xlabel=f"reuse rate, agents 2..{agents} (%)", ylabel="first-token KL(dense || mode)", ylim=(0, None))
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(picture, dpi=110)
-    plt.close(fig)
+    with figure(picture, 2, (11, 4.2), title) as (left, right):
+        turns = range(1, agents + 1)
+        for mode in MODES:
+            seconds = [results[mode][k].mean("seconds") for k in range(agents)]
+            left.plot(turns, seconds, marker="o", label=mode)
+        left.set(xlabel="agent turn", ylabel="mean TTFT (s)", xticks=list(turns), ylim=(0, None))
+        left.legend(fontsize=8)
+        later = summary(results, range(1, agents))
+        for mode, t in later.items():
+            right.scatter(100 * t.mean("reuse"), t.mean("kl"))
+            at = (100 * t.mean("reuse"), t.mean("kl"))
+            right.annotate(mode, at, fontsize=8, xytext=(4, 4), textcoords="offset points")
+        right.set(xlabel=f"reuse rate, agents 2..{agents} (%)", ylabel="first-token KL(dense || mode)", ylim=(0, None))

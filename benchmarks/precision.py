@@ -22,6 +22,7 @@ from kvgate.runtime.fidelity import Item, kl, load_items, top1
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import LoadedModel, load
 from kvgate.runtime.model import Run, forward
+from kvgate.runtime.progress import progress
 from kvgate.runtime.report import pct, table, write_section
 
 DTYPES = ("float32", "bfloat16")
@@ -74,7 +75,7 @@ def forced(loaded: LoadedModel, ids: list[int], reference: list[int]) -> torch.T
 
 def measure(models: dict[str, LoadedModel], items: list[Item], tokens: int) -> Rows:
     rows = Rows()
-    for n, item in enumerate(items):
+    for n, item in enumerate(progress(items, "items")):
         order = DTYPES if n % 2 == 0 else DTYPES[::-1]  # alternate which runs first
         answers = {d: answer(models[d], item.ids, tokens) for d in order}
         for d in DTYPES:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvgate.bench.data import DataError
-from kvgate.gateway.cli import percentages
+from kvgate.gateway.cli import counts, percentages
 
 if TYPE_CHECKING:
     from kvgate.gateway.settings import Settings
@@ -28,6 +28,13 @@ def blend_options(args: argparse.Namespace) -> dict[str, object]:
 def answer_tokens(args: argparse.Namespace) -> dict[str, int]:
     """--answer where given; else the bench's own default."""
     return {} if args.answer is None else {"answer": args.answer}
+
+
+def plots(args: argparse.Namespace) -> Path | None:
+    """Where `--plot` puts the figures: None without it; given no folder, beside the BENCHMARKS.md written."""
+    if args.plot is None:
+        return None
+    return args.output.parent if args.plot == "" else Path(args.plot)
 
 
 def check_numbers(args: argparse.Namespace) -> None:
@@ -56,7 +63,10 @@ def run_prefill(args: argparse.Namespace, settings: Settings, command: str) -> i
     check_numbers(args)
     lengths = [int(x) for x in args.lengths.split(",")]
     config = settings.engine_config()
-    bench_prefill(config, lengths, args.decode_tokens, args.repeats, args.output, command, args.context)
+    bench_prefill(
+        config, lengths, args.decode_tokens, args.repeats, args.output, command, args.context, counts(args.streams),
+        plots(args),
+    )  # fmt: skip
     return 0
 
 
@@ -85,6 +95,7 @@ def run_fidelity(args: argparse.Namespace, settings: Settings, command: str) -> 
         args.retrieval,
         args.retrieval_words,
         **answer_tokens(args),
+        plots=plots(args),
     )
     return 0
 
@@ -119,7 +130,22 @@ def run_ttft(args: argparse.Namespace, settings: Settings, command: str) -> int:
         args.offset,
         args.output,
         command,
+        args.also_select,
+        plots(args),
     )
+    return 0
+
+
+def run_ttft_lengths(args: argparse.Namespace, settings: Settings, command: str) -> int:
+    from kvgate.bench.ttft_lengths import bench_ttft_lengths
+
+    check_numbers(args)
+    lengths = counts(args.lengths)
+    config = settings.engine_config()
+    bench_ttft_lengths(
+        config, args.data, args.docs, args.limit, lengths, args.ratio / 100, args.repeats, args.offset, args.output,
+        command, plots(args),
+    )  # fmt: skip
     return 0
 
 
@@ -165,8 +191,9 @@ def run_semantic(args: argparse.Namespace, settings: Settings, command: str) -> 
         raise DataError(f"--sizes {args.sizes!r}: entry counts, comma-separated") from None
     asked = args.gateway
     bench_semantic(
-        args.data, args.limit, args.traps, sizes, args.queries, asked, settings, args.output, command, args.fit_verifier
-    )
+        args.data, args.limit, args.traps, sizes, args.queries, asked, settings, args.output, command,
+        args.fit_verifier, plots(args),
+    )  # fmt: skip
     return 0
 
 
@@ -208,7 +235,7 @@ def run_multiagent(args: argparse.Namespace, settings: Settings, command: str) -
     config = settings.engine_config()
     bench_multiagent(
         config, args.data, args.questions, args.agents, args.ratio, args.output, command, args.written,
-        args.repeats, **answer_tokens(args),
+        args.repeats, **answer_tokens(args), plots=plots(args),
     )  # fmt: skip
     return 0
 
@@ -243,7 +270,13 @@ def run_engines(args: argparse.Namespace, settings: Settings, command: str) -> i
         raise DataError(f"--dtype {args.dtype!r}: auto, float32 or bfloat16, comma-separated")
     model = Path(resolve(settings.engine_config()))
     venv = args.venv or user_cache_dir() / "vllm-venv"
-    print(bench_engines(model, args.data, venv, args.repeats, args.cores, dtypes, args.words, args.output, command))
+    streams = counts(args.streams)
+    print(
+        bench_engines(
+            model, args.data, venv, args.repeats, args.cores, dtypes, args.words, args.output, command, streams,
+            plots(args),
+        )
+    )  # fmt: skip
     return 0
 
 
@@ -273,6 +306,7 @@ RUNNERS: dict[str, Runner] = {
     "bench fidelity": run_fidelity,
     "bench error-sources": run_error_sources,
     "bench ttft": run_ttft,
+    "bench ttft-lengths": run_ttft_lengths,
     "bench tiers": run_tiers,
     "bench compressed": run_compressed,
     "bench semantic": run_semantic,

@@ -9,22 +9,28 @@ import tempfile
 import time
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
 
 from kvgate.bench.data import DataError, Half, Pair, load_pairs
+from kvgate.bench.plots import figure, image
 from kvgate.bench.semantic_bound import bound_section
 from kvgate.bench.semantic_hit import bench_hit
 from kvgate.bench.semantic_latency import SEED, latency_pool, latency_section
 from kvgate.bench.traps import Served, section, serve, traps_for
 from kvgate.bench.verifier_fit import fit_verifier as fit_on
 from kvgate.gateway.settings import Settings
+from kvgate.runtime.progress import progress
 from kvgate.runtime.report import pct, table, write_section
 from kvgate.semantic_cache import MiniLM, SemanticCacheConfig
 from kvgate.semantic_cache.embedder import Embedder
 from kvgate.semantic_cache.policy import Classifier
 from kvgate.semantic_cache.verifier import SHIPPED, Verifier
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 REFERENCES = {"GPTCache-like, 0.7": 0.7, "RedisVL-like, 0.9 (distance 0.1)": 0.9}
 RECALLS = (0.5, 0.6, 0.7, 0.8, 0.9)
@@ -41,7 +47,7 @@ def embed_cached(embedder: Embedder, texts: list[str], cache_dir: Path) -> np.nd
     if path.is_file():
         return np.load(path)
     start, parts = time.perf_counter(), []
-    for i in range(0, len(texts), 2048):
+    for i in progress(range(0, len(texts), 2048), "embedding batches of 2048"):
         parts.append(embedder.embed(texts[i : i + 2048]))
         done = i + len(parts[-1])
         print(f"embedded {done}/{len(texts)} ({done / (time.perf_counter() - start):.0f}/s)", flush=True)
@@ -158,12 +164,11 @@ def gateway_section(settings: Settings, pairs: list[Pair], test: Half, asked: in
 
 
 def plot(path: Path, curves: dict[str, tuple[np.ndarray, np.ndarray]], points: dict[str, tuple[float, float]]) -> None:
-    import matplotlib
+    with figure(path, 1, (7.5, 5.5)) as (ax,):
+        draw(ax, curves, points)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 5.5))
+def draw(ax: Axes, curves: dict[str, tuple[np.ndarray, np.ndarray]], points: dict[str, tuple[float, float]]) -> None:
     for (name, (r, p)), style in zip(curves.items(), ("-", "--", "-", "--"), strict=False):
         ax.plot(r, p, style, label=name)
     for (name, (r, p)), marker in zip(points.items(), "osDv^P<>", strict=False):
@@ -172,9 +177,6 @@ def plot(path: Path, curves: dict[str, tuple[np.ndarray, np.ndarray]], points: d
     ax.set(xlim=(0, 1), ylim=(0.4, 1.0), title="Semantic cache on QQP, test half")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def equal_recall(fit: Half, test: Half, fs: Served, ts: Served, points: list[np.ndarray], targets: list[float]):
@@ -254,6 +256,7 @@ def pr_section(
     settings: dict[str, Setting],
     target: float,
     picture: Path,
+    output: Path,
 ) -> str:
     """Precision and recall of every setting, equal-recall comparisons, the categories, and the plot."""
     fit, test = halves
@@ -303,7 +306,7 @@ def pr_section(
             + ["fitted: P / R %"],
             category_rows(config, test, t0, cat0, cat1),
         )
-        + f"\n\n![precision-recall, test half]({picture.name})"
+        + f"\n\n{image(picture, output, 'precision-recall, test half')}"
     )
 
 
@@ -318,8 +321,10 @@ def bench_semantic(
     output: Path,
     command: str,
     fit_verifier: Path | None = None,
+    plots: Path | None = None,
 ) -> None:
-    """`fit_verifier`: fit the verifier on the fit half, write it there and measure it (else the shipped one)."""
+    """`fit_verifier`: fit the verifier on the fit half, write it there and measure it (else the shipped one);
+    `plots`: the folder of the figure (None: beside `output`)."""
     began, cache_dir = time.perf_counter(), settings.cache_dir
     if per_type < 1 or queries < 1 or not sizes or min(sizes) < 1 or asked < 0:
         raise DataError("--traps, --queries and --sizes must be at least 1, --gateway at least 0")
@@ -336,8 +341,7 @@ def bench_semantic(
     served = [serve(h.queries, h.qvecs, h.stored, h.svecs, g) for h in (fit, test) for g in (False, True)]
     points = sweep(fit, served[0], len(config.categories)), sweep(fit, served[1], len(config.categories))
     compared, target = settings_for(config, fit, served[0], served[1], points)
-    picture = output.parent / "semantic-pr.png"
-    picture.parent.mkdir(parents=True, exist_ok=True)
+    picture = (plots or output.parent) / "semantic-pr.png"
     embed = partial(embed_cached, embedder, cache_dir=cache_dir)
     traps = traps_for(test, per_type, embed, classify)
     body = (
@@ -351,7 +355,7 @@ def bench_semantic(
         "are tried in order and the first no guard refuses is served, as `SemanticCache.find` does. Categories "
         "come from `policy.Classifier` on the asking side. Thresholds are chosen on the fit half; every number "
         f"below is on the test half ({len(test.queries)} questions, {int(test.dup.sum())} duplicates).\n\n"
-        + pr_section(config, (fit, test), served, points, compared, target, picture)
+        + pr_section(config, (fit, test), served, points, compared, target, picture, output)
         + "\n\n"
         + section(test, served[2], served[3], traps, compared, compared["per-category, fitted"][0])
         + "\n\n"

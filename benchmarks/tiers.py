@@ -38,6 +38,7 @@ from kvgate.runtime.calibration import model_fingerprint
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.fidelity import Item, load_items, start
 from kvgate.runtime.loader import load
+from kvgate.runtime.progress import progress
 from kvgate.runtime.report import table, write_section
 from kvgate.runtime.reuse import ReuseMode, Reuser
 
@@ -331,7 +332,7 @@ def measure_ttft(
     seconds: dict[str, list[float]] = {"full": []}
     exact = {name: True for name in reusers}
     memory = reusers["memory"]
-    for n, item in enumerate(data_items):
+    for n, item in enumerate(progress(data_items, "items timed")):
         seconds["full"].append(best(lambda item=item: start(memory, item, ReuseMode("full")), repeats))
         reference = start(memory, item, ReuseMode("blend", ratio))[1]
         for name, reuser in reusers.items():

@@ -10,18 +10,23 @@ stored order and once shuffled (a fixed permutation per item: exact prefix reuse
 the chat template's head). The time runs from the empty KV until the first answer token's logits
 exist. The first token's logits and the KV each mode left are then scored against full prefill
 (first-token KL, top-1 over the reference answer's first 32 positions, teacher-forced).
+
+`--also-select attention` times the blend selecting its tokens by another method too, at the same ratios
+(through a second reuser reading the same stored documents); `--plot DIR` draws the fidelity frontier
+(ttft_report.py) from the same run: speedup against top-1 and against KL, a line per selection method.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from kvgate.bench.fidelity import TARGET_KL, TARGET_TOP1
+from kvgate.bench.plots import image
+from kvgate.bench.ttft_report import ORDERS, Arm, Timing, frontier_figure, label, speedups, tables, target
 from kvgate.runtime.blend import BlendConfig
 from kvgate.runtime.calibration import load as load_calibration
 from kvgate.runtime.calibration import model_fingerprint, path
@@ -39,35 +44,10 @@ from kvgate.runtime.fidelity import (
     teacher_forced,
     top1,
 )
-from kvgate.runtime.loader import load
-from kvgate.runtime.report import table, write_section
+from kvgate.runtime.loader import LoadedModel, load
+from kvgate.runtime.progress import progress
+from kvgate.runtime.report import write_section
 from kvgate.runtime.reuse import ReuseMode, Reuser
-
-TARGET_SPEEDUP = 4.0  # the issue's target, against the fastest full prefill, on shuffled documents
-ORDERS = ("stored", "shuffled")
-
-
-@dataclass
-class Timing:
-    seconds: list[float] = field(default_factory=list)  # per item, the fastest of the repeats
-    kl: list[float] = field(default_factory=list)
-    first: list[float] = field(default_factory=list)  # first-token argmax agrees with full prefill
-    top1: list[float] = field(default_factory=list)  # over the first 32 positions, teacher-forced
-    reused: list[int] = field(default_factory=list)
-    recomputed: list[int] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    def mean(self, name: str) -> float:
-        values = getattr(self, name)
-        return statistics.fmean(values) if values else float("nan")
-
-
-def label(reuse: ReuseMode, calibrated: float) -> str:
-    if reuse.mode != "blend":
-        return reuse.mode
-    if reuse.ratio is None:
-        return f"blend {calibrated:.0%} (calibrated)"
-    return f"blend {reuse.ratio:.0%}"
 
 
 def timed(reuser: Reuser, item: Item, reuse: ReuseMode):
@@ -102,14 +82,16 @@ def missing(reuser: Reuser, data: list[Item]) -> int:
 
 
 def measure_item(
-    reuser: Reuser, item: Item, modes: list[ReuseMode], names: list[str], repeats: int, eos: frozenset[int], out
+    reuser: Reuser, others: dict[str, Reuser], item: Item, arms: list[Arm], repeats: int, eos: frozenset[int], out
 ) -> None:
+    """Every arm timed `repeats` times, interleaved, the fastest kept and scored against full prefill's; an arm
+    selecting otherwise than `reuser` runs through `others`' reuser of its selection method."""
     best: dict[str, tuple] = {}
     for _ in range(repeats):
-        for mode, name in zip(modes, names):
-            seconds, kv, logits, done = timed(reuser, item, mode)
-            if name not in best or seconds < best[name][0]:
-                best[name] = (seconds, kv, logits, done)
+        for arm in arms:
+            seconds, kv, logits, done = timed(others.get(arm.select, reuser), item, arm.mode)
+            if arm.name not in best or seconds < best[arm.name][0]:
+                best[arm.name] = (seconds, kv, logits, done)
     _, ref_kv, ref_first, _ = best["full"]
     prompt_len = len(ref_kv)
     answer, _ = greedy(reuser, ref_kv, ref_first, eos)
@@ -126,51 +108,19 @@ def measure_item(
             t.notes.append(done.note)
 
 
-def verdict(name: str, t: Timing, full: float) -> str:
-    speedup = full / t.mean("seconds")
-    parts = [
-        f"top-1 {100 * t.mean('top1'):.1f}% ({'met' if t.mean('top1') >= TARGET_TOP1 else 'missed'})",
-        f"KL {t.mean('kl'):.3f} ({'met' if t.mean('kl') <= TARGET_KL else 'missed'})",
-        f"{speedup:.1f}x ({'met' if speedup >= TARGET_SPEEDUP else 'missed'})",
-    ]
-    return f"`{name}`: " + ", ".join(parts)
+def room(loaded: LoadedModel, data: list[Item]) -> int:
+    """Bytes of KV for every document and prefix of `data`, with a margin: the benchmark measures compute, not
+    eviction."""
+    mc = loaded.model.config
+    per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim
+    per_token *= torch.empty((), dtype=loaded.model.dtype).element_size()
+    return int(1.25 * per_token * sum(2 * len(i.ids) for i in data))
 
 
-def plot(results: dict[str, dict[str, Timing]], picture: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for order, marker in zip(ORDERS, ("o", "s")):
-        timings = results[order]
-        full = timings["full"].mean("seconds")
-        for name, t in timings.items():
-            if name == "full":
-                continue
-            x = full / t.mean("seconds")
-            for ax, y in ((left, 100 * t.mean("top1")), (right, t.mean("kl"))):
-                ax.scatter(x, y, marker=marker, color="tab:blue" if order == "stored" else "tab:orange")
-                ax.annotate(
-                    name.replace(" (calibrated)", "*"), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points"
-                )
-    for ax in (left, right):
-        ax.set_xscale("log")
-        ax.axvline(TARGET_SPEEDUP, linestyle="--", color="tab:red", linewidth=0.8)
-        ax.set_xlabel("TTFT speedup over full prefill (x, log)")
-        ax.grid(alpha=0.3)
-        ax.scatter([], [], marker="o", color="tab:blue", label="documents in stored order")
-        ax.scatter([], [], marker="s", color="tab:orange", label="documents shuffled")
-        ax.legend(fontsize=8)
-    left.axhline(100 * TARGET_TOP1, linestyle="--", color="tab:red", linewidth=0.8)
-    right.axhline(TARGET_KL, linestyle="--", color="tab:red", linewidth=0.8)
-    left.set(ylabel=f"top-1 agreement, {ANSWER} positions forced (%)", ylim=(0, 101))
-    right.set(ylabel="first-token KL(full || mode)", ylim=(0, None))
-    fig.suptitle(title + " (target: red lines, upper right / lower right of them)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(picture, dpi=110)
-    plt.close(fig)
+def sibling(reuser: Reuser, select: str) -> Reuser:
+    """A reuser over the same store whose blend selects the tokens it recomputes by `select` (it reads the
+    documents `reuser` stored; it stores nothing)."""
+    return Reuser(reuser.model, reuser.tokenizer, reuser.store, reuser.model_fp, replace(reuser.blend, select=select))
 
 
 def bench_ttft(
@@ -185,15 +135,16 @@ def bench_ttft(
     offset: int,
     output: Path,
     command: str,
+    also: tuple[str, ...] = (),
+    plots: Path | None = None,
 ) -> dict[str, dict[str, Timing]]:
+    """`also`: other blend selection methods, each timed at every ratio the server's own is (explicitly: no
+    escalation); `plots`: the folder of the figures (None: the speedups' beside `output`, no frontier)."""
     began = time.perf_counter()
     loaded = load(config)
     stored = load_items(loaded, data, docs, limit, False, offset, words)
     shuffled = load_items(loaded, data, docs, limit, True, offset, words)
-    # Room for every document and prefix: the benchmark measures compute, not eviction.
-    per_token = 2 * loaded.model.config.num_hidden_layers * loaded.model.config.num_key_value_heads
-    per_token *= loaded.model.config.head_dim * torch.empty((), dtype=loaded.model.dtype).element_size()
-    need = int(1.25 * per_token * sum(2 * len(i.ids) for i in stored))
+    need = room(loaded, stored)
     calibration = load_calibration(path(config.cache_dir, model_fingerprint(loaded)))
     select = BlendConfig(select=config.blend_select)  # which tokens a blend recomputes: the server's setting
     if ratio is not None:
@@ -219,98 +170,55 @@ def bench_ttft(
         reuser = make_reuser(loaded, select, memory_bytes=max(config.chunk_cache.memory_bytes, need))
         blend = ReuseMode("blend", BlendConfig().ratio)  # its row is not "(calibrated)": nothing was
     calibrated = reuser.blend.ratio if ratio is None else ratio
-    modes = [ReuseMode("full"), ReuseMode("prefix"), ReuseMode("naive"), blend]
-    modes += [ReuseMode("blend", r) for r in sorted(set(ratios)) if r != calibrated]
-    names = [label(m, calibrated) for m in modes]
+    more = [r for r in sorted(set(ratios)) if r != calibrated]
+    arms = [Arm("full", ReuseMode("full")), Arm("prefix", ReuseMode("prefix")), Arm("naive", ReuseMode("naive"))]
+    for mode in [blend, *(ReuseMode("blend", r) for r in more)]:
+        arms.append(Arm(label(mode, calibrated), mode, select.select, calibrated if mode.ratio is None else mode.ratio))
+    others = [s for s in dict.fromkeys(also) if s != select.select]
+    for other, r in ((s, r) for s in others for r in [calibrated, *more]):
+        arms.append(Arm(label(ReuseMode("blend", r), calibrated, other), ReuseMode("blend", r), other, r))
+    siblings = {s: sibling(reuser, s) for s in others}
 
     prepare(reuser, stored)
     lost = missing(reuser, stored)
     if lost:
         raise RuntimeError(f"{lost} documents or prefixes were evicted while storing them; raise the chunk cache")
-    results = {order: {n: Timing() for n in names} for order in ORDERS}
-    for n, (a, b) in enumerate(zip(stored, shuffled)):
+    results = {order: {arm.name: Timing() for arm in arms} for order in ORDERS}
+    for n, (a, b) in enumerate(progress(zip(stored, shuffled), "items timed", total=len(stored))):
         for order, item in zip(ORDERS, (a, b)):
-            measure_item(reuser, item, modes, names, repeats, loaded.eos_token_ids, results[order])
+            measure_item(reuser, siblings, item, arms, repeats, loaded.eos_token_ids, results[order])
             full = results[order]["full"].seconds[-1]
             line = ", ".join(f"{k} {full / t.seconds[-1]:.1f}x" for k, t in results[order].items() if k != "full")
             print(f"item {n + 1}/{len(stored)} {order}: {len(item.ids)} tokens, full {full:.2f} s; {line}", flush=True)
 
-    sections = []
-    for order in ORDERS:
-        timings = results[order]
-        full = timings["full"].mean("seconds")
-        rows = [
-            [
-                name,
-                f"{statistics.fmean(t.reused):.0f}",
-                f"{statistics.fmean(t.recomputed):.0f}",
-                f"{t.mean('seconds'):.3f}",
-                f"{full / t.mean('seconds'):.2f}x",
-                f"{t.mean('kl'):.3f}",
-                f"{100 * t.mean('first'):.0f}%",
-                f"{100 * t.mean('top1'):.1f}%",
-            ]
-            for name, t in timings.items()
-        ]
-        header = [
-            "mode",
-            "tokens reused",
-            "reused tokens recomputed",
-            "mean TTFT (s)",
-            "speedup (full / mode)",
-            "first-token KL",
-            "first token = full's",
-            f"top-1 ({ANSWER}, forced)",
-        ]
-        escalated = {name: len(t.notes) for name, t in timings.items() if t.notes}
-        extra = (
-            "\n\nRaised to a larger ratio for deviating above the calibrated limit: "
-            + ", ".join(f"`{k}` {v} of {len(stored)} items" for k, v in escalated.items())
-            if escalated
-            else ""
-        )
-        what = "stored order" if order == "stored" else "shuffled (a fixed permutation per item)"
-        sections.append(f"### Documents in {what}\n\n" + table(header, rows) + extra)
-
-    shuffled_t = results["shuffled"]
-    full = shuffled_t["full"].mean("seconds")
-    verdicts = [verdict(name, t, full) for name, t in shuffled_t.items() if name.startswith(("blend", "naive"))]
-    met = [
-        name
-        for name, t in shuffled_t.items()
-        if name.startswith("blend")
-        and t.mean("top1") >= TARGET_TOP1
-        and t.mean("kl") <= TARGET_KL
-        and full / t.mean("seconds") >= TARGET_SPEEDUP
-    ]
-    target = (
-        f"Target on shuffled documents: top-1 >= {TARGET_TOP1:.0%} and first-token KL <= {TARGET_KL:g} at >= "
-        f"{TARGET_SPEEDUP:g}x TTFT. "
-        + (f"Met by: {', '.join(met)}." if met else "**Not met by any blend ratio measured.**")
-        + "\n\n"
-        + "\n".join(f"- {v}" for v in verdicts)
-    )
+    sections = tables(results, len(stored))
+    verdicts = target(results["shuffled"])
     name = "ttft" if select.select == "deviation" else f"ttft-select_{select.select}"
-    picture = output.parent / f"{name}.png"
-    picture.parent.mkdir(parents=True, exist_ok=True)
-    plot(results, picture, f"{loaded.name}, {len(stored)} MuSiQue items, {docs} documents")
+    where = plots or output.parent
+    picture = where / f"{name}.png"
+    described = f"{loaded.name}, {len(stored)} MuSiQue items, {docs} documents"
+    speedups(results, picture, described)
+    if plots is not None:  # right after the tables it is drawn from
+        sections[-1] += "\n\n" + frontier_figure(results, arms, plots / f"{name}-frontier.png", output, described)
     tokens = statistics.fmean(len(i.ids) for i in stored)
     cut = f", each cut to its first {words} words" if words else ""
+    selected = f"{select.select} (`caches.blend_select`)" + "".join(f"; `select {s}` rows: by {s}" for s in others)
     body = (
         f"{len(stored)} MuSiQue items (rows {offset}..{offset + len(stored) - 1}), {docs} passages each as "
         f"documents{cut}, {tokens:.0f} prompt tokens on average; model {loaded.name}, {loaded.dtype}, "
         f"{torch.get_num_threads()} threads. Blend ratio: {source}; tokens recomputed selected by "
-        f"{select.select} (`caches.blend_select`). Each mode timed {repeats} times per item, "
+        f"{selected}. Each mode timed {repeats} times per item, "
         "interleaved, fastest kept; TTFT = from an empty KV until the first answer token's logits exist. "
         "Speedup = mean full TTFT / mean mode TTFT. Fidelity against full prefill of the same prompt: first-token KL, "
         f"whether the first token's argmax matches, top-1 agreement over the reference answer's first {ANSWER} "
         "positions (teacher-forced).\n\n"
         + "\n\n".join(sections)
         + "\n\n"
-        + target
-        + f"\n\n![TTFT speedup against fidelity]({picture.name})\n\nTook {time.perf_counter() - began:.0f} s."
+        + verdicts
+        + f"\n\n{image(picture, output, 'TTFT speedup against fidelity')}\n\n"
+        f"Took {time.perf_counter() - began:.0f} s."
     )
     title = "Time to first token with document reuse" + ("" if name == "ttft" else f", blend_select {select.select}")
     write_section(output, name, title, command, body)
-    print("\n\n".join(sections) + "\n\n" + target, flush=True)
+    print("\n\n".join(sections) + "\n\n" + verdicts, flush=True)
     return results

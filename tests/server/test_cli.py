@@ -67,12 +67,15 @@ def bench(*args: object) -> None:
 def test_bench_prefill_writes_its_table(tmp_path: Path) -> None:
     out = tmp_path / "BENCHMARKS.md"
     out.write_text("# Benchmarks\n\n<!-- bench:other -->\nkept\n<!-- /bench:other -->\n")
-    bench("prefill", "--lengths", "32,64", "--decode-tokens", "2", "--repeats", "1", "--context", "64", "--output", out)
+    sizes = ["--decode-tokens", "2", "--repeats", "1", "--context", "64", "--streams", "1,2"]
+    bench("prefill", "--lengths", "32,64", *sizes, "--output", out)
     text = out.read_text()
     assert "kept" in text and "bench prefill --lengths 32,64" in text
     rows = [line for line in text.splitlines() if line.startswith(("| 32 |", "| 64 |"))]
     assert len(rows) == 2 and all(float(row.split("|")[2]) > 0 for row in rows)
     assert "B sequences of 64-token context" in text
+    batched = [line.split("|")[1:3] for line in text.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    assert [b for b, _ in batched] == [" 1 ", " 2 "] and all(float(rate) > 0 for _, rate in batched)
 
 
 def test_bench_grammar_checks_every_answer_and_weighs_the_grammar(tmp_path: Path) -> None:
@@ -227,6 +230,13 @@ BENCH_RUNS = [  # argv, the module its runner must import, the function it calls
     (["bench", "grammar", "--requests", "4"], "grammar", "bench_grammar", ""),
     (["bench", "fidelity", "--ratios", "0,50"], "fidelity", "bench_fidelity", None),
     (["bench", "ttft", "--ratio", "20", "--ratios", "10"], "ttft", "bench_ttft", None),
+    (["bench", "ttft", "--also-select", "attention", "--plot"], "ttft", "bench_ttft", None),
+    (
+        ["bench", "ttft-lengths", "--lengths", "512,1024", "--plot", "figures"],
+        "ttft_lengths",
+        "bench_ttft_lengths",
+        None,
+    ),
     (["bench", "tiers"], "tiers", "bench_tiers", None),
     (["bench", "semantic", "--sizes", "10,20"], "semantic", "bench_semantic", None),
     (["bench", "agents"], "agents", "bench_agents", None),
@@ -252,7 +262,7 @@ def test_each_bench_command_imports_only_its_own_module() -> None:
         "        del sys.modules[loaded]  # what earlier runs imported of kvgate.bench, stand-ins included\n"
         "    name, calls = 'kvgate.bench.' + module, []\n"
         "    stand_in = sys.modules[name] = types.ModuleType(name)\n"
-        "    setattr(stand_in, function, lambda *a, calls=calls, result=result: calls.append(a) or result)\n"
+        "    setattr(stand_in, function, lambda *a, calls=calls, result=result, **k: calls.append(a) or result)\n"
         "    before = {m for m in sys.modules if m.startswith('kvgate.bench.')}\n"
         "    code = cli.main(argv)\n"
         "    added = sorted({m for m in sys.modules if m.startswith('kvgate.bench.')} - before)\n"
