@@ -289,6 +289,13 @@ class Local(Backend):
     # ---- documents -----------------------------------------------------------------------
 
     async def add_document(self, text: str, raw: bytes, tenant: str, request_id: str) -> Reply:
+        return Reply(headers=JSON, content=dumps(await self.store(text, tenant)))
+
+    async def document(self, method: str, document_id: str, tenant: str, request_id: str) -> Reply:
+        return Reply(headers=JSON, content=dumps(await self.card(method, document_id, tenant)))
+
+    async def store(self, text: str, tenant: str) -> dict[str, Any]:
+        """The tenant's document: its KV computed and kept; its card."""
         ids = await asyncio.to_thread(self.planner.tokens, text)
         limit = self.engine.max_model_len
         if len(ids) >= limit:
@@ -299,19 +306,20 @@ class Local(Backend):
         # Answered once durable where it can be: its writes to lower tiers land first (bounded wait).
         return await asyncio.to_thread(self.document_card, self.planner.document_id(ids, scope), len(ids), True)
 
-    async def document(self, method: str, document_id: str, tenant: str, request_id: str) -> Reply:
+    async def card(self, method: str, document_id: str, tenant: str) -> dict[str, Any]:
+        """A tenant's document's card (GET), or the note of its deletion (DELETE)."""
         if method == "DELETE":
             self.planner.forget(document_id, self.scope(tenant))
-            return Reply(headers=JSON, content=dumps({"id": document_id, "object": "document", "deleted": True}))
+            return {"id": document_id, "object": "document", "deleted": True}
         _, tokens = self.planner.find(document_id, self.scope(tenant))
         return self.document_card(document_id, len(tokens))
 
-    def document_card(self, document_id: str, tokens: int, settle: bool = False) -> Reply:
+    def document_card(self, document_id: str, tokens: int, settle: bool = False) -> dict[str, Any]:
         """`tier`: where its KV is; `durable`: that tier outlives this process (disk, Redis). `settle`
         (blocking: call it off the event loop) waits first until its KV's writes have landed."""
         tier = self.planner.cached(document_id.removeprefix("doc-"), settle)
         where = {"cached": tier is not None, "tier": tier and tier.name, "durable": bool(tier and tier.durable)}
-        return Reply(headers=JSON, content=dumps({"id": document_id, "object": "document", "tokens": tokens, **where}))
+        return {"id": document_id, "object": "document", "tokens": tokens, **where}
 
     # ---- the process -----------------------------------------------------------------------
 

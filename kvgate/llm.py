@@ -16,11 +16,9 @@ import json
 import threading
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Iterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
-import httpx
-
-from kvgate.client import Documents, _Base
+from kvgate.client import _Base
 from kvgate.errors import error_for
 from kvgate.gateway.backend import Call, Reply
 from kvgate.gateway.errors import APIError, internal
@@ -31,7 +29,7 @@ from kvgate.gateway.routes import validated
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.errors import ServerError
-from kvgate.types import ChatCompletion, Reuse
+from kvgate.types import ChatCompletion, Document, Reuse
 
 T = TypeVar("T")
 
@@ -50,7 +48,7 @@ class LLM(_Base[ChatCompletion, "LLMStream"]):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvgate-llm", daemon=True)
         self._thread.start()
-        self.documents = Documents(self)  # type: ignore[arg-type]
+        self.documents = LLMDocuments(self)
 
     def _run(self, work: Coroutine[Any, Any, T]) -> T:
         """Run on the LLM's event loop; the gateway's errors become the SDK's."""
@@ -59,19 +57,6 @@ class LLM(_Base[ChatCompletion, "LLMStream"]):
         except ServerError as exc:
             error = internal(exc)
             raise error_for(error.status, error.body(), error.headers) from None
-
-    def _send(self, method: str, path: str, body: Any = None, *, stream: bool = False) -> httpx.Response:
-        """What `Documents` sends, answered by the backend."""
-        request_id = uuid.uuid4().hex
-        if method == "POST" and path == "/documents":
-            text = body.get("text") if isinstance(body, dict) else None
-            if not isinstance(text, str) or not text:
-                raise error_for(400, {"error": {"message": "a document needs a non-empty text", "param": "text"}})
-            reply = self._run(self.backend.add_document(text, b"", self.tenant, request_id))
-        else:
-            document_id = httpx.URL(path).path.removeprefix("/documents/")
-            reply = self._run(self.backend.document(method, document_id, self.tenant, request_id))
-        return httpx.Response(reply.status, headers=reply.headers, content=reply.content or b"")
 
     def _chat(self, model: str | None, body: dict[str, Any]) -> ChatCompletion | LLMStream:
         body = {**body, "model": model or self.model}
@@ -112,6 +97,30 @@ class LLM(_Base[ChatCompletion, "LLMStream"]):
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+class LLMDocuments:
+    """`llm.documents`: as a `Client`'s, the tenant's documents kept by this LLM's own engine."""
+
+    def __init__(self, llm: LLM) -> None:
+        self._llm = llm
+
+    @overload
+    def add(self, text: str) -> Document: ...
+    @overload
+    def add(self, text: list[str]) -> list[Document]: ...
+    def add(self, text: str | list[str]) -> Document | list[Document]:
+        if isinstance(text, list):
+            return [self.add(t) for t in text]
+        if not isinstance(text, str) or not text:
+            raise error_for(400, {"error": {"message": "a document needs a non-empty text", "param": "text"}})
+        return Document.from_json(self._llm._run(self._llm.backend.store(text, self._llm.tenant)))
+
+    def get(self, id: str) -> Document:
+        return Document.from_json(self._llm._run(self._llm.backend.card("GET", id, self._llm.tenant)))
+
+    def delete(self, id: str) -> None:
+        self._llm._run(self._llm.backend.card("DELETE", id, self._llm.tenant))
 
 
 class LLMStream:

@@ -72,6 +72,9 @@ def test_errors_are_the_sdks(llm: kvgate.LLM) -> None:
         llm.chat("Hi", model="not-this-one")
     with pytest.raises(kvgate.NotFoundError):
         llm.documents.get("doc-" + "0" * 64)
+    with pytest.raises(kvgate.BadRequestError) as bad:
+        llm.documents.add("")
+    assert bad.value.param == "text"
     doc = llm.documents.add("A document to delete, about the harbour of Quellmouth.")
     llm.documents.delete(doc.id)
     with pytest.raises(kvgate.NotFoundError):
