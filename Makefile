@@ -57,9 +57,11 @@ node:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq nodejs npm; \
 	  else sudo apt-get update -qq && sudo apt-get install -y -qq nodejs npm; fi; }
 
-$(JS): tests/js/package.json tests/js/package-lock.json | node
-	cd tests/js && npm ci --no-audit --no-fund --loglevel=error
-	touch $@
+# Where Node or the registry cannot be had, the suite still runs: those tests then skip, saying why (pytest -rs).
+$(JS): tests/js/package.json tests/js/package-lock.json
+	-@$(MAKE) --no-print-directory node
+	@if command -v npm >/dev/null && (cd tests/js && npm ci --no-audit --no-fund --loglevel=error); then touch $@; \
+	  else echo "warning: the JS SDKs are not installed; tests/frameworks/test_node_clients.py will skip" >&2; fi
 
 js: $(JS)
 
