@@ -289,12 +289,14 @@ class Local(Backend):
     # ---- documents -----------------------------------------------------------------------
 
     async def add_document(self, text: str, raw: bytes, tenant: str, request_id: str) -> Reply:
-        return Reply(headers=JSON, content=dumps(await self.store(text, tenant)))
+        return Reply(headers=JSON, content=dumps(await self.keep_document(text, tenant)))
 
     async def document(self, method: str, document_id: str, tenant: str, request_id: str) -> Reply:
-        return Reply(headers=JSON, content=dumps(await self.card(method, document_id, tenant)))
+        if method == "DELETE":
+            return Reply(headers=JSON, content=dumps(await self.forget_document(document_id, tenant)))
+        return Reply(headers=JSON, content=dumps(await self.find_document(document_id, tenant)))
 
-    async def store(self, text: str, tenant: str) -> dict[str, Any]:
+    async def keep_document(self, text: str, tenant: str) -> dict[str, Any]:
         """The tenant's document: its KV computed and kept; its card."""
         ids = await asyncio.to_thread(self.planner.tokens, text)
         limit = self.engine.max_model_len
@@ -306,13 +308,14 @@ class Local(Backend):
         # Answered once durable where it can be: its writes to lower tiers land first (bounded wait).
         return await asyncio.to_thread(self.document_card, self.planner.document_id(ids, scope), len(ids), True)
 
-    async def card(self, method: str, document_id: str, tenant: str) -> dict[str, Any]:
-        """A tenant's document's card (GET), or the note of its deletion (DELETE)."""
-        if method == "DELETE":
-            self.planner.forget(document_id, self.scope(tenant))
-            return {"id": document_id, "object": "document", "deleted": True}
+    async def find_document(self, document_id: str, tenant: str) -> dict[str, Any]:
+        """A tenant's document's card (NotFound: no such document of theirs)."""
         _, tokens = self.planner.find(document_id, self.scope(tenant))
         return self.document_card(document_id, len(tokens))
+
+    async def forget_document(self, document_id: str, tenant: str) -> dict[str, Any]:
+        self.planner.forget(document_id, self.scope(tenant))
+        return {"id": document_id, "object": "document", "deleted": True}
 
     def document_card(self, document_id: str, tokens: int, settle: bool = False) -> dict[str, Any]:
         """`tier`: where its KV is; `durable`: that tier outlives this process (disk, Redis). `settle`

@@ -114,13 +114,13 @@ class LLMDocuments:
             return [self.add(t) for t in text]
         if not isinstance(text, str) or not text:
             raise error_for(400, {"error": {"message": "a document needs a non-empty text", "param": "text"}})
-        return Document.from_json(self._llm._run(self._llm.backend.store(text, self._llm.tenant)))
+        return Document.from_json(self._llm._run(self._llm.backend.keep_document(text, self._llm.tenant)))
 
     def get(self, id: str) -> Document:
-        return Document.from_json(self._llm._run(self._llm.backend.card("GET", id, self._llm.tenant)))
+        return Document.from_json(self._llm._run(self._llm.backend.find_document(id, self._llm.tenant)))
 
     def delete(self, id: str) -> None:
-        self._llm._run(self._llm.backend.card("DELETE", id, self._llm.tenant))
+        self._llm._run(self._llm.backend.forget_document(id, self._llm.tenant))
 
 
 class LLMStream:
