@@ -127,10 +127,12 @@ class Metrics:
         self.recomputed.inc(report.recomputed)
         self.recompute_ratio.observe(report.recomputed / report.reused)
 
-    def stages(self, route: str, stages: Stages | None) -> None:
-        """A generated answer's stages in the engine (its first choice's): queue, prefill, time per output token."""
+    def stages(self, scope: Scope, stages: Stages | None) -> None:
+        """A generated answer's stages in the engine (its first choice's), by its request's route: queue, prefill,
+        time per output token."""
         if stages is None or stages.admitted is None:
             return
+        route = route_of(scope)
         self.queue_time.labels(route).observe(stages.admitted - stages.arrived)
         if stages.first_token is None:
             return

@@ -23,7 +23,6 @@ from kvgate.gateway.backend import Backend, Call, Reply
 from kvgate.gateway.errors import APIError, bad_request, from_validation
 from kvgate.gateway.keys import allow_model, spend
 from kvgate.gateway.messages_output import anthropic_client, model_info, model_page
-from kvgate.gateway.metrics import route_of
 from kvgate.gateway.programs import HEADER, program_of
 from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest, DocumentRequest, FeedbackRequest
 from kvgate.gateway.render import SSE_HEADERS
@@ -341,7 +340,7 @@ async def settle(request: Request, got: Generated) -> None:
     metrics = request.app.state.metrics
     metrics.usage(got.call.model, outcome.usage)
     metrics.reuse(outcome.report)
-    metrics.stages(route_of(request.scope), outcome.stages)
+    metrics.stages(request.scope, outcome.stages)
     tracing.settled(outcome.report, outcome.usage, outcome.stages)
     await spend(request, outcome.usage.get("total_tokens") or 0)
     if got.looking is None:
