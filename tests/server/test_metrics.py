@@ -102,7 +102,7 @@ def test_the_semantic_layer_is_counted_in_proxy_mode(tmp_path):
 def test_refusals_are_counted_by_reason(tmp_path):
     """Each reason's series from the start, at 0; a rate limit's 429 (on OpenAI's and Anthropic's routes) and a
     body over the limit's 413 under theirs, whichever shape the error is answered in."""
-    from kvgate.gateway.errors import REASONS
+    from kvgate.gateway.errors import REASONS, APIError, refusal
     from kvgate.gateway.settings import Settings
 
     with serve_upstream(models=("stub-a",)) as up:
@@ -125,6 +125,10 @@ def test_refusals_are_counted_by_reason(tmp_path):
     grown = {r: value(after, "kvgate_refused_total", reason=r) - value(before, "kvgate_refused_total", reason=r)
              for r in REASONS}  # fmt: skip
     assert {r: n for r, n in grown.items() if n} == {"rate_limit": 2, "request_too_large": 1}
+    # The reason from the error's code; a 429 or 503 of another code is "other", and what refuses nothing, none.
+    assert refusal(APIError(503, "full", code="server_queue_full")) == "server_queue_full"
+    assert refusal(APIError(429, "the upstream's", code="upstream_error")) == "other"
+    assert refusal(APIError(400, "bad", code="invalid_value")) is None
 
 
 def test_label_values_callers_name_are_capped(tmp_path):
