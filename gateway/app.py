@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvgate.gateway import admin, errors, logs, messages, responses, routes, tracing
 from kvgate.gateway.backend import Backend
-from kvgate.gateway.errors import APIError, internal
+from kvgate.gateway.errors import APIError, internal, note
 from kvgate.gateway.keys import Keys, authenticate, redis_down
 from kvgate.gateway.limits import limiter as make_limiter
 from kvgate.gateway.metrics import CONTENT_TYPE, Metrics, Observe, merged, semantic_metrics
@@ -69,7 +69,7 @@ class RequestId:
             log.exception("request %s failed", request_id)
             if started:  # too late for an error response; the server ends the connection
                 raise
-            await send_json(send_with_id, internal(exc), scope["path"])
+            await send_json(send_with_id, internal(exc), scope)
 
 
 class BodyLimit:
@@ -85,7 +85,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
-            return await self.reject(send, scope["path"])
+            return await self.reject(send, scope)
         parts, size = [], 0
         while True:
             message = await receive()
@@ -94,7 +94,7 @@ class BodyLimit:
             parts.append(message.get("body", b""))
             size += len(parts[-1])
             if size > self.limit:
-                return await self.reject(send, scope["path"])
+                return await self.reject(send, scope)
             if not message.get("more_body", False):
                 break
         body = b"".join(parts)
@@ -109,14 +109,15 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def reject(self, send: Send, path: str) -> None:
+    async def reject(self, send: Send, scope: Scope) -> None:
         error = APIError(413, f"the request body is larger than {self.limit} bytes", code="request_too_large")
-        await send_json(send, error, path)
+        await send_json(send, error, scope)
 
 
-async def send_json(send: Send, error: APIError, path: str) -> None:
-    """An error response, sent from a middleware (below the app's exception handlers)."""
-    body = json.dumps(error.body_for(path)).encode()
+async def send_json(send: Send, error: APIError, scope: Scope) -> None:
+    """An error response, sent from a middleware (outside the app's exception handlers), its refusal noted."""
+    note(scope, error)
+    body = json.dumps(error.body_for(scope["path"])).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.encode(), v.encode()) for k, v in error.headers.items()]
     await send({"type": "http.response.start", "status": error.status, "headers": headers})

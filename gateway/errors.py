@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.types import Scope
 
 from kvgate.runtime.errors import ServerError
 
@@ -44,6 +45,20 @@ ANTHROPIC_TYPES = {
     529: "overloaded_error",
 }
 ANTHROPIC_ROUTES = "/v1/messages"
+# Refusals counted by reason (kvgate_refused_total), by the code of the error each is answered with; a 429 or
+# 503 of another code (an upstream's, passed on) is "other".
+REFUSALS = {
+    "rate_limit_exceeded": "rate_limit",  # a key's (or address's) rpm or tpm
+    "tenant_queue_full": "tenant_queue_full",
+    "server_queue_full": "server_queue_full",
+    "too_many_sequences": "too_many_sequences",
+    "overloaded": "overloaded",  # the embedder's requests in flight
+    "redis_unavailable": "redis_down",
+    "request_too_large": "request_too_large",
+    "engine_down": "engine_down",
+    "upstreams_down": "upstreams_down",
+}
+REASONS = (*dict.fromkeys(REFUSALS.values()), "other")
 
 
 def anthropic_error(status: int, message: str) -> dict[str, Any]:
@@ -96,6 +111,26 @@ class APIError(ServerError):
         return AsciiJSON(self.body_for(path), status_code=self.status, headers=self.headers)
 
 
+def refusal(error: APIError) -> str | None:
+    """The reason a refusal is counted under; None for an error that refuses nothing (a 400, 404, 500)."""
+    if error.code in REFUSALS:
+        return REFUSALS[error.code]
+    return "other" if error.status in (429, 503) else None
+
+
+def note(scope: Scope, error: APIError) -> None:
+    """The refusal an error answers, on the request's state (Starlette's `request.state`), where the metrics'
+    middleware (gateway/metrics.py `Observe`) counts it once the answer has gone out."""
+    scope.setdefault("state", {})["refused"] = refusal(error)
+
+
+def answer(request: Request, error: APIError) -> JSONResponse:
+    """An error's response, its refusal noted: every error the app answers is rendered here (or, from a
+    middleware, in gateway/app.py `send_json`)."""
+    note(request.scope, error)
+    return error.response(request.url.path)
+
+
 def internal(exc: Exception) -> APIError:
     """The error a client sees for an exception: a ServerError (any layer says what failed by raising
     one) as it says, anything else a 500."""
@@ -139,15 +174,15 @@ def from_validation(exc: RequestValidationError) -> APIError:
 def install(app: FastAPI) -> None:
     @app.exception_handler(ServerError)
     async def _server(request: Request, exc: ServerError) -> JSONResponse:
-        return internal(exc).response(request.url.path)
+        return answer(request, internal(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return from_validation(exc).response(request.url.path)
+        return answer(request, from_validation(exc))
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if exc.status_code == 404:
             message = "not found: no such route"
-        return APIError(exc.status_code, message).response(request.url.path)
+        return answer(request, APIError(exc.status_code, message))

@@ -31,7 +31,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from kvgate.gateway.errors import APIError
+from kvgate.gateway.errors import APIError, answer
 from kvgate.gateway.limits import Limiter, Limits
 from kvgate.gateway.redis_state import connect
 from kvgate.gateway.settings import Settings
@@ -322,4 +322,4 @@ async def redis_down(request: Request, exc: Exception) -> JSONResponse:
     """The answer when Redis, which holds created keys and what the admin routes change, does not answer."""
     log.warning("%s %s: redis did not answer (%s)", request.method, request.url.path, type(exc).__name__)
     said = "Redis (keys, the semantic cache) is not answering; retry shortly."
-    return APIError(503, said, code="redis_unavailable", headers={"retry-after": "1"}).response(request.url.path)
+    return answer(request, APIError(503, said, code="redis_unavailable", headers={"retry-after": "1"}))

@@ -1,5 +1,6 @@
 """`GET /metrics` in Prometheus text: snake_case names in base units, `_total` on counters. Request
-counts, latency and time to first token come from a middleware; tokens and reuse from the routes;
+counts, latency, time to first token and refusals come from a middleware; tokens, reuse and the engine's stages
+(queue, prefill, time per output token) from the routes;
 cache tiers, pins and queues are read from their owners at scrape time (nothing on the hot path)."""
 
 from __future__ import annotations
@@ -21,11 +22,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvgate.gateway.errors import REASONS
 from kvgate.runtime.reuse_report import ReuseReport
+from kvgate.runtime.stages import Stages
 
 disable_created_metrics()  # the *_created series double the output and say little
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# Time per output token: a CPU's small model decodes in a few ms a token, a GPU's in tens of ms under load.
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
 RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
 MAX_VALUES = 64  # distinct values of a label a caller names (a model in proxy mode with "*"); then OTHER
 OTHER = "other"
@@ -66,6 +71,30 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.refused = Counter("kvgate_refused", "requests refused, by reason", ["reason"], registry=r)
+        for reason in REASONS:  # each series from the start, at 0
+            self.refused.labels(reason)
+        self.queue_time = Histogram(
+            "kvgate_request_queue_time_seconds",
+            "engine: a request's wait from its arrival to its admission",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prefill_time = Histogram(
+            "kvgate_request_prefill_time_seconds",
+            "engine: admission to the first token (reading KV, blending, prefill)",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "kvgate_time_per_output_token_seconds",
+            "answers of 2 tokens or more: (last token - first token) / (tokens - 1)",
+            ["route"],
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
         self.prompt_tokens = Counter("kvgate_prompt_tokens", "prompt tokens", ["model"], registry=r)
         self.completion_tokens = Counter("kvgate_completion_tokens", "completion tokens", ["model"], registry=r)
         self.lookups = Counter(
@@ -97,6 +126,19 @@ class Metrics:
         self.reused.labels(report.mode or "unknown").inc(report.reused)
         self.recomputed.inc(report.recomputed)
         self.recompute_ratio.observe(report.recomputed / report.reused)
+
+    def stages(self, scope: Scope, stages: Stages | None) -> None:
+        """A generated answer's stages in the engine (its first choice's), by its request's route: queue, prefill,
+        time per output token."""
+        if stages is None or stages.admitted is None:
+            return
+        route = route_of(scope)
+        self.queue_time.labels(route).observe(stages.admitted - stages.arrived)
+        if stages.first_token is None:
+            return
+        self.prefill_time.labels(route).observe(stages.first_token - stages.admitted)
+        if stages.generated > 1:
+            self.tpot.labels(route).observe((stages.ended - stages.first_token) / (stages.generated - 1))
 
     def watch(self, read: Callable[[], Iterator[Metric]]) -> None:
         """Add metrics read at scrape time."""
@@ -241,6 +283,7 @@ class Observe:
             return await self.app(scope, receive, send)
         started = time.perf_counter()
         status, streamed, first = 500, False, None
+        state = scope.setdefault("state", {})  # where an error's refusal is noted (gateway/errors.py `note`)
 
         async def sent(message: Message) -> None:
             nonlocal status, streamed, first
@@ -255,9 +298,16 @@ class Observe:
         try:
             await self.app(scope, receive, sent)
         finally:
-            route = getattr(scope.get("route"), "path", "unmatched")  # a template: bounded by the app
+            route = route_of(scope)
             method = scope["method"] if scope["method"] in METHODS else OTHER
             self.metrics.requests.labels(route, method, str(status)).inc()
             self.metrics.latency.labels(route).observe(time.perf_counter() - started)
             if streamed and first is not None:
                 self.metrics.ttft.labels(route).observe(first)
+            if (reason := state.get("refused")) is not None:
+                self.metrics.refused.labels(reason).inc()
+
+
+def route_of(scope: Scope) -> str:
+    """The route's path template (bounded by the app), or "unmatched"."""
+    return getattr(scope.get("route"), "path", "unmatched")

@@ -340,6 +340,7 @@ async def settle(request: Request, got: Generated) -> None:
     metrics = request.app.state.metrics
     metrics.usage(got.call.model, outcome.usage)
     metrics.reuse(outcome.report)
+    metrics.stages(request.scope, outcome.stages)
     tracing.settled(outcome.report, outcome.usage, outcome.stages)
     await spend(request, outcome.usage.get("total_tokens") or 0)
     if got.looking is None:

@@ -205,5 +205,12 @@ class Sequence:
         """When it passed each stage, as of now (its last output)."""
         p = self.prompt
         return Stages(
-            self.arrival, self.admitted, p.loaded_at, p.reused_at, self.first_token, time.monotonic(), p.reads.by_tier()
+            self.arrival,
+            self.admitted,
+            p.loaded_at,
+            p.reused_at,
+            self.first_token,
+            time.monotonic(),
+            p.reads.by_tier(),
+            len(self.output_ids),
         )

@@ -14,7 +14,8 @@ class Stages:
     in the tiers; `reused`: a blend of its documents or spans (blend, naive, KVCOMM) ended, None when none ran (a
     lower tier's layers are read as the blend runs over them: their wait is the blend's); `first_token`: its
     first token was sampled (the rest of its prompt prefilled); `ended`: its last output. A stage it did not
-    reach is None. `tiers`: what its reads hit, (tier, entries, bytes of their KV) for each tier."""
+    reach is None. `tiers`: what its reads hit, (tier, entries, bytes of their KV) for each tier; `generated`: the
+    tokens it generated (its decode's pace: (ended - first_token) / (generated - 1))."""
 
     arrived: float
     admitted: float | None
@@ -23,3 +24,4 @@ class Stages:
     first_token: float | None
     ended: float
     tiers: tuple[tuple[str, int, int], ...] = ()
+    generated: int = 0

@@ -1,6 +1,6 @@
 """kvgate-server.json: one kvgate server with its engine (`kvgate serve`), or several alike picked by job and
-instance: traffic, latency, tokens, KV reuse, the document KV tiers, the semantic cache, the quality gate,
-the engine's queue, memory and agent programs."""
+instance: traffic, latency, the engine's stages (queue, prefill, time per output token), tokens, KV reuse, the
+document KV tiers, the semantic cache, the quality gate, the engine's queue, memory and agent programs."""
 
 from __future__ import annotations
 
@@ -32,6 +32,14 @@ def traffic() -> list[dict[str, Any]]:
             [(rate(requests, f'{AT}, status=~"429|503"', "status, route"), "{{status}} {{route}}")],
         ),
         panel(
+            "Refused by reason",
+            "Requests refused per second, by reason: rate_limit (a key's rpm or tpm), tenant_queue_full, "
+            "server_queue_full, too_many_sequences, overloaded (the embedder), redis_down, request_too_large, "
+            "engine_down, upstreams_down; other: a 429 or 503 of another kind (an upstream's).",
+            "reqps",
+            [(rate("kvgate_refused_total", AT, "reason"), "{{reason}}")],
+        ),
+        panel(
             "Answered",
             "Share of requests answered with a 2xx status.",
             "percentunit",
@@ -57,6 +65,29 @@ def latency() -> list[dict[str, Any]]:
             [(share(rate(duration + "_sum", AT, "route"), rate(duration + "_count", AT, "route")), "{{route}}")],
         ),
         heatmap("Latency distribution", "End-to-end latency of the generating routes.", duration, GENERATING),
+    ]
+
+
+def stages() -> list[dict[str, Any]]:
+    return [
+        panel(
+            "Queue wait",
+            "Engine: a generated answer's wait from its arrival to its admission (max_num_seqs running).",
+            "s",
+            quantiles("kvgate_request_queue_time_seconds", AT),
+        ),
+        panel(
+            "Prefill time",
+            "Engine: admission to the first token (its KV read, any blend, the prefill of the rest).",
+            "s",
+            quantiles("kvgate_request_prefill_time_seconds", AT),
+        ),
+        panel(
+            "Time per output token",
+            "Answers of 2 tokens or more, whole or streamed: (last token - first token) / (tokens - 1).",
+            "s",
+            quantiles("kvgate_time_per_output_token_seconds", AT),
+        ),
     ]
 
 
@@ -327,6 +358,7 @@ def build() -> dict[str, Any]:
     rows = [
         ("Traffic", traffic()),
         ("Latency", latency()),
+        ("Engine stages", stages()),
         ("Tokens", tokens()),
         ("KV reuse", reuse()),
         ("Document KV tiers", tiers()),

@@ -290,6 +290,13 @@ def test_the_model_under_load_fails_nothing_and_keeps_its_memory(
     # Every panel of the server dashboard has data: each of its selectors matches a sample of the scrape.
     missing = dashboards.unmatched(dashboards.load(dashboards.SERVER), dashboards.samples(scraped))
     assert not missing, "no sample for:\n" + "\n".join(missing)
+    # The flood's 429s under their reason (the warm-up's too); its generated answers' time per output token.
+    refusals = dashboards.value(dashboards.samples(scraped), "kvgate_refused_total", reason="tenant_queue_full")
+    assert refusals is not None and refusals >= flood.refused, (refusals, flood.refused)
+    route = {"route": "/v1/chat/completions"}
+    paced = dashboards.value(dashboards.samples(scraped), "kvgate_time_per_output_token_seconds_count", **route)
+    # (an answer whose first token ends it, sampled, has no pace: half of them is far below what comes)
+    assert paced is not None and paced >= (calm.answered + flood.answered) / 2, (paced, calm.answered, flood.answered)
 
 
 ADMIN_KEY = "sk-admin-load"
