@@ -45,17 +45,31 @@ def prompt_ids(loaded: LoadedModel, length: int) -> list[int]:
     return ids[:length]
 
 
-def own(loaded: LoadedModel, ids: list[int], decode: int) -> tuple[float, float]:
+@dataclass
+class Stepping:
+    """What the engine keeps from one decode step to the next (runtime/engine.py): its blocks' pool, its batch, and
+    how many threads each size of step runs fastest on."""
+
+    pool: Pool = field(default_factory=Pool)
+    batches: Batches = field(default_factory=Batches)
+    teams: Teams = field(default_factory=lambda: Teams(torch.get_num_threads() if switchable() else 1))
+
+
+def own(loaded: LoadedModel, ids: list[int], decode: int, stepping: Stepping) -> tuple[float, float]:
+    """Seconds of the prompt's prefill, and of `decode` greedy steps after it, each step as the engine runs one."""
     mc = loaded.model.config
-    kv = KVCache(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, loaded.model.dtype, "cpu")
+    kv = KVCache(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, loaded.model.dtype, "cpu", 0, stepping.pool)
     start = time.perf_counter()
     logits = forward(loaded.model, [Run(kv, ids, 0)])
     prefill = time.perf_counter() - start
     start = time.perf_counter()
-    for _ in range(decode):
-        token = int(logits[0].argmax())
-        logits = forward(loaded.model, [Run(kv, [token], len(kv))])
-    return prefill, time.perf_counter() - start
+    with stepping.teams.sized(1):
+        for _ in range(decode):
+            token = int(logits[0].argmax())
+            logits = forward(loaded.model, [Run(kv, [token], len(kv))], pad=False, batches=stepping.batches)
+    spent = time.perf_counter() - start
+    kv.release()
+    return prefill, spent
 
 
 @torch.inference_mode()
@@ -70,16 +84,6 @@ def reference(loaded: LoadedModel, ids: list[int], decode: int) -> tuple[float, 
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         out = model(token, cache=cache, use_cache=True)  # the cache grows in place
     return prefill, time.perf_counter() - start
-
-
-@dataclass
-class Stepping:
-    """What the engine keeps from one decode step to the next (runtime/engine.py): its blocks' pool, its batch, and
-    how many threads each size of step runs fastest on."""
-
-    pool: Pool = field(default_factory=Pool)
-    batches: Batches = field(default_factory=Batches)
-    teams: Teams = field(default_factory=lambda: Teams(torch.get_num_threads() if switchable() else 1))
 
 
 def batched_decode(loaded: LoadedModel, ids: list[int], batch: int, steps: int, stepping: Stepping) -> float:
@@ -149,11 +153,12 @@ def bench_prefill(
     """`context`: the prompt tokens of each sequence in the continuous-batching rows, `streams` their batch
     sizes; `plots`: the folder of the figure (None: none)."""
     loaded = load(config)
-    own(loaded, prompt_ids(loaded, 64), 2)  # warm-up
+    stepping = Stepping()
+    own(loaded, prompt_ids(loaded, 64), 2, stepping)  # warm-up
     rows = []
     for length in progress(lengths, "prompt lengths"):
         ids = prompt_ids(loaded, length)
-        ours = [own(loaded, ids, decode) for _ in range(repeats)]
+        ours = [own(loaded, ids, decode, stepping) for _ in range(repeats)]
         theirs = [reference(loaded, ids, decode) for _ in range(repeats)]
         p_own, d_own = min(o[0] for o in ours), min(o[1] for o in ours)
         p_ref, d_ref = min(t[0] for t in theirs), min(t[1] for t in theirs)
@@ -171,7 +176,6 @@ def bench_prefill(
         print(" | ".join(rows[-1]), flush=True)
     ctx = prompt_ids(loaded, context)
     rates: dict[int, float] = {}
-    stepping = Stepping()
     for b in progress(streams, "batch sizes"):
         batched_decode(
             loaded, ctx, b, decode, stepping
@@ -181,7 +185,8 @@ def bench_prefill(
     body = (
         f"Model {loaded.name}, {loaded.dtype}. Prefill of one prompt and greedy decode of "
         f"{decode} tokens after it, best of {repeats}; `own` is the runtime's layer loop "
-        "(`runtime/model.py`), `hf` is transformers' `model.forward` with SDPA and `DynamicCache` "
+        "(`runtime/model.py`; decode steps as the engine runs them: unpadded, attention batched), `hf` is "
+        "transformers' `model.forward` with SDPA and `DynamicCache` "
         "on the same model and prompt in the same run. Ratio = own speed / hf speed.\n\n"
         + table(
             [
