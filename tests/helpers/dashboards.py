@@ -119,15 +119,14 @@ def selectors(expr: str) -> list[Selector]:
         elif (m := NAME.match(expr, i)) is not None:
             word, i = m[0], m.end()
             after = skip_space(expr, i)
+            called = after < len(expr) and expr[after] == "("
             if word in LISTS:
-                if after < len(expr) and expr[after] == "(":
+                if called:
                     i = closing(expr, after + 1, ")")
             elif word == "offset":
                 i = NUMBER.match(expr, after).end()  # type: ignore[union-attr]
-            elif word in KEYWORDS or word.lower() in LITERALS:
-                pass
-            elif word in AGGREGATIONS or (after < len(expr) and expr[after] == "("):
-                pass  # a function or an aggregation: its arguments are read next
+            elif word in KEYWORDS or word.lower() in LITERALS or word in AGGREGATIONS or called:
+                continue  # a keyword, a literal, or a function or aggregation: its arguments are read next
             elif after < len(expr) and expr[after] == "{":
                 labels, i = matchers(expr, after + 1)
                 found.append(Selector(word, labels))
