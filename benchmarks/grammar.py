@@ -29,15 +29,7 @@ WORDS = ["city", "count", "title", "tags", "price", "active", "when", "owner", "
 
 def chat_call(model: str, parsed: Any) -> Call:
     """A chat completion as the gateway hands one to a backend: `parsed` its validated request."""
-    return Call(
-        path="/v1/chat/completions",
-        body={},
-        raw=b"",
-        model=model,
-        tenant="bench",
-        request_id=uuid.uuid4().hex,
-        parsed=parsed,
-    )
+    return Call.of("/v1/chat/completions", {"model": model}, parsed, tenant="bench", request_id=uuid.uuid4().hex)
 
 
 def field(rng: random.Random, depth: int) -> dict[str, Any]:
@@ -122,7 +114,7 @@ async def forced(local: Local, total: int, batch: int, mode: str, seed: int, max
         async def one(body: ChatCompletionRequest, shape: dict[str, Any]) -> str:
             call = chat_call(local.name, body)
             reply = await local.generate(call)
-            return judge(json.loads(reply.content or b"{}"), shape, mode)
+            return judge(reply.json(), shape, mode)
 
         outcomes.update(await asyncio.gather(*(one(b, s) for b, s in work)))
     return outcomes

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from kvgate.gateway.render import Data, dumps, encoded, sse_data
 from kvgate.runtime.reuse_report import NOTHING, ReuseReport
 from kvgate.runtime.stages import Stages
 
@@ -41,6 +43,31 @@ class Call:
     parsed: ChatCompletionRequest | CompletionRequest | None = None
     keep: bool = False  # the answer's text is wanted (the semantic cache keeps it)
 
+    @classmethod
+    def of(
+        cls,
+        path: str,
+        body: dict[str, Any],
+        parsed: ChatCompletionRequest | CompletionRequest | None,
+        *,
+        tenant: str,
+        request_id: str,
+        program: str | None = None,
+        raw: bytes | None = None,
+    ) -> Call:
+        """A request read and checked: its model the body's, `raw` the bytes it came as (else the body's)."""
+        raw = dumps(body) if raw is None else raw
+        return cls(
+            path=path,
+            body=body,
+            raw=raw,
+            model=body["model"],
+            tenant=tenant,
+            request_id=request_id,
+            program=program,
+            parsed=parsed,
+        )
+
     @property
     def stream(self) -> bool:
         return self.body.get("stream") is True
@@ -60,9 +87,11 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Reply:
-    """A backend's answer: whole (`content`) or an SSE stream (`events`). `settled`: what it came to, a whole
-    answer's at once, a stream's a future its events settle as they end. `close` lets go of whatever the answer
-    holds (an upstream's connection, the engine's sequences)."""
+    """A backend's answer: whole or an SSE stream, each as the bytes an upstream sent (`content`, `events`:
+    passed on as they came) or as the objects this process made (`answer`, `chunks`: DONE last). Each is
+    encoded or read once, by whoever needs the other form (`body`, `json`, `sse`, `data`). `settled`: what it
+    came to, a whole answer's at once, a stream's a future its events settle as they end. `close` lets go of
+    whatever the answer holds (an upstream's connection, the engine's sequences)."""
 
     status: int = 200
     headers: dict[str, str] = field(default_factory=dict)
@@ -70,6 +99,8 @@ class Reply:
     events: AsyncIterator[bytes] | None = None
     settled: Outcome | asyncio.Future[Outcome] = field(default_factory=Outcome)
     close: Callable[[], Awaitable[None]] | None = None
+    answer: dict[str, Any] | None = None
+    chunks: AsyncIterator[Data] | None = None
 
     @property
     def outcome(self) -> Outcome:
@@ -78,6 +109,42 @@ class Reply:
         if isinstance(settled, Outcome):
             return settled
         return settled.result() if settled.done() and not settled.cancelled() else Outcome()
+
+    @property
+    def streamed(self) -> bool:
+        return self.events is not None or self.chunks is not None
+
+    def body(self) -> bytes:
+        """A whole answer's bytes."""
+        if self.answer is not None:
+            return dumps(self.answer)
+        return self.content or b""
+
+    def json(self) -> dict[str, Any]:
+        """A whole answer as an object: 502 where what an upstream sent is not a JSON object."""
+        if self.answer is not None:
+            return self.answer
+        try:
+            answer = json.loads(self.content or b"")
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            raise APIError(502, "the answer is not a JSON object", code="upstream_error")
+        return answer
+
+    def sse(self) -> AsyncIterator[bytes]:
+        """A stream's SSE events as bytes (read once)."""
+        if self.events is not None:
+            return self.events
+        assert self.chunks is not None, "a whole answer has no events"
+        return encoded(self.chunks)
+
+    def data(self) -> AsyncIterator[Data]:
+        """A stream's events' data as objects, DONE last (read once)."""
+        if self.chunks is not None:
+            return self.chunks
+        assert self.events is not None, "a whole answer has no events"
+        return sse_data(self.events)
 
 
 class Backend(ABC):

@@ -35,11 +35,11 @@ from kvgate.gateway.choices import (
     token_ids,
 )
 from kvgate.gateway.embeddings import Embeddings
-from kvgate.gateway.errors import APIError, bad_request
+from kvgate.gateway.errors import APIError, bad_request, internal
 from kvgate.gateway.metrics import calibration_metrics, counter, fidelity_metrics, gauge, tier_metrics
 from kvgate.gateway.programs import HEADER
 from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest, Sampling
-from kvgate.gateway.render import dumps, response_head, sse, sse_error, usage
+from kvgate.gateway.render import DONE, Data, response_head, usage
 from kvgate.gateway.settings import Settings
 from kvgate.gateway.toolcalls import CallStream, constraint, repeat_guard
 from kvgate.runtime.engine import Engine, Result
@@ -152,9 +152,7 @@ class Local(Backend):
         counted = usage(len(prompt), sum(f.completion_tokens for f in done.values()), done[0].report.reused)
         payload = chat_answer(head, done, counted, self.token_bytes if body.logprobs else None, calls)
         return Reply(
-            headers=JSON | reuse_headers(done[0].report) | headers,
-            content=dumps(payload),
-            settled=outcome(done[0], counted),
+            headers=JSON | reuse_headers(done[0].report) | headers, answer=payload, settled=outcome(done[0], counted)
         )
 
     async def complete(self, call: Call, body: CompletionRequest) -> Reply:
@@ -176,9 +174,7 @@ class Local(Backend):
         done = await collect(self.engine, choices, self.admission)
         counted = usage(prompt_tokens, sum(f.completion_tokens for f in done.values()))
         payload = completion_answer(head, done, counted, echo, self.token_bytes if body.logprobs is not None else None)
-        return Reply(
-            headers=JSON | reuse_headers(done[0].report), content=dumps(payload), settled=outcome(done[0], counted)
-        )
+        return Reply(headers=JSON | reuse_headers(done[0].report), answer=payload, settled=outcome(done[0], counted))
 
     def choices(
         self,
@@ -253,16 +249,16 @@ class Local(Backend):
         first = await anext(outputs)
         settled: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
 
-        def event(choice: dict[str, Any]) -> bytes:
+        def event(choice: dict[str, Any]) -> dict[str, Any]:
             chunk = {**head, "choices": [choice]}
-            return sse(chunk | {"usage": None} if include_usage else chunk).encode()
+            return chunk | {"usage": None} if include_usage else chunk
 
         async def rest() -> AsyncIterator[tuple[int, Output]]:
             yield first
             async for item in outputs:
                 yield item
 
-        async def events() -> AsyncIterator[bytes]:
+        async def events() -> AsyncIterator[Data]:
             completion_tokens, whole = 0, Result()
             try:
                 for choice in opening:
@@ -275,26 +271,26 @@ class Local(Backend):
                         yield event(choice)
                 counted = usage(prompt_tokens, completion_tokens, first[1].report.reused)
                 if include_usage:
-                    yield sse({**head, "choices": [], "usage": counted}).encode()
+                    yield {**head, "choices": [], "usage": counted}
                 if ended is not None:
                     await ended(whole.text)
                 settled.set_result(outcome(whole, counted))
             except Exception as exc:
-                yield sse_error(exc).encode()
-            yield sse("[DONE]").encode()
+                yield internal(exc).body()
+            yield DONE
 
         headers = reuse_headers(first[1].report) | (headers or {})
-        return Reply(headers=headers, events=events(), settled=settled, close=outputs.aclose)
+        return Reply(headers=headers, chunks=events(), settled=settled, close=outputs.aclose)
 
     # ---- documents -----------------------------------------------------------------------
 
     async def add_document(self, text: str, raw: bytes, tenant: str, request_id: str) -> Reply:
-        return Reply(headers=JSON, content=dumps(await self.keep_document(text, tenant)))
+        return Reply(headers=JSON, answer=await self.keep_document(text, tenant))
 
     async def document(self, method: str, document_id: str, tenant: str, request_id: str) -> Reply:
         if method == "DELETE":
-            return Reply(headers=JSON, content=dumps(await self.forget_document(document_id, tenant)))
-        return Reply(headers=JSON, content=dumps(await self.find_document(document_id, tenant)))
+            return Reply(headers=JSON, answer=await self.forget_document(document_id, tenant))
+        return Reply(headers=JSON, answer=await self.find_document(document_id, tenant))
 
     async def keep_document(self, text: str, tenant: str) -> dict[str, Any]:
         """The tenant's document: its KV computed and kept; its card."""

@@ -13,16 +13,15 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from kvgate.gateway.backend import Backend, Call
+from kvgate.gateway.backend import Backend, Call, Reply
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.messages_output import MessagesTranslator, message_of, new_id, skeleton
 from kvgate.gateway.messages_protocol import CountRequest, MessagesRequest, chat_body, refuse_unsupported
 from kvgate.gateway.programs import HEADER, program_of
 from kvgate.gateway.protocol import ChatCompletionRequest
 from kvgate.gateway.render import SSE_HEADERS, dumps
-from kvgate.gateway.responses import chat_answer, plain, whole
-from kvgate.gateway.responses_stream import chat_chunks
-from kvgate.gateway.routes import Relayed, check_model, generate, read, relay, validated
+from kvgate.gateway.responses import data, plain, whole
+from kvgate.gateway.routes import Relayed, check_model, generate, read, validated
 
 router = APIRouter()
 CHAT = "/v1/chat/completions"  # the route every message is answered through
@@ -39,10 +38,10 @@ async def create(request: Request) -> Response:
     message_id, stops = new_id(), req.stop_sequences or []
     if got.reply.status != 200:  # an upstream's refusal, in Anthropic's shape
         raise refused(got.reply.status, await whole(request, got), plain(got.headers))
-    if got.reply.events is None:
-        message = message_of(chat_answer(await whole(request, got)), message_id, req.model, stops)
+    if not got.reply.streamed:
+        message = message_of((await whole(request, got)).json(), message_id, req.model, stops)
         return Response(dumps(message), headers=plain(got.headers) | JSON)
-    events = MessagesTranslator(skeleton(message_id, req.model), stops).events(chat_chunks(relay(request, got)))
+    events = MessagesTranslator(skeleton(message_id, req.model), stops).events(data(request, got))
     return Relayed(events, got.reply, headers=SSE_HEADERS | plain(got.headers))
 
 
@@ -62,15 +61,13 @@ def chat_call(request: Request, req: MessagesRequest | CountRequest, body: dict[
     chat = chat_body(req, body)
     parsed = validated(ChatCompletionRequest, chat, strict=True)
     tenant, request_id = request.state.tenant, request.state.request_id
-    return Call(
-        path=path, body=chat, raw=dumps(chat), model=req.model, tenant=tenant, request_id=request_id, parsed=parsed
-    )
+    return Call.of(path, chat, parsed, tenant=tenant, request_id=request_id)
 
 
-def refused(status: int, content: bytes, headers: dict[str, str]) -> APIError:
+def refused(status: int, reply: Reply, headers: dict[str, str]) -> APIError:
     """An upstream's error answer, its message kept."""
     try:
-        message = chat_answer(content).get("error", {}).get("message")
+        message = reply.json().get("error", {}).get("message")
     except APIError:
         message = None
     said = message if isinstance(message, str) else f"the upstream answered {status}"

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kvgate.gateway.errors import STATUS_OF, anthropic_error, internal
-from kvgate.gateway.responses_stream import DONE
+from kvgate.gateway.render import DONE, Data
 
 STOPS = {"length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
 
@@ -100,7 +100,7 @@ class MessagesTranslator:
         self.choice: dict[str, Any] = {}
         self.usage: dict[str, Any] | None = None
 
-    async def events(self, chunks: AsyncIterator[dict[str, Any] | str]) -> AsyncIterator[bytes]:
+    async def events(self, chunks: AsyncIterator[Data]) -> AsyncIterator[bytes]:
         yield event("message_start", {"message": self.message})
         yield event("ping", {})
         try:

@@ -101,7 +101,7 @@ class Upstreams(Backend):
         except BaseException:
             held.close()
             raise
-        if reply.events is None:
+        if not reply.streamed:
             held.close()
             return reply
         return replace(reply, close=releasing(reply.close, held.close))
@@ -177,8 +177,8 @@ class Upstreams(Backend):
     async def add_document(self, text: str, raw: bytes, tenant: str, request_id: str) -> Reply:
         key = text_key(text)
         reply = await self.send_document("POST", "/v1/documents", raw, [key], tenant, request_id)
-        if reply.status == 200 and reply.content is not None:
-            self.remember(json.loads(reply.content)["id"], key)
+        if reply.status == 200:
+            self.remember(reply.json()["id"], key)
         return reply
 
     async def document(self, method: str, document_id: str, tenant: str, request_id: str) -> Reply:

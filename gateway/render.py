@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import time
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
-
-from kvgate.gateway.errors import internal
 
 if TYPE_CHECKING:
     from kvgate.runtime.sampling import TokenLogprob
@@ -14,6 +14,9 @@ if TYPE_CHECKING:
 
 FINGERPRINT = "kvgate-0.1"
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}  # no proxy may buffer or keep a stream
+DONE = "[DONE]"  # a stream's last data
+Data = dict[str, Any] | str  # a stream event's data: an object, or DONE
+EVENT_END = re.compile(rb"\r?\n\r?\n")
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
@@ -76,5 +79,34 @@ def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
-def sse_error(exc: Exception) -> str:
-    return sse(internal(exc).body())
+async def encoded(chunks: AsyncIterator[Data]) -> AsyncIterator[bytes]:
+    """Objects as their SSE events."""
+    async for chunk in chunks:
+        yield sse(chunk).encode()
+
+
+async def sse_data(events: AsyncIterator[bytes]) -> AsyncIterator[Data]:
+    """The data of each SSE event, parsed (DONE for [DONE]), however the bytes were cut."""
+    buffer = b""
+    async for chunk in events:
+        buffer += chunk
+        *complete, buffer = EVENT_END.split(buffer)
+        for event in complete:
+            if (data := data_of(event)) is not None:
+                yield data
+    if (data := data_of(buffer)) is not None:
+        yield data
+
+
+def data_of(event: bytes) -> Data | None:
+    lines = [line[5:].removeprefix(b" ") for line in event.splitlines() if line.startswith(b"data:")]
+    if not lines:
+        return None
+    text = b"\n".join(lines)
+    if text.strip() == DONE.encode():
+        return DONE
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return {"error": {"message": "the chat stream sent an event that is not JSON"}}
+    return data if isinstance(data, dict) else None

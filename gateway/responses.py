@@ -13,23 +13,23 @@ back whole (the Agents SDK sends the whole conversation each turn) or referred t
 
 from __future__ import annotations
 
-import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from kvgate.gateway.backend import Call
+from kvgate.gateway.backend import Call, Reply
 from kvgate.gateway.errors import APIError, bad_request
 from kvgate.gateway.programs import HEADER, program_of
 from kvgate.gateway.protocol import ChatCompletionRequest
-from kvgate.gateway.render import SSE_HEADERS, dumps
+from kvgate.gateway.render import DONE, SSE_HEADERS, Data, dumps
 from kvgate.gateway.responses_items import Input, kept, listing, page, resolved
 from kvgate.gateway.responses_output import answered, new_id, skeleton
 from kvgate.gateway.responses_protocol import ResponsesRequest, chat_body, messages_of, refuse_unsupported
 from kvgate.gateway.responses_store import ResponseStore, Stored
-from kvgate.gateway.responses_stream import ResponsesTranslator, chat_chunks
+from kvgate.gateway.responses_stream import ResponsesTranslator
 from kvgate.gateway.routes import Generated, Relayed, check_model, generate, read, relay, settle, validated
 
 router = APIRouter()
@@ -73,25 +73,16 @@ async def create(request: Request) -> Response:
     turn = await begin(request, req, body)
     chat = chat_body(req, body, turn.messages)
     parsed = chat_request(chat)
-    call = Call(
-        path=CHAT,
-        body=chat,
-        raw=dumps(chat),
-        model=req.model,
-        tenant=turn.tenant,
-        request_id=request.state.request_id,
-        program=turn.program,
-        parsed=parsed,
-    )
+    call = Call.of(CHAT, chat, parsed, tenant=turn.tenant, request_id=request.state.request_id, program=turn.program)
     got = await generate(request, call)
     response = skeleton(req, turn.id, req.model)
     if got.reply.status != 200:  # an upstream's refusal, passed on as it came
-        return Response(await whole(request, got), got.reply.status, headers=got.headers)
-    if got.reply.events is None:
-        done = answered(response, chat_answer(await whole(request, got)))
+        return Response((await whole(request, got)).body(), got.reply.status, headers=got.headers)
+    if not got.reply.streamed:
+        done = answered(response, (await whole(request, got)).json())
         await turn.keep(done)
         return Response(dumps(done), headers=plain(got.headers) | JSON)
-    events = ResponsesTranslator(response, turn.keep).events(chat_chunks(relay(request, got)))
+    events = ResponsesTranslator(response, turn.keep).events(data(request, got))
     return Relayed(events, got.reply, headers=SSE_HEADERS | plain(got.headers))
 
 
@@ -176,20 +167,15 @@ def chat_request(chat: dict[str, Any]) -> ChatCompletionRequest:
         raise
 
 
-def chat_answer(content: bytes) -> dict[str, Any]:
-    try:
-        answer = json.loads(content)
-    except ValueError:
-        answer = None
-    if not isinstance(answer, dict):
-        raise APIError(502, "the chat completion answered is not a JSON object", code="upstream_error")
-    return answer
-
-
-async def whole(request: Request, got: Generated) -> bytes:
-    """A whole answer's bytes, counted and kept first as the chat route does."""
+async def whole(request: Request, got: Generated) -> Reply:
+    """A whole answer, counted and kept first as the chat route does."""
     await settle(request, got)
-    return got.reply.content or b""
+    return got.reply
+
+
+def data(request: Request, got: Generated) -> AsyncIterator[Data]:
+    """A stream's data, counted and kept before its DONE as the chat route does."""
+    return relay(request, got, got.reply.data(), lambda d: d == DONE)
 
 
 def plain(headers: dict[str, str]) -> dict[str, str]:

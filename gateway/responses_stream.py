@@ -5,42 +5,12 @@ output item added, its text or arguments in deltas, done, then `response.complet
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 from kvgate.gateway.errors import internal
+from kvgate.gateway.render import DONE, Data
 from kvgate.gateway.responses_output import call_item, failed, finished, message_item, new_id, status_of
-
-EVENT_END = re.compile(rb"\r?\n\r?\n")
-DONE = "[DONE]"
-
-
-async def chat_chunks(events: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any] | str]:
-    """The data of each SSE event, parsed (DONE for [DONE]), however the bytes were cut."""
-    buffer = b""
-    async for chunk in events:
-        buffer += chunk
-        *complete, buffer = EVENT_END.split(buffer)
-        for event in complete:
-            if (data := data_of(event)) is not None:
-                yield data
-    if (data := data_of(buffer)) is not None:
-        yield data
-
-
-def data_of(event: bytes) -> dict[str, Any] | str | None:
-    lines = [line[5:].removeprefix(b" ") for line in event.splitlines() if line.startswith(b"data:")]
-    if not lines:
-        return None
-    text = b"\n".join(lines)
-    if text.strip() == DONE.encode():
-        return DONE
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return {"error": {"message": "the chat stream sent an event that is not JSON"}}
-    return data if isinstance(data, dict) else None
 
 
 class ResponsesTranslator:
@@ -57,7 +27,7 @@ class ResponsesTranslator:
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
 
-    async def events(self, chunks: AsyncIterator[dict[str, Any] | str]) -> AsyncIterator[bytes]:
+    async def events(self, chunks: AsyncIterator[Data]) -> AsyncIterator[bytes]:
         yield self.event("response.created", response=self.response)
         yield self.event("response.in_progress", response=self.response)
         try:
@@ -66,7 +36,7 @@ class ResponsesTranslator:
         except Exception as exc:  # the stream has begun: its last event says what failed
             yield self.failure(internal(exc).body()["error"])
 
-    async def translated(self, chunks: AsyncIterator[dict[str, Any] | str]) -> AsyncIterator[bytes]:
+    async def translated(self, chunks: AsyncIterator[Data]) -> AsyncIterator[bytes]:
         async for chunk in chunks:
             if chunk == DONE:
                 break

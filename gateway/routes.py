@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,6 +31,7 @@ from kvgate.runtime.errors import ServerError
 
 router = APIRouter()
 log = logging.getLogger("kvgate")
+T = TypeVar("T")
 
 
 @router.post("/v1/chat/completions")
@@ -57,15 +58,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
     parsed = validated(ChatCompletionRequest, body, strict=True)
     check_model(request, body["model"])
     backend: Backend = request.app.state.backend
-    call = Call(
-        path="/tokenize",
-        body=body,
-        raw=raw,
-        model=body["model"],
-        tenant=request.state.tenant,
-        request_id=request.state.request_id,
-        parsed=parsed,
-    )
+    call = Call.of("/tokenize", body, parsed, tenant=request.state.tenant, request_id=request.state.request_id, raw=raw)
     return {"count": await backend.count_tokens(call)}
 
 
@@ -93,15 +86,15 @@ async def add_document(request: Request) -> Response:
     allow_model(request, *backend.document_models())  # computing a document's KV runs the model
     reply = await backend.add_document(document.text, raw, request.state.tenant, request.state.request_id)
     if reply.status == 200:
-        await spend(request, tokens_of(reply.content))
-    return Response(reply.content, reply.status, headers=reply.headers)
+        await spend(request, tokens_of(reply))
+    return Response(reply.body(), reply.status, headers=reply.headers)
 
 
-def tokens_of(card: bytes | None) -> int:
+def tokens_of(card: Reply) -> int:
     """The tokens of a stored document, from its card (what its KV cost, as a prompt's tokens do)."""
     try:
-        tokens = json.loads(card or b"{}").get("tokens")
-    except (ValueError, AttributeError):
+        tokens = card.json().get("tokens")
+    except APIError:
         return 0
     return tokens if isinstance(tokens, int) else 0
 
@@ -119,7 +112,7 @@ async def delete_document(document_id: str, request: Request) -> Response:
 async def by_id(request: Request, document_id: str) -> Response:
     backend: Backend = request.app.state.backend
     reply = await backend.document(request.method, document_id, request.state.tenant, request.state.request_id)
-    return Response(reply.content, reply.status, headers=reply.headers)
+    return Response(reply.body(), reply.status, headers=reply.headers)
 
 
 @router.get("/v1/models")
@@ -200,16 +193,8 @@ async def answer(request: Request, path: str, kind: type[BaseModel] | None) -> R
     model: str = body["model"]
     check_model(request, model)
     program = program_of(request.headers.get(HEADER), body)
-    call = Call(
-        path=path,
-        body=body,
-        raw=raw,
-        model=model,
-        tenant=request.state.tenant,
-        request_id=request.state.request_id,
-        program=program,
-        parsed=parsed,
-    )
+    tenant, request_id = request.state.tenant, request.state.request_id
+    call = Call.of(path, body, parsed, tenant=tenant, request_id=request_id, program=program, raw=raw)
     return await passed_on(request, await generate(request, call))
 
 
@@ -308,20 +293,25 @@ def as_reply(response: Response) -> Reply:
 async def passed_on(request: Request, got: Generated) -> Response:
     """The answer as it came: whole (counted and kept first), or relayed event by event. After a race
     (a lookup still running beside the answer) it is kept once it has gone out."""
-    if got.reply.events is None:
+    if not got.reply.streamed:
         await settle(request, got)
         after = BackgroundTask(keep, request, got) if got.looking is not None else None
-        return Response(got.reply.content, got.reply.status, headers=got.headers, background=after)
-    return Relayed(relay(request, got), got.reply, headers=SSE_HEADERS | got.headers)
+        return Response(got.reply.body(), got.reply.status, headers=got.headers, background=after)
+    return Relayed(relay(request, got, got.reply.sse(), ends), got.reply, headers=SSE_HEADERS | got.headers)
 
 
-async def relay(request: Request, got: Generated) -> AsyncIterator[bytes]:
-    """A stream passed on event by event; counted and kept before its [DONE] goes out (after a race,
-    kept after it)."""
-    assert got.reply.events is not None
+def ends(event: bytes) -> bool:
+    return event.startswith(b"data: [DONE]")
+
+
+async def relay(
+    request: Request, got: Generated, events: AsyncIterator[T], last: Callable[[T], bool]
+) -> AsyncIterator[T]:
+    """A stream's events (its SSE bytes, or its data) passed on one by one; counted and kept before the
+    `last` goes out (after a race, kept after it)."""
     settled = False
-    async for event in got.reply.events:
-        if event.startswith(b"data: [DONE]") and not settled:
+    async for event in events:
+        if last(event) and not settled:
             settled = True
             await settle(request, got)
         yield event

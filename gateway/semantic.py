@@ -200,8 +200,8 @@ class Checks:
             try:
                 reply = await backend.generate(call)
                 try:
-                    if reply.events is not None:
-                        async for _ in reply.events:
+                    if reply.streamed:
+                        async for _ in reply.data():
                             pass
                 finally:
                     if reply.close is not None:

@@ -12,7 +12,6 @@ and the semantic cache are the gateway's, in front of the routes: they are not h
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Iterator
@@ -25,6 +24,7 @@ from kvgate.gateway.errors import APIError, internal
 from kvgate.gateway.local import Local
 from kvgate.gateway.programs import program_of
 from kvgate.gateway.protocol import ChatCompletionRequest
+from kvgate.gateway.render import DONE, Data
 from kvgate.gateway.routes import validated
 from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
@@ -70,19 +70,12 @@ class LLM(_Base[ChatCompletion, "LLMStream"]):
             program = program_of(None, body)
         except APIError as exc:
             raise error_for(exc.status, exc.body()) from None
-        call = Call(
-            path="/v1/chat/completions",
-            body=body,
-            raw=b"",
-            model=body["model"],
-            tenant=self.tenant,
-            request_id=uuid.uuid4().hex,
-            program=program,
-            parsed=parsed,
+        call = Call.of(
+            "/v1/chat/completions", body, parsed, tenant=self.tenant, request_id=uuid.uuid4().hex, program=program
         )
         reply = self._run(self.backend.generate(call))
-        if reply.events is None:
-            return ChatCompletion(json.loads(reply.content or b"{}"), Reuse.from_headers(reply.headers))
+        if not reply.streamed:
+            return ChatCompletion(reply.json(), Reuse.from_headers(reply.headers))
         return LLMStream(self, reply)
 
     def close(self) -> None:
@@ -129,8 +122,7 @@ class LLMStream:
     and `usage` as they arrive."""
 
     def __init__(self, llm: LLM, reply: Reply) -> None:
-        assert reply.events is not None
-        self._llm, self._reply, self._events = llm, reply, reply.events
+        self._llm, self._reply, self._chunks = llm, reply, reply.data()
         self.reuse = Reuse.from_headers(reply.headers)
         self.text = ""
         self.finish_reason: str | None = None
@@ -139,11 +131,10 @@ class LLMStream:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         try:
-            while (event := self._llm._run(_next(self._events))) is not None:
-                data = event.decode().removeprefix("data: ").strip()
-                if data == "[DONE]":
+            while (chunk := self._llm._run(_next(self._chunks))) is not None:
+                if chunk == DONE:
                     return
-                chunk = json.loads(data)
+                assert isinstance(chunk, dict)
                 if "error" in chunk:
                     raise error_for(500, chunk)
                 for choice in chunk.get("choices") or ():
@@ -159,7 +150,7 @@ class LLMStream:
         """Let go of the engine's sequences (a stream left early stops generating)."""
         if not self._closed:
             self._closed = True
-            self._llm._run(self._events.aclose())  # type: ignore[attr-defined]
+            self._llm._run(self._chunks.aclose())  # type: ignore[attr-defined]
             if self._reply.close is not None:
                 self._llm._run(self._reply.close())
 
@@ -170,5 +161,5 @@ class LLMStream:
         self.close()
 
 
-async def _next(events: AsyncIterator[bytes]) -> bytes | None:
-    return await anext(events, None)
+async def _next(chunks: AsyncIterator[Data]) -> Data | None:
+    return await anext(chunks, None)

@@ -7,9 +7,13 @@ from collections.abc import Iterator
 import pytest
 
 import kvgate
+from kvgate.gateway.backend import Call, Reply
+from kvgate.gateway.protocol import ChatCompletionRequest
+from kvgate.gateway.render import DONE, Data
 from kvgate.gateway.settings import Settings
 from tests.helpers.waiting import wait_until
 
+CHAT = "/v1/chat/completions"
 FACTS = [
     "The town of Varnholt lies on the river Esk and is known for its glass bells.",
     "Mirela Odven founded the Varnholt bell foundry in 1871 and ran it for forty years.",
@@ -79,3 +83,28 @@ def test_errors_are_the_sdks(llm: kvgate.LLM) -> None:
     llm.documents.delete(doc.id)
     with pytest.raises(kvgate.NotFoundError):
         llm.documents.get(doc.id)
+
+
+def test_the_engine_answers_in_objects_no_one_reads_back_from_bytes(llm: kvgate.LLM) -> None:
+    """In process nothing is encoded to JSON and parsed again: the local backend's answers are objects,
+    whole or streamed (the routes encode them once, as they leave)."""
+    body = {"model": llm.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for stream in (False, True):
+        asked = body | {"stream": stream}
+        call = Call.of(CHAT, asked, ChatCompletionRequest.model_validate(asked), tenant="local", request_id="r")
+        reply = llm._run(llm.backend.generate(call))
+        assert reply.content is None and reply.events is None
+        if not stream:
+            assert reply.answer is not None and reply.answer["object"] == "chat.completion"
+            continue
+        assert reply.chunks is not None
+        chunks = llm._run(drained(reply))
+        assert chunks[-1] == DONE and all(isinstance(c, dict) for c in chunks[:-1])
+
+
+async def drained(reply: Reply) -> list[Data]:
+    try:
+        return [chunk async for chunk in reply.data()]
+    finally:
+        if reply.close is not None:
+            await reply.close()
