@@ -77,7 +77,7 @@ class CacheSettings(Group):
     content_chunk_tokens: int = Field(64, ge=8, le=1024)
     content_chunks_per_tenant: int = Field(4096, ge=1)
     content_chunks_max: int = Field(65536, ge=1)
-    tenant_scoped: bool = True  # document and prefix KV shared only within a tenant
+    tenant_scoped: bool = True  # document KV shared only within a tenant (prefix blocks always are)
 
 
 class QualitySettings(Group):
