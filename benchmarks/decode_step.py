@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from kvgate.gateway.settings import Settings
 from kvgate.runtime.config import EngineConfig
 from kvgate.runtime.decode import Batch, Batches
 from kvgate.runtime.engine import Engine
@@ -145,7 +146,7 @@ def on_its_own_thread(fn, *args):  # type: ignore[no-untyped-def]
 
 
 def model_rows(dtype: str, count: int) -> tuple[LoadedModel, list[str], int]:
-    config = EngineConfig(dtype=dtype)
+    config = Settings.load(engine={"dtype": dtype}).engine_config()
     loaded = load(config)
     row_floor(loaded.model, config.cache_dir)
     rows = []

@@ -32,7 +32,7 @@ from kvgate.bench.engines import Rag, kvgate_argv, load_rag, server, stream, vll
 from kvgate.bench.server import front
 from kvgate.bench.tiers import redis_server
 from kvgate.gateway.settings import Settings
-from kvgate.runtime.config import EngineConfig, user_cache_dir
+from kvgate.runtime.config import user_cache_dir
 from kvgate.runtime.document_text import pasted
 from kvgate.runtime.loader import resolve
 from kvgate.runtime.report import table, write_section
@@ -114,7 +114,7 @@ def summary(arm: str, done: list[Turned], seconds: float) -> list[str]:
 
 def bench_fleet(kind: str, data: Path, conversations: int, turns: int, rounds: int, clients: int, tokens: int,
                 docs: int, words: int, venv: Path, output: Path, command: str) -> str:  # fmt: skip
-    model_dir = Path(resolve(EngineConfig()))
+    model_dir = Path(resolve(Settings.load().engine_config()))
     items = load_rag(data, conversations, docs, words)
     done: dict[str, list[Turned]] = {arm: [] for arm in ARMS}
     seconds = dict.fromkeys(ARMS, 0.0)  # each arm's rounds, end to end

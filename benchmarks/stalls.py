@@ -13,7 +13,7 @@ import json
 import statistics
 import time
 
-from kvgate.runtime.config import EngineConfig
+from kvgate.gateway.settings import Settings
 from kvgate.runtime.engine import Engine
 from kvgate.runtime.fidelity import MUSIQUE
 from kvgate.runtime.loader import LoadedModel, load
@@ -64,7 +64,7 @@ async def gaps_during(engine: Engine, work: object) -> tuple[list[float], list[f
 
 
 def measure(loaded: LoadedModel, budget: int, tokens: int, ratio: float) -> list[str]:
-    engine = Engine(EngineConfig(max_num_batched_tokens=budget), loaded)
+    engine = Engine(Settings.load(engine={"max_num_batched_tokens": budget}).engine_config(), loaded)
     try:
         text = document(engine, tokens)
         planner = Planner(engine.reuser)
@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--budgets", default="2048,512,128,32")
     parser.add_argument("--ratio", type=float, default=0.15, help="the blend's recompute ratio")
     args = parser.parse_args()
-    loaded = load(EngineConfig())
+    loaded = load(Settings.load().engine_config())
     rows = [measure(loaded, int(b), args.tokens, args.ratio) for b in args.budgets.split(",")]
     head = ["max_num_batched_tokens", "document tokens", "decode step ms (alone, median)"]
     head += ["max gap, ingest ms", "ingest s", "max gap, blend ms", "blend s"]

@@ -9,17 +9,13 @@ from typing import Any
 
 
 def user_cache_dir() -> Path:
+    """The user's cache (the XDG rule, as every tool reads it): the configs' default. The gateway's Settings,
+    the one reader of kvgate's own variables, put KVGATE_CACHE_DIR in its place."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvgate"
 
 
-def default_cache_dir() -> Path:
-    """As the gateway's Settings read it: $KVGATE_CACHE_DIR, else the user's cache. (Here, the lowest
-    package that needs it, so that the runtime and the chunk cache read one rule.)"""
-    return Path(os.environ.get("KVGATE_CACHE_DIR") or user_cache_dir())
-
-
 def default_disk_dir() -> Path:
-    return default_cache_dir() / "chunks"
+    return user_cache_dir() / "chunks"
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,10 @@ from typing import Literal
 
 from kvgate.agents.config import AnchorConfig
 from kvgate.chunk_cache import ChunkCacheConfig
-from kvgate.chunk_cache.config import default_cache_dir, user_cache_dir
+from kvgate.chunk_cache.config import user_cache_dir
 from kvgate.runtime.quality import QualityConfig
 
-__all__ = ["ChunkConfig", "EngineConfig", "ModelNotFound", "default_cache_dir", "model_path", "user_cache_dir"]
+__all__ = ["ChunkConfig", "EngineConfig", "ModelNotFound", "model_path", "user_cache_dir"]
 
 QueueOrder = Literal["fcfs", "program"]
 BlendSelect = Literal["deviation", "attention"]
@@ -50,7 +50,7 @@ class ChunkConfig:
 class EngineConfig:
     # A local HF directory of a Llama-family model, a .gguf file, or None for the embedded default.
     model: str | None = None
-    cache_dir: Path = field(default_factory=default_cache_dir)
+    cache_dir: Path = field(default_factory=user_cache_dir)
     # "auto": bf16 where the device computes it natively (runtime/loader.py: dtype_of), else fp32.
     dtype: str = "auto"
     device: str = "cpu"

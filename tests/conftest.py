@@ -71,7 +71,8 @@ def run_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     that pytest does not clear later. The model runs in float32 whatever the CPU (`dtype: auto` would pick
     bf16 on one with AVX512-BF16 or AMX): the suite's expectations are the same on every machine."""
     theirs = Path(os.environ.get("KVGATE_CACHE_DIR") or user_cache_dir())
-    ours = tmp_path_factory.mktemp("cache")
+    ours = tmp_path_factory.mktemp("xdg") / "kvgate"  # the user's cache of the run: where configs built alone land
+    ours.mkdir()
     (theirs / "models").mkdir(parents=True, exist_ok=True)
     for name in LINKED:
         if (theirs / name).is_dir():
@@ -81,6 +82,7 @@ def run_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             shutil.copytree(theirs / name, ours / name)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("KVGATE_CACHE_DIR", str(ours))
+        env.setenv("XDG_CACHE_HOME", str(ours.parent))
         env.setenv("KVGATE_ENGINE__DTYPE", "float32")
         env.setenv("KVGATE_CACHES__SHIPPED_CALIBRATION", "false")  # nor does the calibration kvgate ships
         # With no calibration a server blends only at ratios its shadow checks opened (runtime/quality.py), and

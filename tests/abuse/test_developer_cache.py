@@ -24,10 +24,11 @@ CACHE_DIR_OF_A_STARTED_PROCESS = "from kvgate.gateway.settings import Settings; 
 
 def test_settings_built_anywhere_use_the_runs_cache_and_the_developers_converted_model(settings: Settings) -> None:
     run = Settings().cache_dir
-    assert run != user_cache_dir() and settings.cache_dir == run  # the session's settings say nothing of it
-    assert EngineConfig().cache_dir == run  # an engine built without settings reads the same rule
-    assert ChunkCacheConfig().disk_dir == run / "chunks"  # and so does a chunk store's disk tier
-    assert (run / "models").resolve() == (user_cache_dir() / "models").resolve()  # linked, not converted again
+    assert settings.cache_dir == run  # the session's settings say nothing of it
+    # Configs built without settings read no KVGATE_* variable: they land in the user's cache, the run's here.
+    assert EngineConfig().cache_dir == run == user_cache_dir() and ChunkCacheConfig().disk_dir == run / "chunks"
+    models = run / "models"
+    assert models.is_symlink() and not models.resolve().is_relative_to(run)  # the developer's, linked
 
 
 def test_a_calibration_in_the_developers_cache_is_served_neither_here_nor_in_a_started_process(
@@ -48,3 +49,10 @@ def test_a_calibration_in_the_developers_cache_is_served_neither_here_nor_in_a_s
     theirs = Path(started.stdout.strip())
     assert theirs == Settings().cache_dir != user_cache_dir()
     assert load_calibration(calibration_path(theirs, model_fp)) is None
+
+
+def test_only_the_settings_read_kvgates_variables(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("KVGATE_CACHE_DIR", str(tmp_path))
+    assert Settings().cache_dir == tmp_path
+    assert EngineConfig().cache_dir == user_cache_dir() != tmp_path  # one default, the configs' own
+    assert ChunkCacheConfig().disk_dir == user_cache_dir() / "chunks"
