@@ -64,11 +64,11 @@ def close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 def caches_of(dtype: torch.dtype, d: int) -> tuple[list[KVCache], torch.Tensor, torch.Tensor]:
     """Sequences whose new rows fall everywhere a block allows: at a sequence's first row, a block's last, a block's
-    first (a block of its own taken for it), past two block boundaries, after a stored block read by reference
-    (its values' heads two blocks apart), and inside a stored block (copied first). Pool blocks lie in arenas
-    (heads an arena apart), the others alone. Also the stored block's keys and a copy: they must stay alike."""
+    and a part's first (a block of its own taken for it), past two block boundaries, after a stored block read by
+    reference (its values' heads two blocks apart), and inside a stored block (copied first). Pool blocks lie in
+    arenas (heads an arena apart), the others alone. Also the stored block's keys and a copy: they must stay alike."""
     pool, caches = Pool(), []
-    for n, pooled in ((1, True), (BLOCK - 1, True), (BLOCK, False), (2 * BLOCK + 2, True)):
+    for n, pooled in ((1, True), (BLOCK - 1, True), (2 * BLOCK, False), (2 * BLOCK + 2, True)):
         kv = KVCache(LAYERS, KV_HEADS, d, dtype, "cpu", pool=pool if pooled else None)
         kv.extend(*(torch.randn(LAYERS, KV_HEADS, n, d).to(dtype) for _ in "kv"))
         caches.append(kv)
