@@ -73,7 +73,7 @@ class TableBatch:
         for kv, n in zip(self.caches, self.lengths):
             kv.reserve(n + 1)
             kv.own(n // BLOCK)
-        tables = torch.zeros(self.slots.tables.shape, dtype=torch.int64)
+        tables = torch.zeros(self.slots.tables.shape, dtype=torch.int64, device="cpu")
         for table, kv in zip(tables, self.caches):
             located = kv.located()
             table[:, :, : located.shape[2]] = located

@@ -29,11 +29,12 @@ from kvgate.runtime.kv import BLOCK, KVCache, Pool  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 LAYERS, KV_HEADS = 2, 2
+WHERE = ["cpu"]  # the device the checks run on (run_checks'); tensors made there by default
 
 
 def cache(length: int, dtype: torch.dtype, d: int) -> KVCache:
     """A cache of `length` random rows, NaN past them in its blocks (storage a kernel must never read)."""
-    kv = KVCache(LAYERS, KV_HEADS, d, dtype, "cpu")
+    kv = KVCache(LAYERS, KV_HEADS, d, dtype, WHERE[0])
     kv.reserve(length + 1)
     for block in kv.blocks:
         block.keys.fill_(float("nan")), block.values.fill_(float("nan"))
@@ -69,12 +70,12 @@ def caches_of(dtype: torch.dtype, d: int) -> tuple[list[KVCache], torch.Tensor, 
     arenas (heads an arena apart), the others alone. Also the stored block's keys and a copy: they must stay alike."""
     pool, caches = Pool(), []
     for n, pooled in ((1, True), (BLOCK - 1, True), (2 * BLOCK, False), (2 * BLOCK + 2, True)):
-        kv = KVCache(LAYERS, KV_HEADS, d, dtype, "cpu", pool=pool if pooled else None)
+        kv = KVCache(LAYERS, KV_HEADS, d, dtype, WHERE[0], pool=pool if pooled else None)
         kv.extend(*(torch.randn(LAYERS, KV_HEADS, n, d).to(dtype) for _ in "kv"))
         caches.append(kv)
     stored = torch.randn(LAYERS, KV_HEADS, BLOCK, d).to(dtype)
     wide = torch.randn(LAYERS, KV_HEADS, 2 * BLOCK, d).to(dtype)[:, :, :BLOCK]
-    after, inside = (KVCache(LAYERS, KV_HEADS, d, dtype, "cpu", pool=pool) for _ in "ab")
+    after, inside = (KVCache(LAYERS, KV_HEADS, d, dtype, WHERE[0], pool=pool) for _ in "ab")
     after.share(stored, wide)
     after.extend(*(torch.randn(LAYERS, KV_HEADS, 3, d).to(dtype) for _ in "kv"))
     inside.share(stored, wide)
@@ -84,7 +85,7 @@ def caches_of(dtype: torch.dtype, d: int) -> tuple[list[KVCache], torch.Tensor, 
 
 def twin(kv: KVCache) -> KVCache:
     """A copy of a cache's rows, in blocks of its own."""
-    other = KVCache(kv.num_layers, kv.kv_heads, kv.head_dim, kv.dtype, "cpu")
+    other = KVCache(kv.num_layers, kv.kv_heads, kv.head_dim, kv.dtype, WHERE[0])
     other.extend(*kv.rows(0, len(kv)))
     return other
 
@@ -165,16 +166,21 @@ CHECKS: dict[str, tuple[Callable[..., None], list[Case]]] = {
 }
 
 
-def run_checks(name: str) -> list[str]:
+def run_checks(name: str, device: str) -> list[str]:
     check, cases = CHECKS[name]
-    failures = []
-    for case in cases:
-        torch.manual_seed(0)
-        try:
-            check(*case)
-        except Exception as e:  # noqa: BLE001 -- collected, reported by the test
-            dtype, d, group, window = case
-            failures.append(f"{dtype}, head_dim {d}, group {group}, window {window}: {type(e).__name__}: {e}")
+    failures, sizes = [], (paged_batch.TABLE_STEP, paged_kernel.PROGRAMS)
+    WHERE[0] = device
+    try:
+        for case in cases:
+            torch.manual_seed(0)
+            try:
+                with torch.device(device):
+                    check(*case)
+            except Exception as e:  # noqa: BLE001 -- collected, reported by the test
+                dtype, d, group, window = case
+                failures.append(f"{dtype}, head_dim {d}, group {group}, window {window}: {type(e).__name__}: {e}")
+    finally:
+        (paged_batch.TABLE_STEP, paged_kernel.PROGRAMS), WHERE[0] = sizes, "cpu"
     return failures
 
 
@@ -195,6 +201,13 @@ def test_paged_decode_interpreted_matches_torch(interpreted: dict[str, list[str]
     assert not interpreted[name], "\n".join(interpreted[name])
 
 
+@pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs triton and a CUDA device")
+@pytest.mark.parametrize("name", CHECKS)
+def test_paged_decode_on_cuda_matches_torch(name: str) -> None:
+    failures = run_checks(name, "cuda")
+    assert not failures, "\n".join(failures)
+
+
 def test_a_cpu_never_takes_the_paged_kernel_unless_interpreting() -> None:
     """On a CPU the paged setting changes nothing: its own kernel (runtime/cpu_decode.c) or a copy serves."""
     if kernels.INTERPRETING and kernels.INTERPRET_ON_CPU:
@@ -207,4 +220,4 @@ if __name__ == "__main__":
     # Run by the `interpreted` fixture, under TRITON_INTERPRET=1.
     assert kernels.INTERPRETING and kernels.HAS_TRITON, "set TRITON_INTERPRET=1 and install triton"
     kernels.INTERPRET_ON_CPU = True
-    print(json.dumps({name: run_checks(name) for name in CHECKS}))
+    print(json.dumps({name: run_checks(name, "cpu") for name in CHECKS}))
