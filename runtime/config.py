@@ -15,7 +15,7 @@ __all__ = ["ChunkConfig", "EngineConfig", "ModelNotFound", "default_cache_dir", 
 
 QueueOrder = Literal["fcfs", "program"]
 BlendSelect = Literal["deviation", "attention"]
-DecodeBatch = Literal["copy", "paged"]
+DecodeBatching = Literal["copy", "paged"]
 
 
 class ModelNotFound(RuntimeError):
@@ -71,7 +71,7 @@ class EngineConfig:
     # split kernel over the copy; "paged", a kernel over each sequence's blocks where they lie (runtime/
     # paged_kernel.py), no copy. "copy" until a GPU has timed the two (`kvgate bench gpu`). CPUs read the blocks
     # where they lie either way (runtime/cpu_decode.c).
-    decode_batch: DecodeBatch = "copy"
+    decode_batch: DecodeBatching = "copy"
     # Automatic prefix caching: every prompt's exact KV kept in blocks of `prefix_block` tokens, reused
     # by any later prompt of the tenant that begins with the same tokens (runtime/prefix.py).
     prefix_caching: bool = True
