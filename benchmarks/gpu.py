@@ -3,17 +3,17 @@
 Random-weight models of Llama-3.2-1B's and Llama-3.1-8B's shapes, built on the device (no downloads), in bf16:
 1. the device's two ceilings, measured: a device-to-device copy (bytes read and written) and a bf16 matmul;
 2. decode tokens/s at batch 1, 16 and 64 over 2k-token contexts: the model runner's step (`forward` over a
-   decode batch, then the greedy choice read back), replayed from CUDA graphs and eager, against the HBM
-   roofline (weight and KV bytes a step over the bandwidth) and against transformers' `generate` with a static
-   cache, eager and under `torch.compile`;
+   decode batch, then the greedy choice read back), replayed from CUDA graphs and eager, with either decode batch
+   (engine.decode_batch: copy, paged), against the HBM roofline (weight and KV bytes a step over the bandwidth)
+   and against transformers' `generate` with a static cache, eager and under `torch.compile`;
 3. prefill tokens/s of a 4k-token prompt against the bf16 FLOP roofline;
 4. TTFT of six 1k-token documents, reordered, with blend against full prefill;
 5. the host's time per decode step: the engine's whole step and the model step alone with a 2-layer model of
    hidden size 64, whose arithmetic is negligible.
 Rows are written as they finish; past `--budget` seconds the rest are marked not run. `--small` runs tiny shapes
-(a try on the CPU before a GPU's time is spent).
+(a try on the CPU before a GPU's time is spent; with TRITON_INTERPRET=1 and `--interpret`, the Triton kernels too).
 
-python -m kvgate.bench.gpu [--budget 420] [--small] [--device cuda]
+python -m kvgate.bench.gpu [--budget 420] [--small] [--device cuda] [--interpret]
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from kvgate.runtime.engine import Engine
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.loader import LoadedModel
 from kvgate.runtime.model import Run, forward
+from kvgate.runtime.paged_batch import TableBatch
+from kvgate.runtime.paged_kernel import runs_on
 from kvgate.runtime.report import write_section
 
 OUTPUT = Path(__file__).with_name("BENCHMARKS.md")
@@ -133,9 +135,11 @@ def caches(model: PreTrainedModel, sequences: int, context: int) -> list[KVCache
     return out
 
 
-def decode(model: PreTrainedModel, clock: Clock, sequences: int, context: int, steps: int, graphs: bool) -> float:
-    """Seconds per decode step of the model runner: forward over the batch, the greedy tokens read back."""
-    kvs, batches = caches(model, sequences, context), Batches(graphs=graphs)
+def decode(model: PreTrainedModel, clock: Clock, sequences: int, context: int, steps: int, graphs: bool,
+           paged: bool = False) -> float:  # fmt: skip
+    """Seconds per decode step of the model runner: forward over the batch, the greedy tokens read back; the batch
+    a GPU's (native, on a CPU too), a copy of the KV or over its blocks where they lie (`paged`)."""
+    kvs, batches = caches(model, sequences, context), Batches(native=True, graphs=graphs, paged=paged)
     tokens = [5] * sequences
 
     def one() -> None:
@@ -145,6 +149,8 @@ def decode(model: PreTrainedModel, clock: Clock, sequences: int, context: int, s
 
     for _ in range(3):  # the batch's copy made, its graph captured
         one()
+    if isinstance(batches.last, TableBatch) != paged:
+        raise RuntimeError(f"the step ran on {type(batches.last).__name__}")
     clock.sync()
     start = time.perf_counter()
     for _ in range(steps):
@@ -273,6 +279,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--small", action="store_true", help="tiny shapes and contexts: a try on the CPU")
     p.add_argument("--compile", default="1,64", help="batch sizes for transformers under torch.compile ('' none)")
     p.add_argument("--output", type=Path, default=OUTPUT)
+    p.add_argument("--interpret", action="store_true", help="on a CPU under TRITON_INTERPRET=1: Triton interpreted")
     return p
 
 
@@ -280,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     args.argv = argv if argv is not None else sys.argv[1:]
     device, small = torch.device(args.device), args.small
+    if args.interpret:
+        from kvgate.runtime import kernels
+
+        kernels.INTERPRET_ON_CPU = True
     clock = Clock(device)
     report = Report(args, device)
     shapes = SMALL if small else SHAPES
@@ -295,21 +306,23 @@ def main(argv: list[str] | None = None) -> int:
         for name, model in models.items():
             for b in batches_at:
                 weights, kv = step_bytes(model, b, context)
-                graphed = attempt(decode, model, clock, b, context, steps, graphs=device.type == "cuda")
-                eager = attempt(decode, model, clock, b, context, steps, graphs=False)
-                best = min((x for x in (graphed, eager) if isinstance(x, float)), default=None)
+                times = [attempt(decode, model, clock, b, context, steps, graphs=graphs, paged=paged)
+                         if runs_on(device) or not paged else "no paged kernel here"
+                         for paged in (False, True) for graphs in (device.type == "cuda", False)]  # fmt: skip
+                best = min((x for x in times if isinstance(x, float)), default=None)
                 floor = (weights + kv) / HBM
-                rows.append([name, str(b), f"{(weights + kv) / 1e9:.1f}", f"{floor * 1e3:.2f}", ms(graphed), ms(eager),
+                rows.append([name, str(b), f"{(weights + kv) / 1e9:.1f}", f"{floor * 1e3:.2f}", *map(ms, times),
                              *(["-"] * 3 if best is None else [f"{b / best:.0f}", f"{floor / best:.0%}",
                                                                f"{(weights + kv) / copy / best:.0%}"])])  # fmt: skip
                 print(rows[-1], flush=True)
         return rows
 
     report.group(f"Decode over {context}-token contexts, the model runner's step (forward over the batch, the "
-                 "greedy tokens read back), from CUDA graphs; the roofline: the step's bytes over 4.8 TB/s "
-                 "(and over the measured copy):",
-                 ["shape", "batch", "GB a step", "roofline ms", "kvgate ms, graphs", "eager", "tok/s (the faster)",
-                  "of roofline", "of measured copy"], decode_rows)  # fmt: skip
+                 "greedy tokens read back), from CUDA graphs and eager, the batch's KV copied (`copy`) or read "
+                 "where it lies (`paged`: engine.decode_batch); the roofline: the step's bytes over 4.8 TB/s (and "
+                 "over the measured copy):",
+                 ["shape", "batch", "GB a step", "roofline ms", "copy ms, graphs", "copy, eager", "paged ms, graphs",
+                  "paged, eager", "tok/s (the fastest)", "of roofline", "of measured copy"], decode_rows)  # fmt: skip
 
     def transformers_rows() -> list[list[str]]:
         rows = []

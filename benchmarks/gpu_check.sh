@@ -26,9 +26,11 @@ ln -sfn "$PWD/benchmarks" /tmp/pkg/kvgate/bench
 export PYTHONPATH=/tmp/pkg:$PWD:/tmp/site
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"
-# The graph test first: a minute or less, and what the bench's decode rows rest on.
-timeout 120 python3 -m pytest --noconftest -q -p no:cacheprovider tests/test_cuda.py -k graphs 2>&1 | tail -15
+# The graph and paged tests first (the paged kernel against its torch twin, the paged batch against the copy one):
+# a minute or less, and what the bench's decode rows rest on.
+timeout 150 python3 -m pytest --noconftest -q -p no:cacheprovider -rfEs tests/unit/test_paged_kernel.py \
+    tests/gpu/test_cuda.py -k "cuda and paged or graphs" 2>&1 | tee "$OUT/graphs.log" | tail -15
 timeout "${BENCH_TIMEOUT:-430}" python3 -m kvgate.bench.gpu "$@" 2>&1 | tee "$OUT/bench.log" | grep -v '^\['
 cp benchmarks/BENCHMARKS.md "$OUT/"
-timeout "${TESTS_TIMEOUT:-120}" python3 -m pytest --noconftest -q -p no:cacheprovider -rfEs tests/test_cuda.py 2>&1 \
+timeout "${TESTS_TIMEOUT:-120}" python3 -m pytest --noconftest -q -p no:cacheprovider -rfEs tests/gpu/test_cuda.py 2>&1 \
     | tee "$OUT/tests.log" | tail -30

@@ -176,6 +176,7 @@ class Settings(BaseSettings):
             max_num_batched_tokens=e.max_num_batched_tokens,
             threads=e.threads,
             deterministic=e.deterministic,
+            decode_batch=e.decode_batch,
             chunk_cache=self.chunk_cache_config(),
             recompute_ratio=c.recompute_ratio,
             shipped_calibration=c.shipped_calibration,

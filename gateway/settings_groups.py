@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
-from kvgate.runtime.config import BlendSelect, EngineConfig, QueueOrder
+from kvgate.runtime.config import BlendSelect, DecodeBatching, EngineConfig, QueueOrder
 from kvgate.semantic_cache.guards import GUARDS
 
 
@@ -44,6 +44,9 @@ class EngineSettings(Group):
     repeated_tool_calls: Literal["end", "keep"] = "end"
     # decode steps too computed as in any batch (runtime/invariance.py), not only prompts
     deterministic: bool = False
+    # a GPU's decode batch: copy (the batch's KV copied, a split kernel over it) or paged (a kernel over each
+    # sequence's KV blocks where they lie); CPUs read the blocks where they lie either way
+    decode_batch: DecodeBatching = EngineConfig.decode_batch
 
 
 class CacheSettings(Group):

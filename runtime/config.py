@@ -15,6 +15,7 @@ __all__ = ["ChunkConfig", "EngineConfig", "ModelNotFound", "model_path", "user_c
 
 QueueOrder = Literal["fcfs", "program"]
 BlendSelect = Literal["deviation", "attention"]
+DecodeBatching = Literal["copy", "paged"]
 
 
 class ModelNotFound(RuntimeError):
@@ -66,6 +67,11 @@ class EngineConfig:
     # this, nor do the tokens after it: a decode step of fewer sequences than the row floor is padded to it
     # (measured on CPU: free in bf16, +30-40% per float32 step at one sequence), its attention per sequence.
     deterministic: bool = False
+    # A GPU's decode batch (runtime/decode.py): "copy", the batch's KV copied whenever its sequences change and a
+    # split kernel over the copy; "paged", a kernel over each sequence's blocks where they lie (runtime/
+    # paged_kernel.py), no copy. "copy" until a GPU has timed the two (`kvgate bench gpu`). CPUs read the blocks
+    # where they lie either way (runtime/cpu_decode.c).
+    decode_batch: DecodeBatching = "copy"
     # Automatic prefix caching: every prompt's exact KV kept in blocks of `prefix_block` tokens, reused
     # by any later prompt of the tenant that begins with the same tokens (runtime/prefix.py).
     prefix_caching: bool = True

@@ -5,7 +5,7 @@ V, convert K and V to float32, two matmuls, softmax, copy out). A batch is kept 
 sequences decode; the sums run over other lengths than one sequence's alone, so a token's logits may differ in
 their last bits with the batch (decode steps that must not: `deterministic`, runtime/model.py).
 
-Three ways to hold it:
+Four ways to hold it:
 - `PagedBatch`, on a CPU where runtime/cpu_decode.c is built: each sequence's KV where it lies, its blocks in the
   model's dtype (runtime/kv.py); one call a layer writes the new rows into the blocks and attends, reading bf16 as
   it is: no copy of the batch's KV, none made again when a sequence joins or leaves;
@@ -16,7 +16,10 @@ Three ways to hold it:
 - `native` (any other device): a `DecodeBatch` in the caches' dtype, by a split kernel over the whole room
   (runtime/decode_kernel.py; SDPA where Triton does not run), every shape and address fixed while the batch lives and
   the same for any batch of as many sequences in as much room, so that a CUDA graph captured for one replays for the
-  next (runtime/graphs.py).
+  next (runtime/graphs.py);
+- `TableBatch` (runtime/paged_batch.py), on CUDA where asked (`Batches(paged=True)`: EngineConfig.decode_batch):
+  each sequence's KV where it lies, read through block tables by a Triton kernel that also writes the new rows into
+  the blocks (runtime/paged_kernel.py): no copy, and its steps replayed from CUDA graphs keyed by the tables' shape.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from kvgate.runtime import cpu_attention
 from kvgate.runtime.decode_kernel import decode_attention, decode_mask
 from kvgate.runtime.graphs import Graphs
 from kvgate.runtime.kv import BLOCK, KVCache, extend_each
+from kvgate.runtime.paged_batch import TableBatch, Tables
+from kvgate.runtime.paged_kernel import runs_on
 
 # Steps a batch's copy has room for before it is made again, larger.
 ROOM = 64
@@ -191,22 +196,24 @@ class PagedBatch:
             kv.written(n)
 
 
-Batch = DecodeBatch | PagedBatch
+Batch = DecodeBatch | PagedBatch | TableBatch
 
 
 class Batches:
     """A decode step's batch, the last one kept for the next step, and the storage batches are carved from: kept
     and reused, so that memory stays at its peak instead of being allocated again at each new batch (one owner:
     the engine's thread). `native`: batches held as runtime/decode.py's docstring says (None: where the device
-    is not a CPU); `graphs`: native steps on CUDA replayed from CUDA graphs (None: so where CUDA runs them).
+    is not a CPU); `graphs`: native steps on CUDA replayed from CUDA graphs (None: so where CUDA runs them);
+    `paged`: native batches over the caches' blocks where the paged kernel runs (`TableBatch`), not a copy.
     """
 
-    def __init__(self, native: bool | None = None, graphs: bool | None = None) -> None:
-        self.native, self.graphs = native, graphs
+    def __init__(self, native: bool | None = None, graphs: bool | None = None, paged: bool = False) -> None:
+        self.native, self.graphs, self.paged = native, graphs, paged
         self.captured = Graphs()
         self.last: Batch | None = None
         self.storage: torch.Tensor | None = None
         self.slots: dict[tuple, Slots] = {}
+        self.tables: dict[tuple, Tables] = {}  # a paged batch's, per shape and device: kept, as `slots` are
 
     def of(self, caches: list[KVCache], windows: set[int | None], group: int = 1) -> Batch | None:
         """The batch of these caches (`group` query heads a KV head): the last one where it holds them as they are,
@@ -220,6 +227,13 @@ class Batches:
         kernel = None if native else cpu_attention.decoding(first.dtype, first.head_dim, group)
         if kernel is not None:
             self.last = PagedBatch(caches, kernel)
+            return self.last
+        if native and self.paged and runs_on(first.device):
+            key = (*Tables.shape(caches), str(first.device))
+            tables = self.tables.get(key)
+            if tables is None:
+                tables = self.tables[key] = Tables(*key[:2], first.device)
+            self.last = TableBatch(caches, tables)
             return self.last
         needed, dtype = DecodeBatch.elements(caches, native), DecodeBatch.dtype_of(caches, native)
         size = torch.empty((), dtype=dtype).element_size()
@@ -246,9 +260,9 @@ class Batches:
         graphs, else eagerly."""
         device = batch.ends.device
         graphs = device.type == "cuda" and batch.native if self.graphs is None else self.graphs
-        if not graphs or not isinstance(batch, DecodeBatch):
+        if not graphs or isinstance(batch, PagedBatch):
             return layers(torch.tensor(tokens, device=device))
-        return self.captured.run((id(model), *batch.key), tokens, layers)
+        return self.captured.run((id(model), type(batch).__name__, *batch.key), tokens, layers)
 
     @staticmethod
     def most_bytes(device: str | torch.device, held: int) -> int:

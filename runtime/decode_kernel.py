@@ -118,9 +118,14 @@ def decode_attention_triton(
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, D_PAD=max(16, triton.next_power_of_2(d)),
         SPLIT=split, BLOCK=BLOCK_N, WINDOWED=window is not None, IEEE=keys.dtype == torch.float32 or INTERPRETING,
     )  # fmt: skip
+    return merge_splits(out, lse).to(keys.dtype)
+
+
+def merge_splits(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The splits' outputs out [sequences, heads, splits, d] merged by their log-sum-exps lse [sequences, heads,
+    splits] (-inf: a split that read nothing): [sequences, heads, d], float32."""
     weights = (lse - lse.max(-1, keepdim=True).values).exp()  # the key `ends` itself is in some part: finite
-    merged = (out * weights[..., None]).sum(2) / weights.sum(-1, keepdim=True)
-    return merged.to(keys.dtype)
+    return (out * weights[..., None]).sum(2) / weights.sum(-1, keepdim=True)
 
 
 def decode_attention(

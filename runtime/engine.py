@@ -98,7 +98,7 @@ class Engine:
         gate = self.flight if c.in_flight > 0 else None
         self.scheduler = Scheduler(c.max_num_seqs, budget, c.queue_order, gate=gate, grid=grid)
         self.pool = Pool()  # the blocks of every sequence's KV, handed back on release (only on the engine thread)
-        self.batches = Batches()  # the last decode step's batch, kept for the next
+        self.batches = Batches(paged=c.decode_batch == "paged")  # the last decode step's batch, kept for the next
         self.outbox = Outbox()  # outputs to clients, handed over once a step
         self.callbacks: dict[int, Callback] = {}
         self.settling: list[Sequence] = []  # prompts whose first token this step made: their KV to store

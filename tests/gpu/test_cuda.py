@@ -20,6 +20,7 @@ from kvgate.runtime.engine import Engine
 from kvgate.runtime.grammar import json_grammar
 from kvgate.runtime.loader import load
 from kvgate.runtime.model import Run, forward
+from kvgate.runtime.paged_batch import TableBatch
 from kvgate.runtime.quality import QualityConfig
 from kvgate.runtime.request import Plan
 from kvgate.runtime.reuse import ReuseMode, Reuser
@@ -68,6 +69,53 @@ def test_decode_steps_replayed_from_cuda_graphs_equal_eager_ones_across_batches(
         if graphs:
             assert len(batches.captured.captured) == 2
     torch.testing.assert_close(seen[True], seen[False], rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral-window"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_steps_equal_the_copy_batchs_and_replay_from_cuda_graphs(name: str, dtype: torch.dtype) -> None:
+    """Over each sequence's blocks where they lie (TableBatch, runtime/paged_kernel.py): the logits and KV of the
+    copy batch's steps, a sequence crossing into a new block, batches changing, a sliding window; replayed from
+    CUDA graphs as eager, one graph per table shape (the second batch has the first's)."""
+    model = build(FAMILIES[name]).to("cuda", dtype)
+    seen, kv_seen = {}, {}
+    for way, paged, graphs in (("copy", False, False), ("paged", True, False), ("paged, graphs", True, True)):
+        batches, logits = Batches(graphs=graphs, paged=paged), []
+        kvs = [new_kv(model) for _ in range(4)]
+        for kv, n in zip(kvs, (60, 12, 45, 7)):
+            forward(model, [Run(kv, prompt(n, seed=n), 0)])
+        for group in (kvs[:2], kvs[2:], kvs[:3]):  # the first sequence's rows 63, 64, 65 in the third batch
+            for t in range(3):
+                logits.append(forward(model, [Run(kv, [t + 5], len(kv)) for kv in group], pad=False, batches=batches))
+        seen[way], kv_seen[way] = torch.cat(logits).float().cpu(), [kv.rows(0, len(kv))[0].float().cpu() for kv in kvs]
+        assert isinstance(batches.last, TableBatch) == paged
+        if graphs:
+            assert len(batches.captured.captured) == 2
+    copy_atol = 1e-4 if dtype == torch.float32 else 5e-2  # other splits, merged in another order
+    torch.testing.assert_close(seen["paged"], seen["copy"], rtol=0, atol=copy_atol)
+    for got, want in zip(kv_seen["paged"], kv_seen["copy"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=copy_atol)
+    graph_atol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(seen["paged, graphs"], seen["paged"], rtol=0, atol=graph_atol)
+
+
+def test_the_engine_on_cuda_decodes_paged_like_generate_on_the_cpu(tmp_path: Path) -> None:
+    """engine.decode_batch paged: the engine's greedy tokens, over a prompt of several blocks read again from its
+    prefix blocks, are transformers' on the CPU."""
+    model = saved(FAMILIES["llama"], tmp_path / "model")
+    config = EngineConfig(model=str(tmp_path / "model"), cache_dir=tmp_path / "cache", device="cuda",
+                          dtype="float32", decode_batch="paged")  # fmt: skip
+    engine = Engine(config)
+    try:
+        ids = chat_prompt(engine.tokenizer, [{"role": "user", "content": LONG}])
+        with torch.inference_mode():
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids) :].tolist()
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        first, again = engine.generate_sync(ids, params), engine.generate_sync(ids, params)
+        assert isinstance(engine.batches.last, TableBatch)
+    finally:
+        engine.shutdown()
+    assert first.token_ids == ref == again.token_ids and again.report.reused >= 128
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

@@ -20,7 +20,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
+    sys.path.append(str(ROOT))  # after PYTHONPATH: a kvgate it names (a checkout's own) before the root's
 
 from kvgate.runtime import decode_kernel, kernels  # noqa: E402
 

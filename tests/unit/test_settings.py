@@ -30,7 +30,7 @@ rate_limit_rpm rate_limit_tpm tenant_scoped_kv tenant_secret admin_key upstreams
 proxy_backoff_s proxy_connect_timeout_s proxy_first_byte_timeout_s proxy_read_timeout_s spill_at
 replica_load_poll_s routing route_conversations route_ttl_s log_level max_request_seqs max_waiting_seqs
 max_waiting_seqs_per_tenant semantic_scopes proxy_max_response_bytes trusted_proxies metrics_access openapi_docs
-shutdown_grace_s worker_secret exit_with_pid deterministic tracing""".split()
+shutdown_grace_s worker_secret exit_with_pid deterministic tracing decode_batch""".split()
 
 
 @pytest.fixture
@@ -150,6 +150,13 @@ def test_blend_select_reaches_the_engine_config_and_only_known_ways_are_taken() 
     assert Settings(caches={"blend_select": "deviation"}).engine_config().blend_select == "deviation"
     with pytest.raises(pydantic.ValidationError):
         Settings(caches={"blend_select": "random"})
+
+
+def test_the_decode_batch_reaches_the_engine_config_and_only_known_ways_are_taken() -> None:
+    assert Settings().engine_config().decode_batch == "copy"
+    assert Settings(engine={"decode_batch": "paged"}).engine_config().decode_batch == "paged"
+    with pytest.raises(pydantic.ValidationError):
+        Settings(engine={"decode_batch": "gather"})
 
 
 def test_the_answer_target_of_agent_programs_reaches_the_gate() -> None:
