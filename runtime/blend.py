@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from kvgate.runtime import cpu_attention
+from kvgate.runtime.invariance import MOST, row_floor
 from kvgate.runtime.kernels import gather_rows, rope_shift, token_deviation
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.model import attend, finish_layer, logits_of, project
@@ -167,6 +168,60 @@ def attend_blocks(
     return out
 
 
+def compute_layer(
+    model: PreTrainedModel,
+    kv: KVCache,
+    i: int,
+    h: torch.Tensor,
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    rows: torch.Tensor,
+    total: int,
+    whole: bool,
+) -> Steps[torch.Tensor]:
+    """Layer i for hidden states h at sorted positions `rows` (`whole`: every position from the first to `total`),
+    its q, k, v [n, heads, d] projected: their K and V stored, then the rest of the layer in parts of ROWS, each
+    part's work yielded (a long prompt's layer, its attention growing with the square of its length, never holds a
+    step up for long); never after the model's last layer (a whole KV has its logits), where the last row alone is
+    computed where that gives its same bits."""
+    layers = decoder_of(model).layers
+    layer, (q, k, v), final = layers[i], qkv, i == len(layers) - 1
+    table = store(kv, i, rows, k, v, whole, total)
+    kernel = cpu_attention.usable(q, layer.window) if table is not None else None
+    if final and kernel is not None and table is not None and row_floor(model) <= MOST:
+        return last_row(layer, kernel, table, kv.kv_heads, h, q, rows, row_floor(model))
+    keys, values = kv.layer(i, total) if kernel is None else (k, v)  # the kernel reads the blocks themselves
+    out = torch.empty_like(h)
+    for a in range(0, len(h), ROWS):
+        b = min(a + ROWS, len(h))
+        if kernel is not None and table is not None:
+            at = None if whole else rows[a:b]
+            attn = attend_blocks(kernel, table, kv.kv_heads, q[a:b], layer.scale, total - len(h) + a, at)
+        else:
+            attn = attend_part(layer, keys, values, q[a:b], rows[a:b], whole)
+        out[a:b] = finish_layer(layer, h[a:b], attn)
+        if not final or b < len(h):
+            yield (b - a) / len(layers)
+    return out
+
+
+def last_row(
+    layer: Layer,
+    kernel: cpu_attention.Kernel,
+    table: torch.Tensor,
+    kv_heads: int,
+    h: torch.Tensor,
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    floor: int,
+) -> torch.Tensor:
+    """The last layer for the only row whose output is read, the prompt's last (its K and V, every row's, already
+    stored): as model.py's `last_layer`, the linears see `floor` rows (copies of the first before it), where each row
+    is what it is among any number of rows, and the kernel computes each row alike: the same bits as every row's."""
+    pick = torch.tensor([0] * (floor - 1) + [len(h) - 1], device=h.device)
+    attn = attend_blocks(kernel, table, kv_heads, q[pick], layer.scale, 0, rows[pick])
+    return finish_layer(layer, h[pick], attn)[-1:]
+
+
 def store(
     kv: KVCache, i: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, whole: bool, total: int
 ) -> torch.Tensor | None:
@@ -288,7 +343,6 @@ def blend(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: Blen
     deviation = 0.0
 
     layers = decoder_of(model).layers
-    last = len(layers) - 1
     cos, sin = cos_all, sin_all
     for i, layer in enumerate(layers):
         if i in checks or len(sel) < n:  # else every row is computed here before any is read: nothing to place
@@ -312,24 +366,7 @@ def blend(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: Blen
             sel, h, cos, sin = sel[picked], h[picked], cos[picked], sin[picked]
 
         q, k, v = project(layer, h, cos, sin)
-        whole, rows = len(sel) == n, sel + start
-        table = store(kv, i, rows, k, v, whole, total)
-        kernel = cpu_attention.usable(q, layer.window) if table is not None else None
-        keys, values = kv.layer(i, total) if kernel is None else (k, v)  # the kernel reads the blocks themselves
-        # Queries in parts of ROWS, each part's work yielded: a long prompt's layer (its attention
-        # grows with the square of its length) never holds a step up for long.
-        out = torch.empty_like(h)
-        for a in range(0, len(sel), ROWS):
-            b = min(a + ROWS, len(sel))
-            if kernel is not None and table is not None:
-                at = None if whole else rows[a:b]
-                attn = attend_blocks(kernel, table, kv.kv_heads, q[a:b], layer.scale, start + a, at)
-            else:
-                attn = attend_part(layer, keys, values, q[a:b], rows[a:b], whole)
-            out[a:b] = finish_layer(layer, h[a:b], attn)
-            if i < last or b < len(sel):  # never after the end: a whole KV has its logits
-                yield (b - a) / len(layers)
-        h = out
+        h = yield from compute_layer(model, kv, i, h, (q, k, v), sel + start, total, len(sel) == n)
         kv.lengths[i] = total  # the last layer's length is the KV's: whole only once the blend is
 
     computed = torch.zeros(n, dtype=torch.bool, device=device)
