@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from kvgate.runtime import cpu_attention
+from kvgate.runtime.invariance import MOST, row_floor
 from kvgate.runtime.kernels import gather_rows, rope_shift, token_deviation
 from kvgate.runtime.kv import KVCache
 from kvgate.runtime.model import attend, finish_layer, logits_of, project
@@ -69,7 +71,8 @@ class Blended:
 def place(kv: KVCache, layer: int, pieces: list[Piece], start: int, shift: Shift | None) -> None:
     """Write layer `layer` of every reused piece's KV at its offset in `kv` (the pieces begin at `start`), the keys
     RoPE-shifted to their new positions as they are written (`shift`: None where none moves). Called per layer
-    just before it runs, so a piece still loading is waited for one layer at a time."""
+    just before it runs, so a piece still loading is waited for one layer at a time. On a CPU each piece is one
+    kernel call (runtime/cpu_place.c: copied, shifted and written into the blocks in one pass)."""
     offset = start
     for piece in pieces:
         n = len(piece.token_ids)
@@ -77,13 +80,19 @@ def place(kv: KVCache, layer: int, pieces: list[Piece], start: int, shift: Shift
             keys, values = piece.cached.layer(layer)
             keys, values = keys.to(kv.device), values.to(kv.device)  # a lower tier's copy on the host
             moved = shift if shift is not None and shift.begin <= offset < shift.end else None
-            for rows, at_keys, at_values in kv.targets(layer, offset, offset + n):
-                if moved is not None:
-                    angle = slice(offset - moved.begin + rows.start, offset - moved.begin + rows.stop)
-                    rope_shift(keys[:, rows], moved.cos[angle], moved.sin[angle], out=at_keys)
-                else:
-                    at_keys.copy_(keys[:, rows])
-                at_values.copy_(values[:, rows])
+            angles = slice(offset - moved.begin, offset - moved.begin + n) if moved is not None else slice(0)
+            kernel = cpu_attention.writer(keys) if keys.dtype == values.dtype == kv.dtype else None
+            if kernel is not None:
+                cos, sin = (moved.cos[angles], moved.sin[angles]) if moved is not None else (None, None)
+                kernel.write(keys, values, kv.writable(layer, offset, offset + n), offset, None, cos, sin)
+            else:
+                for rows, at_keys, at_values in kv.targets(layer, offset, offset + n):
+                    if moved is not None:
+                        at = slice(angles.start + rows.start, angles.start + rows.stop)
+                        rope_shift(keys[:, rows], moved.cos[at], moved.sin[at], out=at_keys)
+                    else:
+                        at_keys.copy_(keys[:, rows])
+                    at_values.copy_(values[:, rows])
         offset += n
 
 
@@ -141,6 +150,96 @@ def attend_part(
     if contiguous:
         return attend(q.transpose(0, 1), keys, values, scale).transpose(0, 1)
     return attend_rows(q.transpose(0, 1), keys, values, rows, scale).transpose(0, 1)
+
+
+def attend_blocks(
+    kernel: cpu_attention.Kernel,
+    table: torch.Tensor,
+    kv_heads: int,
+    q: torch.Tensor,
+    scale: float,
+    first: int,
+    rows: torch.Tensor | None,
+) -> torch.Tensor:
+    """Queries q [m, heads, d] at positions `rows` (None: first..first+m) over a layer's KV where `table` says it
+    lies, causal: the CPU kernel, each row as a prefill computes it."""
+    out = torch.empty_like(q)
+    kernel.paged(q.transpose(0, 1), table, kv_heads, first, scale, out.transpose(0, 1), rows)
+    return out
+
+
+def compute_layer(
+    model: PreTrainedModel,
+    kv: KVCache,
+    i: int,
+    h: torch.Tensor,
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    rows: torch.Tensor,
+    total: int,
+    whole: bool,
+) -> Steps[torch.Tensor]:
+    """Layer i for hidden states h at sorted positions `rows` (`whole`: every position from the first to `total`),
+    its q, k, v [n, heads, d] projected: their K and V stored, then the rest of the layer in parts of ROWS, each
+    part's work yielded (a long prompt's layer, its attention growing with the square of its length, never holds a
+    step up for long); never after the model's last layer (a whole KV has its logits), where the last row alone is
+    computed where that gives its same bits."""
+    layers = decoder_of(model).layers
+    layer, (q, k, v), final = layers[i], qkv, i == len(layers) - 1
+    table = store(kv, i, rows, k, v, whole, total)
+    kernel = cpu_attention.usable(q, layer.window) if table is not None else None
+    if final and kernel is not None and table is not None and row_floor(model) <= MOST:
+        return last_row(layer, kernel, table, kv.kv_heads, h, q, rows, row_floor(model))
+    keys, values = kv.layer(i, total) if kernel is None else (k, v)  # the kernel reads the blocks themselves
+    out = torch.empty_like(h)
+    for a in range(0, len(h), ROWS):
+        b = min(a + ROWS, len(h))
+        if kernel is not None and table is not None:
+            at = None if whole else rows[a:b]
+            attn = attend_blocks(kernel, table, kv.kv_heads, q[a:b], layer.scale, total - len(h) + a, at)
+        else:
+            attn = attend_part(layer, keys, values, q[a:b], rows[a:b], whole)
+        out[a:b] = finish_layer(layer, h[a:b], attn)
+        if not final or b < len(h):
+            yield (b - a) / len(layers)
+    return out
+
+
+def last_row(
+    layer: Layer,
+    kernel: cpu_attention.Kernel,
+    table: torch.Tensor,
+    kv_heads: int,
+    h: torch.Tensor,
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    floor: int,
+) -> torch.Tensor:
+    """The last layer for the only row whose output is read, the prompt's last (its K and V, every row's, already
+    stored): as model.py's `last_layer`, the linears see `floor` rows (copies of the first before it), where each row
+    is what it is among any number of rows, and the kernel computes each row alike: the same bits as every row's."""
+    pick = torch.tensor([0] * (floor - 1) + [len(h) - 1], device=h.device)
+    attn = attend_blocks(kernel, table, kv_heads, q[pick], layer.scale, 0, rows[pick])
+    return finish_layer(layer, h[pick], attn)[-1:]
+
+
+def store(
+    kv: KVCache, i: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, whole: bool, total: int
+) -> torch.Tensor | None:
+    """Layer i's computed rows k, v [n, kv_heads, d] into `kv` at positions `rows` (`whole`: every row from rows[0]
+    to `total`). On a CPU in one kernel call, which returns the layer's table (`KVCache.table`) for the attention
+    kernel to read the rows where they lie; else None."""
+    k, v = k.transpose(0, 1), v.transpose(0, 1)
+    kernel = cpu_attention.writer(k) if k.dtype == v.dtype == kv.dtype else None
+    if kernel is not None:
+        start = total - len(rows) if whole else int(rows[0])
+        table = kv.writable(i, start, total)
+        kernel.write(k, v, table, start, None if whole else rows)
+        return table
+    if whole:
+        kv.write(i, total - len(rows), k, v)
+    else:
+        kv.scatter(i, rows, k, v)
+    return None
 
 
 def choose(
@@ -244,11 +343,10 @@ def blend(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: Blen
     deviation = 0.0
 
     layers = decoder_of(model).layers
-    last = len(layers) - 1
+    cos, sin = cos_all, sin_all
     for i, layer in enumerate(layers):
         if i in checks or len(sel) < n:  # else every row is computed here before any is read: nothing to place
             place(kv, i, pieces, start, shift)
-        cos, sin = cos_all[sel], sin_all[sel]
         if i in checks:
             j = checks.index(i)
             keep = round(n_reused * min(1.0, config.ratio * config.widen ** (len(checks) - 1 - j)))
@@ -256,7 +354,8 @@ def blend(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: Blen
             score = torch.zeros(len(sel), device=device)
             if keep > 0 and config.select != "random":
                 fresh = project(layer, h, cos, sin)[1].transpose(0, 1)  # [kv_heads, n, d]
-                cached = gather_rows(kv.layer(i, total)[0], sel + start)
+                placed = kv.rows(start, total, i)[0]
+                cached = placed if len(sel) == n else gather_rows(placed, sel)
                 score = token_deviation(fresh, cached)
                 if j == 0:
                     norm = cached.float().pow(2).sum((0, 2))
@@ -267,23 +366,7 @@ def blend(model: PreTrainedModel, kv: KVCache, pieces: list[Piece], config: Blen
             sel, h, cos, sin = sel[picked], h[picked], cos[picked], sin[picked]
 
         q, k, v = project(layer, h, cos, sin)
-        rows = sel + start
-        if len(sel) == n:
-            kv.write(i, start, k.transpose(0, 1), v.transpose(0, 1))
-        else:
-            kv.scatter(i, rows, k.transpose(0, 1), v.transpose(0, 1))
-        keys, values = kv.layer(i, total)
-        # Queries in parts of ROWS, each part's work yielded: a long prompt's layer (its attention
-        # grows with the square of its length) never holds a step up for long.
-        parts = torch.arange(len(sel), device=h.device).split(ROWS)
-        out = torch.empty_like(h)
-        for part in parts:
-            out[part] = finish_layer(
-                layer, h[part], attend_part(layer, keys, values, q[part], rows[part], len(sel) == n)
-            )
-            if i < last or part is not parts[-1]:  # never after the end: a whole KV has its logits
-                yield len(part) / len(layers)
-        h = out
+        h = yield from compute_layer(model, kv, i, h, (q, k, v), sel + start, total, len(sel) == n)
         kv.lengths[i] = total  # the last layer's length is the KV's: whole only once the blend is
 
     computed = torch.zeros(n, dtype=torch.bool, device=device)

@@ -22,14 +22,18 @@ int block(void) { return BLOCK; }
    out [heads, n, d] (rows `orow` elements apart, heads `ohead`), all bf16 (`bf16`) or float32: row i of q is at
    position start + i and sees keys 0..start + i. `table` [4][columns] says per block b where its rows lie: the
    address of its K row 0 of KV head 0, of its V row 0, and the elements between two KV heads in K and in V (rows
-   d apart within a block). d a multiple of 64, heads a multiple of kv_heads. Returns 0, or -1 when out of
-   memory. */
+   d apart within a block). d a multiple of 64, heads a multiple of kv_heads. `positions` (NULL: start + i) says
+   each row's position instead, ascending: the rows a blend recomputes, anywhere in the prompt; a row is computed
+   the same either way. Returns 0, or -1 when out of memory. */
 int attend(int bf16, const void *q, int64_t qhead, int64_t qrow, const int64_t *table, int64_t columns, void *out,
-           int64_t ohead, int64_t orow, int heads, int kv_heads, int n, int start, int d, float scale, int threads) {
+           int64_t ohead, int64_t orow, int heads, int kv_heads, int n, int start, int d, float scale, int threads,
+           const int64_t *positions) {
+#define AT(i) (positions != NULL ? (int)positions[i] : start + (i))
     const struct kind *kind = kind_of(bf16);
     const int elem = kind->elem;
     const char *qc = q;
-    int total = start + n, blocks = (total + BLOCK - 1) / BLOCK, group = heads / kv_heads;
+    if (n <= 0) return 0;
+    int total = AT(n - 1) + 1, blocks = (total + BLOCK - 1) / BLOCK, group = heads / kv_heads;
     int qblocks = (n + QROWS - 1) / QROWS, items = kv_heads * qblocks;
     int64_t packed = (int64_t)BLOCK * d * elem; /* bytes a packed block of K (and of V) */
     char *kp = malloc(packed * blocks * kv_heads), *vp = malloc(packed * blocks * kv_heads);
@@ -64,14 +68,14 @@ int attend(int bf16, const void *q, int64_t qhead, int64_t qrow, const int64_t *
                                qc + ((h * group + g) * qhead + (p0 + pi) * qrow) * elem, (size_t)d * elem);
                 for (int r = 0; r < nr; r++) m[r] = -INFINITY, l[r] = 0.0f;
                 memset(o, 0, sizeof(float) * nr * d);
-                int last = (start + p0 + np - 1) / BLOCK;
+                int last = AT(p0 + np - 1) / BLOCK, first = 0; /* the first of the item's rows that sees block b */
                 for (int b = 0; b <= last; b++) {
-                    int first = b * BLOCK - start - p0; /* the first of the item's positions that sees block b */
-                    int r0 = first > 0 ? first * group : 0;
+                    while (AT(p0 + first) < b * BLOCK) first++;
+                    int r0 = first * group;
                     const char *kb = kp + packed * (h * blocks + b), *vb = vp + packed * (h * blocks + b);
                     kind->scores(qs, r0, nr, kb, d, s);
                     for (int r = r0; r < nr; r++) {
-                        int valid = start + p0 + r / group - b * BLOCK + 1;
+                        int valid = AT(p0 + r / group) - b * BLOCK + 1;
                         float alpha = kind->fold(s + r * BLOCK, valid < BLOCK ? valid : BLOCK, scale, m + r, l + r,
                                                  w + (int64_t)r * BLOCK * elem);
                         if (alpha != 1.0f)
@@ -89,4 +93,5 @@ int attend(int bf16, const void *q, int64_t qhead, int64_t qrow, const int64_t *
     }
     free(kp), free(vp);
     return failed ? -1 : 0;
+#undef AT
 }

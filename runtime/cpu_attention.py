@@ -46,7 +46,14 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("cpu_attention.c", "cpu_attention_bf16.c", "cpu_attention_f32.c", "cpu_decode.c", "cpu_rows.c")
+    for name in (
+        "cpu_attention.c",
+        "cpu_attention_bf16.c",
+        "cpu_attention_f32.c",
+        "cpu_decode.c",
+        "cpu_rows.c",
+        "cpu_place.c",
+    )
 )
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_bf16.h", "cpu_block.h", "cpu_flash.h", "cpu_vec.h"))
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
@@ -65,13 +72,15 @@ class Kernel:
             raise ImportError(f"cpu attention: a kernel of {library.block()}-position blocks for KV of {BLOCK}")
         i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
         tensors = [ptr, i64, i64, ptr, i64, ptr, i64, i64]  # q and strides, blocks table and stride, out and strides
-        self._attend = bound(library, "attend", i32, *tensors, i32, i32, i32, i32, i32, f32, i32)
+        self._attend = bound(library, "attend", i32, *tensors, i32, i32, i32, i32, i32, f32, i32, ptr)
         self.decodes = bool(library.decode_fast())
         tensors = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i32, ptr, ptr]  # q, k, v, strides; tables, layer, ends, out
         self._decode = bound(library, "decode", i32, *tensors, i32, i32, i32, i32, f32, i32, i32)
         self._norm = bound(library, "rms_norm", i32, ptr, i64, ptr, ptr, i32, i32, f32, i32)
         self._rope = bound(library, "rope", i32, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32)
         self._gated = bound(library, "silu_mul", i32, ptr, i64, ptr, i32, i32, i32)
+        rows = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr]  # k, v, strides; cos, sin; table; positions
+        self._write = bound(library, "write_rows", i32, *rows, i32, i32, i32, i32, i32)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
                  out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
@@ -84,12 +93,18 @@ class Kernel:
         return self.paged(q, table_of(k, v, start + q.shape[1]), k.shape[0], start, scale, out)
 
     def paged(self, q: torch.Tensor, table: torch.Tensor, kv_heads: int, start: int, scale: float,
-              out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+              out: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """`__call__` over keys and values in blocks of BLOCK positions where `table` (runtime/kv.py
-        `KVCache.table`) says they lie."""
+        `KVCache.table`) says they lie. `positions` (int64 [n], ascending): each row's own position instead of
+        start + i (`start` unused), each row computed as it would be among contiguous rows."""
         if q.dtype not in SIZES:
             raise TypeError(f"cpu attention: bf16 or float32, not {q.dtype}")
         heads, n, d = q.shape
+        if positions is not None:
+            if positions.dtype != torch.int64 or positions.shape != (n,) or positions.device.type != "cpu":
+                raise ValueError(f"cpu attention: positions {positions.dtype} {tuple(positions.shape)} for {n} rows")
+            positions = positions.contiguous()
+            start = int(positions[-1]) + 1 - n if n else 0  # where the table must reach: start + n
         if q.stride(2) != 1:
             q = q.contiguous()
         if out is None:
@@ -103,6 +118,7 @@ class Kernel:
         failed = self._attend(
             q.dtype == torch.bfloat16, q.data_ptr(), q.stride(0), q.stride(1), table.data_ptr(), table.stride(0),
             out.data_ptr(), out.stride(0), out.stride(1), heads, kv_heads, n, start, d, scale, torch.get_num_threads(),
+            positions.data_ptr() if positions is not None else None,
         )  # fmt: skip
         if failed:
             raise MemoryError("cpu attention: out of memory for its buffers")
@@ -152,6 +168,36 @@ class Kernel:
         self._rope(x.dtype == torch.bfloat16, x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(),
                    out.data_ptr(), n, heads, d, torch.get_num_threads())  # fmt: skip
         return out
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, start: int,
+              positions: torch.Tensor | None = None, cos: torch.Tensor | None = None,
+              sin: torch.Tensor | None = None) -> None:  # fmt: skip
+        """Rows k, v [kv_heads, n, d] written into the blocks of a layer's `table` (runtime/kv.py `KVCache.writable`)
+        at positions start..start+n, or at `positions` (int64 [n]); `cos`, `sin` ([n, d]): the keys RoPE-shifted as
+        they are written, as runtime/kernels.py's rope_shift does (bit for bit). k, v and the blocks in one dtype."""
+        kv_heads, n, d = k.shape
+        if k.dtype not in SIZES or v.dtype != k.dtype or v.shape != k.shape:
+            raise TypeError(f"cpu rows: k, v bf16 or float32 alike, not {k.dtype} {tuple(k.shape)}, {v.dtype}")
+        k, v = (x if x.stride(2) == 1 else x.contiguous() for x in (k, v))
+        last = start + n
+        if positions is not None:
+            if positions.dtype != torch.int64 or positions.shape != (n,):
+                raise ValueError(f"cpu rows: positions {positions.dtype} {tuple(positions.shape)} for {n} rows")
+            positions = positions.contiguous()
+            last = int(positions.max()) + 1 if n else 0
+        if table.dtype != torch.int64 or table.shape[0] != 4 or table.shape[1] * BLOCK < last:
+            raise ValueError(f"cpu rows: a table of {tuple(table.shape)} for {last} positions")
+        table = table if table.stride(1) == 1 else table.contiguous()
+        if cos is not None and sin is not None:
+            cos, sin = (x.to(torch.float32).contiguous() for x in (cos, sin))
+            if cos.shape != (n, d) or sin.shape != (n, d):
+                raise ValueError(f"cpu rows: cos, sin {tuple(cos.shape)} for {n} rows of {d}")
+        self._write(
+            k.element_size(), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+            cos.data_ptr() if cos is not None else None, sin.data_ptr() if sin is not None else None,
+            table.data_ptr(), table.stride(0), positions.data_ptr() if positions is not None else None,
+            n, start, kv_heads, d, torch.get_num_threads(),
+        )  # fmt: skip
 
     def gated(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for rows x [..., 2f] of gate and up side by side: [..., f]."""
@@ -275,6 +321,14 @@ def row_ops(h: torch.Tensor) -> Kernel | None:
         return None
     kernel = load()
     return kernel if kernel is not None and kernel.decodes else None
+
+
+def writer(x: torch.Tensor) -> Kernel | None:
+    """The kernel that writes rows of KV like `x` into a cache's blocks (`Kernel.write`): bf16 or float32 on a CPU,
+    where a kernel was built."""
+    if x.device.type != "cpu" or x.dtype not in SIZES:
+        return None
+    return load()
 
 
 def usable(q: torch.Tensor, window: int | None) -> Kernel | None:

@@ -262,6 +262,14 @@ class KVCache:
         base, step = self.located()
         return (base + i * step)[:, : -(-stop // BLOCK)]
 
+    def writable(self, i: int, start: int, stop: int) -> torch.Tensor:
+        """`table` of layer i's rows 0..stop, its blocks holding rows start..stop the cache's own (copied first where
+        shared): for a kernel to write those rows in place."""
+        self.reserve(stop)
+        for b in range(start // BLOCK, -(-stop // BLOCK)):
+            self.own(b)
+        return self.table(i, stop)
+
     def read(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Copy every layer's rows 0..len into keys, values [layers, kv_heads, >= len, head_dim]."""
         for b, within, rows in self.spans(0, len(self)):

@@ -57,36 +57,42 @@ def test_first_tokens_marks_the_first_k_of_each_reused_piece_only() -> None:
     assert first_tokens(pieces, 0).tolist() == [F] * 10
 
 
-def test_place_writes_each_reused_piece_at_its_offset_with_its_keys_shifted_there(loaded: LoadedModel) -> None:
+# float32: the CPU kernel writes (runtime/cpu_place.c); float16, which it does not take: torch's ops, block by block.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_place_writes_each_reused_piece_at_its_offset_with_its_keys_shifted_there(
+    loaded: LoadedModel, dtype: torch.dtype
+) -> None:
     model = loaded.model
     layers, kv_heads, head_dim = model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim
     gen = torch.Generator().manual_seed(0)
 
     def entry(n: int) -> ChunkKV:
         shape = (layers, kv_heads, n, head_dim)
-        keys, values = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+        keys, values = torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
         return ChunkKV("k", tuple(range(n)), keys, values, model="m")
 
-    first, second = entry(4), entry(3)
-    pieces = [Piece([0] * 4, first), Piece([0] * 2), Piece([0] * 3, second)]
+    first, second = entry(4), entry(70)  # the second across a block's end
+    pieces = [Piece([0] * 4, first), Piece([0] * 2), Piece([0] * 70, second)]
     start = 5  # after an exact prefix of five tokens
-    kv = KVCache(layers, kv_heads, head_dim, torch.float32, torch.device("cpu"))
-    kv.extend(*(torch.zeros(layers, kv_heads, start + 9, head_dim) for _ in "kv"))
+    kv = KVCache(layers, kv_heads, head_dim, dtype, torch.device("cpu"))
+    kv.extend(*(torch.zeros(layers, kv_heads, start + 76, head_dim, dtype=dtype) for _ in "kv"))
     shift = Shift.of(model, pieces, start, torch.device("cpu"))
-    assert shift is not None and (shift.begin, shift.end) == (5, 14)  # from the first reused row to the last
+    assert shift is not None and (shift.begin, shift.end) == (5, 81)  # from the first reused row to the last
+    cpu = torch.device("cpu")
+    assert torch.allclose(shift.cos[:4], angles(model, 5, cpu)[0].expand(4, -1), atol=1e-6)
+    assert torch.allclose(shift.sin[6:], angles(model, 11, cpu)[1].expand(70, -1), atol=1e-6)
     place(kv, 2, pieces, start, shift)
     keys, values = kv.layer(2)
-    cpu = torch.device("cpu")
-    assert torch.allclose(keys[:, 5:9], rope_shift(first.keys[2], *angles(model, 5, cpu)), atol=1e-6)
+    assert torch.equal(keys[:, 5:9], rope_shift(first.keys[2], shift.cos[:4], shift.sin[:4]))
     assert torch.equal(values[:, 5:9], first.values[2])
-    assert torch.equal(values[:, 11:14], second.values[2])
-    assert torch.allclose(keys[:, 11:14], rope_shift(second.keys[2], *angles(model, 11, cpu)), atol=1e-6)
+    assert torch.equal(values[:, 11:81], second.values[2])
+    assert torch.equal(keys[:, 11:81], rope_shift(second.keys[2], shift.cos[6:], shift.sin[6:]))
     assert not keys[:, :5].any() and not keys[:, 9:11].any() and not values[:, 9:11].any()  # prefix and fresh rows
     assert not kv.layer(1)[0].any() and not kv.layer(3)[0].any()  # one layer at a time
     # Nothing moves (a piece reused where it was cached): no shift, the cached keys as they are.
     assert Shift.of(model, [Piece([0] * 3, second), Piece([0] * 2)], 0, cpu) is None
     place(kv, 3, pieces, start, None)
-    assert torch.equal(kv.layer(3)[0][:, 11:14], second.keys[3])
+    assert torch.equal(kv.layer(3)[0][:, 11:81], second.keys[3])
 
 
 def test_place_moves_a_tier_s_keys_to_the_cache_s_device_before_shifting_them(loaded: LoadedModel) -> None:
