@@ -45,14 +45,42 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def fold(q, k, v, nm, scale, m, total, acc, IEEE: tl.constexpr):
+        """A block of keys k and values v (rows `nm` real) folded into the query rows' running softmax: its max `m`,
+        its sum `total` and the weighted values `acc`, all float32. IEEE: float32 dots as float32 (not TF32), for
+        float32 KV, and in the interpreter, whose dots of bf16 are wrong (its numpy has no bf16), for every dtype."""
+        if IEEE:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = tl.where(nm[None, :], scores * scale, float("-inf"))
+        top = tl.maximum(m, tl.max(scores, 1))
+        p = tl.exp(scores - top[:, None])
+        alpha = tl.exp(m - top)
+        total = total * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return top, total, acc
+
+    @triton.jit
+    def finish(m, total, acc):
+        """A part's output and log-sum-exp; a part that read nothing (past the sequence's end, or before its
+        window) has -inf, and weighs nothing in the merge."""
+        some = total > 0
+        out = acc / tl.where(some, total, 1.0)[:, None]
+        lse = tl.where(some, m + tl.log(tl.where(some, total, 1.0)), float("-inf"))
+        return out, lse
+
+    @triton.jit
     def _decode_split_kernel(
         Q, K, V, Ends, Out, Lse, scale, window,
         sqb, sqh, skb, skh, skn, sob, soh, sos, slb, slh,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
         SPLIT: tl.constexpr, BLOCK: tl.constexpr, WINDOWED: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
-        # IEEE: float32 dots as float32 (not TF32): for float32 KV, and in the interpreter, whose dots of bf16 are
-        # wrong (its numpy has no bf16), for every dtype.
         b, kh, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         end = tl.load(Ends + b)
         lo = s * SPLIT
@@ -75,24 +103,8 @@ if HAS_TRITON:
             at = base + n[:, None] * skn + d[None, :]
             k = tl.load(K + at, mask=nm[:, None] & dm[None, :], other=0.0)
             v = tl.load(V + at, mask=nm[:, None] & dm[None, :], other=0.0)
-            if IEEE:
-                k, v = k.to(tl.float32), v.to(tl.float32)
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                scores = tl.dot(q, tl.trans(k))
-            scores = tl.where(nm[None, :], scores * scale, float("-inf"))
-            top = tl.maximum(m, tl.max(scores, 1))
-            p = tl.exp(scores - top[:, None])
-            alpha = tl.exp(m - top)
-            total = total * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = top
-        some = total > 0  # a part past the sequence's end (or before its window) read nothing
-        out = acc / tl.where(some, total, 1.0)[:, None]
-        lse = tl.where(some, m + tl.log(tl.where(some, total, 1.0)), float("-inf"))
+            m, total, acc = fold(q, k, v, nm, scale, m, total, acc, IEEE)
+        out, lse = finish(m, total, acc)
         tl.store(Out + b * sob + heads[:, None] * soh + s * sos + d[None, :], out, mask=gm[:, None] & dm[None, :])
         tl.store(Lse + b * slb + heads * slh + s, lse, mask=gm)
 

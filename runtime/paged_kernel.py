@@ -25,6 +25,8 @@ from kvgate.runtime.kv import BLOCK
 if HAS_TRITON:
     import triton.language as tl
 
+    from kvgate.runtime.decode_kernel import finish, fold
+
     @triton.jit
     def _paged_decode_kernel(
         Q, NewK, NewV, Tables, Ends, Out, Lse, layer, scale, window, split,
@@ -32,7 +34,6 @@ if HAS_TRITON:
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK: tl.constexpr, WINDOWED: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
-        # IEEE: float32 dots as float32 (not TF32), as in decode_kernel.py's split kernel.
         b, kh, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         end = tl.load(Ends + b)  # the new row's position: rows 0..end - 1 lie in the blocks
         first = s * split
@@ -59,21 +60,7 @@ if HAS_TRITON:
             within = r[:, None] * D + d[None, :]
             k = tl.load(keys + kh * tl.load(at + 2 * blocks) + within, mask=nm[:, None] & dm[None, :], other=0.0)
             v = tl.load(values + kh * tl.load(at + 3 * blocks) + within, mask=nm[:, None] & dm[None, :], other=0.0)
-            if IEEE:
-                k, v = k.to(tl.float32), v.to(tl.float32)
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                scores = tl.dot(q, tl.trans(k))
-            scores = tl.where(nm[None, :], scores * scale, float("-inf"))
-            top = tl.maximum(m, tl.max(scores, 1))
-            p = tl.exp(scores - top[:, None])
-            alpha = tl.exp(m - top)
-            total = total * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = top
+            m, total, acc = fold(q, k, v, nm, scale, m, total, acc, IEEE)
         if (first <= end) & (end < first + split):  # the part holding the new row: read from the step, written
             new_k = tl.load(NewK + b * skb + kh * skh + d, mask=dm, other=0.0)
             new_v = tl.load(NewV + b * svb + kh * svh + d, mask=dm, other=0.0)
@@ -90,9 +77,7 @@ if HAS_TRITON:
             within = (end % BLOCK) * D + d
             tl.store(keys + kh * tl.load(at + 2 * blocks) + within, new_k, mask=dm)
             tl.store(values + kh * tl.load(at + 3 * blocks) + within, new_v, mask=dm)
-        some = total > 0  # a part past the sequence's end (or before its window) read nothing
-        out = acc / tl.where(some, total, 1.0)[:, None]
-        lse = tl.where(some, m + tl.log(tl.where(some, total, 1.0)), float("-inf"))
+        out, lse = finish(m, total, acc)
         tl.store(Out + b * sob + heads[:, None] * soh + s * sos + d[None, :], out, mask=gm[:, None] & dm[None, :])
         tl.store(Lse + b * slb + heads * slh + s, lse, mask=gm)
 

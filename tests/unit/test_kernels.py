@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -146,14 +144,9 @@ def run_checks(name: str, device: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, list[str]]:
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed (pip install triton, or the 'test' extra)")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    from tests.helpers.interpreter import interpreted  # not in the script's own process (a `tests` elsewhere)
+
+    return interpreted(__file__)
 
 
 @pytest.mark.parametrize("name", CHECKS)
