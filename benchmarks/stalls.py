@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import tempfile
 import time
 
 from kvgate.gateway.settings import Settings
@@ -64,7 +65,13 @@ async def gaps_during(engine: Engine, work: object) -> tuple[list[float], list[f
 
 
 def measure(loaded: LoadedModel, budget: int, tokens: int, ratio: float) -> list[str]:
-    engine = Engine(Settings.load(engine={"max_num_batched_tokens": budget}).engine_config(), loaded)
+    """One budget's row, on a cache of its own: no tier holds the document an earlier row computed."""
+    with tempfile.TemporaryDirectory() as cache:
+        settings = Settings.load(cache_dir=cache, engine={"max_num_batched_tokens": budget})
+        return measured(Engine(settings.engine_config(), loaded), tokens, ratio)
+
+
+def measured(engine: Engine, tokens: int, ratio: float) -> list[str]:
     try:
         text = document(engine, tokens)
         planner = Planner(engine.reuser)
@@ -83,7 +90,7 @@ def measure(loaded: LoadedModel, budget: int, tokens: int, ratio: float) -> list
             _, blend, blend_s = await gaps_during(engine, drain(answer))
             step = statistics.median(alone)
             return [
-                str(budget),
+                str(engine.config.max_num_batched_tokens),
                 str(len(ids)),
                 f"{step * 1e3:.1f}",
                 f"{max(ingest) * 1e3:.0f} ({max(ingest) / step:.1f}x)",
