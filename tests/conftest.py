@@ -13,6 +13,7 @@ import pytest
 
 from kvgate.gateway import settings_flat
 from kvgate.gateway.settings import Settings, user_cache_dir
+from kvgate.runtime.cpu_attention import machine_key
 from tests.helpers import corpus, questions
 from tests.helpers.redis_server import RedisServer
 
@@ -80,6 +81,7 @@ def run_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     for name in COPIED:
         if (theirs / name).is_dir():
             shutil.copytree(theirs / name, ours / name)
+    copy_kernels(user_cache_dir() / "kernels", ours / "kernels")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("KVGATE_CACHE_DIR", str(ours))
         env.setenv("XDG_CACHE_HOME", str(ours.parent))
@@ -91,6 +93,19 @@ def run_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         # choice is tested on servers that set it back (tests/server/test_calibrating.py, unit/test_calibration.py).
         env.setenv("KVGATE_CACHES__RECOMPUTE_RATIO", "0.15")
         yield ours
+
+
+def copy_kernels(theirs: Path, ours: Path) -> None:
+    """The C kernels the developer's cache holds for these sources on this machine (runtime/cpu_attention.py),
+    copied into the run's: seconds of compiling saved, and a copy (never a link: the kernels load only from a
+    directory of this user's own)."""
+    ours.mkdir(mode=0o700)
+    try:
+        key = machine_key()
+    except OSError:
+        return
+    for built in theirs.glob(f"cpu_attention-{key}-*.so"):
+        shutil.copy2(built, ours / built.name)
 
 
 @pytest.fixture(scope="session", autouse=True)
