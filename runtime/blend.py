@@ -81,7 +81,7 @@ def place(kv: KVCache, layer: int, pieces: list[Piece], start: int, shift: Shift
             keys, values = keys.to(kv.device), values.to(kv.device)  # a lower tier's copy on the host
             moved = shift if shift is not None and shift.begin <= offset < shift.end else None
             angles = slice(offset - moved.begin, offset - moved.begin + n) if moved is not None else slice(0)
-            kernel = cpu_attention.writer(keys) if keys.dtype == values.dtype == kv.dtype else None
+            kernel = cpu_attention.writer(keys, values, kv.dtype)
             if kernel is not None:
                 cos, sin = (moved.cos[angles], moved.sin[angles]) if moved is not None else (None, None)
                 kernel.write(keys, values, kv.writable(layer, offset, offset + n), offset, None, cos, sin)
@@ -187,8 +187,8 @@ def compute_layer(
     layer, (q, k, v), final = layers[i], qkv, i == len(layers) - 1
     table = store(kv, i, rows, k, v, whole, total)
     kernel = cpu_attention.usable(q, layer.window) if table is not None else None
-    if final and kernel is not None and table is not None and row_floor(model) <= MOST:
-        return last_row(layer, kernel, table, kv.kv_heads, h, q, rows, row_floor(model))
+    if final and kernel is not None and table is not None and (floor := row_floor(model)) <= MOST:
+        return last_row(layer, kernel, table, kv.kv_heads, h, q, rows, floor)
     keys, values = kv.layer(i, total) if kernel is None else (k, v)  # the kernel reads the blocks themselves
     out = torch.empty_like(h)
     for a in range(0, len(h), ROWS):
@@ -229,7 +229,7 @@ def store(
     to `total`). On a CPU in one kernel call, which returns the layer's table (`KVCache.table`) for the attention
     kernel to read the rows where they lie; else None."""
     k, v = k.transpose(0, 1), v.transpose(0, 1)
-    kernel = cpu_attention.writer(k) if k.dtype == v.dtype == kv.dtype else None
+    kernel = cpu_attention.writer(k, v, kv.dtype)
     if kernel is not None:
         start = total - len(rows) if whole else int(rows[0])
         table = kv.writable(i, start, total)

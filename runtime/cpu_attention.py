@@ -323,10 +323,10 @@ def row_ops(h: torch.Tensor) -> Kernel | None:
     return kernel if kernel is not None and kernel.decodes else None
 
 
-def writer(x: torch.Tensor) -> Kernel | None:
-    """The kernel that writes rows of KV like `x` into a cache's blocks (`Kernel.write`): bf16 or float32 on a CPU,
-    where a kernel was built."""
-    if x.device.type != "cpu" or x.dtype not in SIZES:
+def writer(k: torch.Tensor, v: torch.Tensor, blocks: torch.dtype) -> Kernel | None:
+    """The kernel that writes rows k, v into a cache's blocks of dtype `blocks` (`Kernel.write`): all three bf16 or
+    all float32, on a CPU, where a kernel was built."""
+    if k.device.type != "cpu" or k.dtype not in SIZES or not k.dtype == v.dtype == blocks:
         return None
     return load()
 
